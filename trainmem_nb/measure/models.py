@@ -1,0 +1,40 @@
+"""Build Hugging Face models from a config dict, with random init and nothing downloaded."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["hf_config_object", "hf_model_class", "hf_param_shapes"]
+
+
+def hf_config_object(config: Mapping[str, Any], **overrides: Any) -> Any:
+    """A transformers ``PretrainedConfig`` for `config` (a config.json dict), with `overrides` applied."""
+    from transformers import AutoConfig
+
+    data = dict(config)
+    model_type = data.pop("model_type")
+    data.update(overrides)
+    return AutoConfig.for_model(model_type, **data)
+
+
+def hf_model_class(model_type: str) -> Any:
+    """The class a training run uses: ``*ForCausalLM`` for decoders, ``BertForMaskedLM`` for bert."""
+    if model_type == "bert":
+        from transformers import BertForMaskedLM
+
+        return BertForMaskedLM
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM
+
+
+def hf_param_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` of every parameter (tied ones once) of the model built on the meta device."""
+    import torch
+
+    cfg = hf_config_object(config)
+    cls = hf_model_class(config["model_type"])
+    with torch.device("meta"):
+        model = cls.from_config(cfg) if hasattr(cls, "from_config") else cls(cfg)
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}

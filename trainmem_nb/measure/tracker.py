@@ -1,0 +1,153 @@
+"""Track every live tensor storage through a training step, exactly, on real or fake tensors.
+
+A `TorchDispatchMode` sees each ATen op's outputs; every new storage is recorded with the phase,
+module and op that made it, and a weakref callback on its `UntypedStorage` (PyTorch keeps one Python
+object per storage) records the moment it is freed. Replaying the allocation/free events gives the live
+bytes after every op, its peak, and what was alive at the peak, by category. With fake tensors
+(`FakeTensorMode`) nothing is computed and the same accounting holds for any model size.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["CUDA_BLOCK_BYTES", "Record", "StorageTracker", "cuda_round"]
+
+#: The CUDA caching allocator rounds every block up to a multiple of 512 bytes (kMinBlockSize in
+#: c10/cuda/CUDACachingAllocator.cpp), which is what ``torch.cuda.max_memory_allocated()`` counts.
+CUDA_BLOCK_BYTES = 512
+
+
+def cuda_round(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator would account for a block of `nbytes`."""
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if nbytes > 0 else 0
+
+
+@dataclass
+class Record:
+    """One storage: its size, when and where it was made, when it died, and its category."""
+
+    nbytes: int
+    phase: str
+    op: str
+    module: str
+    dtype: str
+    shape: tuple[int, ...]
+    born: int  # index into StorageTracker.events
+    died: int | None = None
+    category: str = ""
+    source_param: bool = False  # made by copying a parameter (autocast weight copy)
+    in_layer: bool = False
+    layer_index: int | None = None
+
+
+class StorageTracker(TorchDispatchMode):
+    """Dispatch mode that records every storage's birth and death.
+
+    ``events`` is the ordered list of ``(record_index, +1 | -1)``; the caller sets ``phase`` as the step
+    moves from ``forward`` to ``backward`` to ``optimizer`` and adopts pre-existing tensors with `adopt`.
+    ``layer_names`` maps each transformer layer's module name to its index, so records know their layer.
+    """
+
+    def __init__(self, layer_names: dict[str, int] | None = None) -> None:
+        super().__init__()
+        self.records: list[Record] = []
+        self.events: list[tuple[int, int]] = []
+        self.phase = "init"
+        self.module_stack: list[str] = []
+        self.layer_names: dict[str, int] = dict(layer_names or {})
+        self._live: dict[int, int] = {}
+        self._refs: dict[int, Any] = {}
+        self._param_storages: set[int] = set()
+
+    # -- registration ---------------------------------------------------------------------------
+    def adopt(self, tensors: Iterable[torch.Tensor], category: str, param: bool = False) -> None:
+        """Record storages that exist before the step (parameters, states, inputs) under `category`."""
+        for t in tensors:
+            idx = self._see(t, "adopt", force_category=category)
+            if idx is not None and param:
+                self._param_storages.add(id(t.untyped_storage()))
+
+    def _see(self, t: torch.Tensor, op: str, force_category: str = "", source_param: bool = False) -> int | None:
+        storage = t.untyped_storage()
+        key = id(storage)
+        if key in self._live:
+            return None
+        nbytes = storage.nbytes()
+        module = self.module_stack[-1] if self.module_stack else ""
+        layer = self._layer_of(module)
+        rec = Record(
+            nbytes=nbytes, phase=self.phase, op=op, module=module, dtype=str(t.dtype).replace("torch.", ""),
+            shape=tuple(t.shape), born=len(self.events), category=force_category, source_param=source_param,
+            in_layer=layer is not None, layer_index=layer,
+        )
+        idx = len(self.records)
+        self.records.append(rec)
+        self._live[key] = idx
+        self.events.append((idx, 1))
+        self._refs[idx] = weakref.ref(storage, self._make_death(key, idx))
+        return idx
+
+    def _make_death(self, key: int, idx: int) -> Any:
+        def _died(_ref: Any) -> None:
+            if self._live.get(key) == idx:
+                del self._live[key]
+            self.records[idx].died = len(self.events)
+            self.events.append((idx, -1))
+            self._refs.pop(idx, None)
+
+        return _died
+
+    def _layer_of(self, module: str) -> int | None:
+        for name, index in self.layer_names.items():
+            if module == name or module.startswith(name + "."):
+                return index
+        return None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.__name__ if hasattr(func, "__name__") else str(func)
+        source_param = False
+        if name.startswith("_to_copy") and args and isinstance(args[0], torch.Tensor):
+            source_param = id(args[0].untyped_storage()) in self._param_storages
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._see(t, name, source_param=source_param)
+        return out
+
+    # -- results --------------------------------------------------------------------------------
+    def live_storage_ids(self) -> dict[int, int]:
+        """``{id(storage): record index}`` of the storages alive now."""
+        return dict(self._live)
+
+    def index_of(self, t: torch.Tensor) -> int | None:
+        """The record index of a live tensor's storage, if tracked."""
+        return self._live.get(id(t.untyped_storage()))
+
+    def replay(self, rounding: bool = True) -> tuple[int, int, list[int]]:
+        """Replay the events: ``(peak bytes, event index of the peak, live bytes after each event)``."""
+        live = 0
+        peak = -1
+        at = 0
+        curve: list[int] = []
+        rnd = cuda_round if rounding else (lambda n: n)
+        for i, (idx, sign) in enumerate(self.events):
+            live += sign * rnd(self.records[idx].nbytes)
+            curve.append(live)
+            if live > peak:
+                peak, at = live, i
+        return max(peak, 0), at, curve
+
+    def alive_at(self, event_index: int) -> list[int]:
+        """Record indices alive just after event `event_index`."""
+        return [
+            i for i, r in enumerate(self.records)
+            if r.born <= event_index and (r.died is None or r.died > event_index)
+        ]
