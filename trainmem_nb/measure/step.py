@@ -244,6 +244,7 @@ def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake") -> StepTrace:
                     p.grad = None
             del loss, grads
         timing["step_s"] = time.perf_counter() - t1
+        tracker.close()
     _categorize(tracker, grad_ids)
     n_params = sum(p.numel() for p in model.parameters())
     n_trainable = sum(p.numel() for p in trainable)

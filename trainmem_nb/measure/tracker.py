@@ -66,6 +66,7 @@ class StorageTracker(TorchDispatchMode):
         self._live: dict[int, int] = {}
         self._refs: dict[int, Any] = {}
         self._param_storages: set[int] = set()
+        self.closed = False
 
     # -- registration ---------------------------------------------------------------------------
     def adopt(self, tensors: Iterable[torch.Tensor], category: str, param: bool = False) -> None:
@@ -97,6 +98,8 @@ class StorageTracker(TorchDispatchMode):
 
     def _make_death(self, key: int, idx: int) -> Any:
         def _died(_ref: Any) -> None:
+            if self.closed:  # frees after the step (the model being garbage-collected) are not part of it
+                return
             if self._live.get(key) == idx:
                 del self._live[key]
             self.records[idx].died = len(self.events)
@@ -121,6 +124,14 @@ class StorageTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._see(t, name, source_param=source_param)
         return out
+
+    def __exit__(self, *exc: Any) -> Any:
+        result = super().__exit__(*exc)
+        return result
+
+    def close(self) -> None:
+        """Stop recording frees: what happens after the step is not part of it."""
+        self.closed = True
 
     # -- results --------------------------------------------------------------------------------
     def live_storage_ids(self) -> dict[int, int]:

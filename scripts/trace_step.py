@@ -1,0 +1,61 @@
+"""Print every allocation and free of one measured training step (a developer's magnifying glass).
+
+Example: python scripts/trace_step.py --family llama --layers 2 --hidden 256 --heads 4 --kv-heads 2 \
+    --ffn 512 --vocab 1000 --batch 1 --seq 64 --precision bf16-mixed --min-bytes 1
+Sizes are printed in units of b*s*h bytes (``sbh``) so that per-layer recipes read off directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from trainmem_nb.measure.step import run_step, summarize
+from trainmem_nb.measure.tracker import cuda_round
+from trainmem_nb.presets import get_model
+from trainmem_nb.specs import ModelSpec, TrainingSpec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model")
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=0)
+    ap.add_argument("--ffn", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--set", action="append", default=[], help="training option key=value")
+    ap.add_argument("--mset", action="append", default=[], help="model field key=value")
+    ap.add_argument("--device", default="fake")
+    ap.add_argument("--min-bytes", type=int, default=1)
+    ap.add_argument("--phase", default="")
+    a = ap.parse_args()
+    if a.model:
+        m = get_model(a.model)
+    else:
+        kw = dict(family=a.family, n_layers=a.layers, hidden=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads,
+                  ffn=a.ffn, vocab=a.vocab, max_positions=max(4096, a.seq))
+        kw.update(dict(s.split("=", 1) for s in a.mset))
+        m = ModelSpec.model_validate(kw)
+    opts = dict(s.split("=", 1) for s in a.set)
+    opts.setdefault("device", "cpu")
+    t = TrainingSpec.model_validate({"micro_batch": a.batch, "seq_len": a.seq, **opts})
+    trace = run_step(m, t, a.device)
+    tr = trace.tracker
+    sbh = t.micro_batch * t.seq_len * m.hidden
+    live = 0
+    for i, (idx, sign) in enumerate(tr.events):
+        r = tr.records[idx]
+        live += sign * cuda_round(r.nbytes)
+        if r.nbytes < a.min_bytes or (a.phase and r.phase != a.phase and sign > 0):
+            continue
+        print(f"{i:5d} {'+' if sign > 0 else '-'} {r.phase[:3]} L{'' if r.layer_index is None else r.layer_index:<2} "
+              f"{r.category:26s} {r.op:38s} {r.module:40s} {str(r.shape):22s} {r.dtype:8s} {r.nbytes / sbh:8.3f} live={live}")
+    print(summarize(trace))
+
+
+if __name__ == "__main__":
+    main()
