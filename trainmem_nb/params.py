@@ -163,9 +163,9 @@ def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
     fam = m.family
     out: list[tuple[str, int, int]] = []
     if m.positions == "rotary":
-        # one rotary module at model level holds inv_freq: (rotary_dims // 2,) fp32, plus original_inv_freq
-        # (a second reference to the same tensor in transformers 5, so no extra storage)
-        out.append(("rotary_emb.inv_freq", 4 * (m.rotary_dims // 2), 1))
+        # one rotary module at model level holds inv_freq and original_inv_freq (a clone):
+        # (rotary_dims // 2,) fp32 each
+        out.append(("rotary_emb.inv_freq", 4 * (m.rotary_dims // 2), 2))
     if fam is Family.GEMMA:
         out.append(("embed_tokens.embed_scale", 4, 1))
     if fam is Family.BERT:

@@ -1,0 +1,76 @@
+"""Align the estimator's allocation events with a measured step's, to find where they differ.
+
+Example: python scripts/compare_trace.py --family llama --set precision=bf16-mixed --phase backward
+Prints a unified diff of (sign, bytes / (b*s*h)) per event, estimator ('-') vs measured ('+').
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+
+from trainmem_nb.measure.step import run_step
+from trainmem_nb.measure.tracker import cuda_round
+from trainmem_nb.simulate import _round, compile_step
+from trainmem_nb.specs import ModelSpec, TrainingSpec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--family", default="llama")
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=0)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--vocab", type=int, default=1000)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--set", action="append", default=[])
+    ap.add_argument("--mset", action="append", default=[])
+    ap.add_argument("--phase", default="")
+    ap.add_argument("--min-bytes", type=int, default=0)
+    a = ap.parse_args()
+    kw = dict(family=a.family, n_layers=a.layers, hidden=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads,
+              ffn=a.ffn, vocab=a.vocab, max_positions=max(4096, a.seq))
+    kw.update(dict(s.split("=", 1) for s in a.mset))
+    m = ModelSpec.model_validate(kw)
+    opts = dict(s.split("=", 1) for s in a.set)
+    opts.setdefault("device", "cpu")
+    t = TrainingSpec.model_validate({"micro_batch": a.batch, "seq_len": a.seq, **opts})
+    sbh = a.batch * a.seq * m.hidden
+    prog = compile_step(m, t)
+    est = []
+    for seg in prog.segments:
+        if a.phase and seg.phase != a.phase:
+            continue
+        for rep in range(seg.repeat):
+            for _cat, sign, sz, label in seg.events:
+                b = _round(sz.at(a.batch, a.seq))
+                if b >= a.min_bytes:
+                    est.append((f"{'+' if sign > 0 else '-'}{b / sbh:.3f}", f"{seg.label}: {label}"))
+    tr = run_step(m, t, "fake").tracker
+    mea = []
+    for idx, sign in tr.events:
+        r = tr.records[idx]
+        if r.phase in ("init", "adopt") or r.op == "adopt":
+            continue
+        if a.phase and r.phase != a.phase and not (sign < 0 and a.phase == "backward"):
+            continue
+        b = cuda_round(r.nbytes)
+        if b >= a.min_bytes:
+            mea.append((f"{'+' if sign > 0 else '-'}{b / sbh:.3f}", f"{r.phase[:3]} {r.op} {r.module} {r.shape} {r.dtype}"))
+    sm = difflib.SequenceMatcher(a=[e[0] for e in est], b=[e[0] for e in mea], autojunk=False)
+    for tag, i1, i2, j1, j2 in sm.get_opcodes():
+        if tag == "equal":
+            print(f"   ... {i2 - i1} equal events (e.g. {est[i1][1]})")
+            continue
+        for k in range(i1, i2):
+            print(f"EST {est[k][0]:>9}  {est[k][1]}")
+        for k in range(j1, j2):
+            print(f"MEA {mea[k][0]:>9}  {mea[k][1]}")
+        print("   ---")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,244 @@
+"""What each model family's forward allocates and keeps for backward, op by op.
+
+Each recipe mirrors the family's Hugging Face modeling code (transformers 5.x): the same ops in the
+same order, and the same Python variable lifetimes (a temporary dies where the code drops its last
+name; a tensor an op saves lives until that op's backward). Run on symbolic tensors
+(`trainmem_nb.tape`), a recipe yields the exact sequence of allocations and frees of a real step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import ops
+from .ops import BOOL, F32, I64, Ctx
+from .specs import Attention, Family, ModelSpec, TrainingSpec
+from .tape import Graph, Sz, T, const, per_seq, per_token, per_token_sq
+
+__all__ = ["Recipe", "recipe_for"]
+
+
+@dataclass
+class Shared:
+    """Tensors made once per forward and used by every layer (rotary cos/sin, attention mask)."""
+
+    cos: T | None = None
+    sin: T | None = None
+    mask: T | None = None
+    extra: list[T] = field(default_factory=list)
+
+
+class Recipe:
+    """A family's forward on symbolic tensors: ``embed`` → ``layer`` (per layer) → ``head``."""
+
+    def __init__(self, m: ModelSpec, t: TrainingSpec, ctx: Ctx) -> None:
+        self.m = m
+        self.t = t
+        self.ctx = ctx
+        self.pdt = t.param_bytes  # dtype of weights and of the residual stream
+        self.dropout_attn = m.attn_dropout if t.dropout is None else t.dropout
+        self.dropout_hidden = m.hidden_dropout if t.dropout is None else t.dropout
+        self.dropout_embd = m.embd_dropout if t.dropout is None else t.dropout
+
+    # parameters are created by simulate.py from the inventory and passed in by name
+    def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
+        raise NotImplementedError
+
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+        raise NotImplementedError
+
+    def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
+        raise NotImplementedError
+
+    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
+        raise NotImplementedError
+
+
+def _tok(n: float) -> Sz:
+    return per_token(n)
+
+
+class LlamaRecipe(Recipe):
+    """llama, mistral, qwen2, gemma, phi3 and mixtral: pre-norm RMSNorm decoder with RoPE."""
+
+    def rmsnorm(self, g: Graph, x: T, w: T, label: str) -> T:
+        """LlamaRMSNorm.forward: upcast to fp32, ``x * rsqrt(mean(x**2) + eps)``, cast back, ``* w``."""
+        h = self.m.hidden
+        input_dt = x.dt
+        hs = ops.cast(g, x, F32, f"{label} to fp32")
+        p = ops.pow2(g, hs, f"{label} pow")
+        var = ops.mean_last(g, p, _tok(1), f"{label} mean")
+        g.drop(p)
+        ve = ops.scalar_op(g, var, f"{label} +eps", grad_allocs=False)
+        r = ops.rsqrt(g, ve, f"{label} rsqrt")
+        g.drop(ve)
+        hs2 = ops.mul(g, hs, r, f"{label} x*rsqrt")
+        g.drop(r, hs)
+        hs3 = ops.cast(g, hs2, input_dt, f"{label} to input dtype")
+        out = ops.mul(g, w, hs3, f"{label} *weight")
+        g.drop(hs3, hs2, var)
+        _ = h
+        return out
+
+    def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
+        m = self.m
+        x = ops.embedding(g, ids, p["embed_tokens.weight"], _tok(m.hidden), "embed_tokens")
+        sh = Shared()
+        # position ids: cache_position = arange(s) (+ past length) -> unsqueeze
+        ar = g.alloc(per_seq(1), I64, "arange")
+        pos = g.alloc(per_seq(1), I64, "cache_position")
+        g.drop(ar)
+        sh.extra.append(pos)
+        sh.cos, sh.sin = self.rotary(g, x.dt)
+        return x, sh
+
+    def rotary(self, g: Graph, x_dt: int) -> tuple[T, T]:
+        """LlamaRotaryEmbedding.forward: fp32 ``cos``/``sin`` of (s, rotary_dims), cast to x's dtype on
+        return (the fp32 locals die when the function returns)."""
+        d = self.m.rotary_dims
+        pos_f = g.alloc(per_seq(1), F32, "position_ids float")
+        freqs = g.alloc(per_seq(d / 2), F32, "freqs")
+        g.drop(pos_f)
+        emb = g.alloc(per_seq(d), F32, "emb cat")
+        full = []
+        for name in ("cos", "sin"):
+            raw = g.alloc(per_seq(d), F32, name)
+            scaled = g.alloc(per_seq(d), F32, f"{name} * scaling")
+            g.drop(raw)
+            full.append(scaled)
+        out = [ops.cast(g, full[0], x_dt, "cos to dtype"), ops.cast(g, full[1], x_dt, "sin to dtype")]
+        g.drop(freqs, emb, full[0], full[1])
+        return out[0], out[1]
+
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+        m = self.m
+        residual = g.hold(x)
+        h = self.rmsnorm(g, x, p["input_layernorm.weight"], "input_layernorm")
+        a = self.attention(g, h, sh, p)
+        g.drop(h)
+        h1 = ops.add(g, residual, a, "residual add (attn)")
+        g.drop(a, residual)
+        residual = g.hold(h1)
+        h2 = self.rmsnorm(g, h1, p["post_attention_layernorm.weight"], "post_attention_layernorm")
+        g.drop(h1)
+        mo = self.mlp(g, h2, p)
+        g.drop(h2)
+        out = ops.add(g, residual, mo, "residual add (mlp)")
+        g.drop(mo, residual)
+        _ = m
+        return out
+
+    def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T]) -> T:
+        m, ctx = self.m, self.ctx
+        q = ops.linear(g, ctx, h, p["self_attn.q_proj.weight"], m.hidden, m.q_dim, p.get("self_attn.q_proj.bias"), "q_proj")
+        qv = ops.heads_view(g, q, "q view")
+        g.drop(q)
+        k = ops.linear(g, ctx, h, p["self_attn.k_proj.weight"], m.hidden, m.kv_dim, p.get("self_attn.k_proj.bias"), "k_proj")
+        kv = ops.heads_view(g, k, "k view")
+        g.drop(k)
+        v = ops.linear(g, ctx, h, p["self_attn.v_proj.weight"], m.hidden, m.kv_dim, p.get("self_attn.v_proj.bias"), "v_proj")
+        vv = ops.heads_view(g, v, "v view", clone_grad=False)
+        g.drop(v)
+        assert sh.cos is not None and sh.sin is not None
+        qr = self.apply_rotary(g, qv, sh.cos, sh.sin, "q")
+        kr = self.apply_rotary(g, kv, sh.cos, sh.sin, "k")
+        g.drop(qv, kv)
+        o = self.sdpa(g, qr, kr, vv)
+        out = ops.linear(g, ctx, o, p["self_attn.o_proj.weight"], m.q_dim, m.hidden, p.get("self_attn.o_proj.bias"), "o_proj")
+        g.drop(o)
+        g.drop(qr, kr, vv)  # locals query_states, key_states, value_states die when forward returns
+        return out
+
+    def apply_rotary(self, g: Graph, x: T, cos: T, sin: T, name: str) -> T:
+        """``(x * cos) + (rotate_half(x) * sin)``."""
+        a = ops.mul(g, x, cos, f"{name} * cos")
+        rh = ops.rotate_half(g, x, 1.0, f"{name} rotate_half")
+        b = ops.mul(g, rh, sin, f"{name} rotate_half * sin")
+        g.drop(rh)
+        out = ops.add(g, a, b, f"{name} rotary add")
+        g.drop(a, b)
+        return out
+
+    def sdpa(self, g: Graph, q: T, k: T, v: T) -> T:
+        """HF's sdpa_attention_forward → torch SDPA (is_causal, enable_gqa: no repeated k/v).
+
+        CPU without dropout and CUDA use a flash-style kernel that saves q, k, v, the output and an
+        fp32 logsumexp of (b, heads, s)."""
+        m, ctx = self.m, self.ctx
+        cd = ctx.autocast
+        # autocast casts the key before the query (seen in measured traces); value is already 16-bit
+        kc = k if cd is None else ops.cast(g, k, cd, "sdpa k cast")
+        qc = q if cd is None else ops.cast(g, q, cd, "sdpa q cast")
+        vc = v if cd is None else ops.cast(g, v, cd, "sdpa v cast")
+        if cd is None:
+            g.hold(qc), g.hold(kc), g.hold(vc)
+        out = g.alloc(q.n, qc.dt, "sdpa out")
+        lse = g.alloc(_tok(m.n_heads), F32, "sdpa logsumexp")
+
+        def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
+            return [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+                    g.alloc(vc.n, vc.dt, "sdpa grad v")]
+
+        # the node releases its saved tensors in the order key, query, value, logsumexp, output
+        g.record("sdpa", [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
+        g.drop(lse, qc, kc, vc)
+        return out
+
+    def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
+        m, ctx = self.m, self.ctx
+        gt = ops.linear(g, ctx, x, p["mlp.gate_proj.weight"], m.hidden, m.ffn, p.get("mlp.gate_proj.bias"), "gate_proj")
+        a = self.act(g, gt)
+        g.drop(gt)
+        u = ops.linear(g, ctx, x, p["mlp.up_proj.weight"], m.hidden, m.ffn, p.get("mlp.up_proj.bias"), "up_proj")
+        pr = ops.mul(g, a, u, "act * up")
+        g.drop(a, u)
+        out = ops.linear(g, ctx, pr, p["mlp.down_proj.weight"], m.ffn, m.hidden, p.get("mlp.down_proj.bias"), "down_proj")
+        g.drop(pr)
+        return out
+
+    def act(self, g: Graph, x: T) -> T:
+        return ops.unary_saving_input(g, x, self.m.activation)
+
+    def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
+        """The base model's last op (its output is held by the returned model output)."""
+        return self.rmsnorm(g, x, p["norm.weight"], "norm")
+
+    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
+        """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits)."""
+        m, ctx = self.m, self.ctx
+        w = p.get("lm_head.weight") or p["embed_tokens.weight"]
+        logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
+        return causal_lm_loss(g, logits, m.vocab), logits
+
+
+def causal_lm_loss(g: Graph, logits: T, vocab: int) -> T:
+    """transformers' ForCausalLMLoss: logits upcast to fp32, labels padded and shifted, then
+    ``cross_entropy`` = log_softmax (saves its fp32 result) + nll_loss (mean)."""
+    lf = ops.cast(g, logits, F32, "logits.float()")
+    pad = g.alloc(Sz(bs=1, b_=1), I64, "labels pad")  # F.pad(labels, (0, 1)): (b, s+1) int64
+    shift = g.alloc(_tok(1), I64, "shift_labels")  # labels[..., 1:].contiguous()
+    ls = g.alloc(lf.n, F32, "log_softmax")
+
+    def ls_bwd(g: Graph, go: list[T | None]) -> list[T | None]:
+        return [g.alloc(lf.n, F32, "log_softmax backward")]
+
+    g.record("log_softmax", [lf], [ls], [ls], ls_bwd)
+    loss = g.alloc(const(1), F32, "loss")
+    total_weight = g.alloc(const(1), F32, "nll total_weight")
+
+    def nll_bwd(g: Graph, go: list[T | None]) -> list[T | None]:
+        return [g.alloc(lf.n, F32, "nll_loss backward"), None]
+
+    g.record("nll_loss", [ls, shift], [loss, total_weight], [shift, total_weight], nll_bwd)
+    g.drop(ls, shift, total_weight, lf, pad)
+    return loss
+
+
+def recipe_for(m: ModelSpec, t: TrainingSpec, ctx: Ctx) -> Recipe:
+    """The recipe of `m`'s family."""
+    if m.family in (Family.LLAMA, Family.MISTRAL, Family.QWEN2, Family.MIXTRAL, Family.PHI3, Family.GEMMA):
+        return LlamaRecipe(m, t, ctx)
+    raise NotImplementedError(f"family {m.family.value!r} has no recipe yet")
+
+
+_ = (Attention, BOOL, per_token_sq)

@@ -1,0 +1,140 @@
+"""``trainmem``: estimate (and, with the measure extra, measure) one training step's memory.
+
+Every subcommand takes the same model and training options; bad input prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .specs import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision, SpecError
+
+__all__ = ["add_model_options", "add_training_options", "main", "model_from_args", "training_options_from_args"]
+
+
+def _choices(enum: Any) -> list[str]:
+    return [m.value for m in enum]
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model NAME | --hf-config PATH | --params N``: exactly one names the model."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--model", help="preset short name or Hugging Face repo id (see `trainmem presets`)")
+    group.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (file or folder)")
+    group.add_argument("--params", metavar="N", help="a bare parameter count, e.g. 7e9 (llama-shaped)")
+
+
+def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequence[str] = ("cuda", "cpu")) -> None:
+    """The training-step options shared by ``estimate`` and ``measure``."""
+    g = parser.add_argument_group("training step")
+    g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    g.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    g.add_argument("--grad-accum", type=int, default=1, help="gradient-accumulation steps (default 1)")
+    g.add_argument("--precision", default="bf16-mixed", metavar="|".join(_choices(Precision)))
+    g.add_argument("--optimizer", default="adamw", metavar="|".join(_choices(OptimizerName)))
+    g.add_argument("--optimizer-impl", default=None, metavar="|".join(_choices(OptimizerImpl)),
+                   help="default: the device's PyTorch default (cuda: foreach, cpu: for-loop)")
+    g.add_argument("--checkpointing", default="none", metavar="|".join(_choices(Checkpointing)))
+    g.add_argument("--attention", default="sdpa", metavar="|".join(_choices(Attention)))
+    g.add_argument("--dropout", type=float, default=None, help="every dropout rate (default: the config's)")
+    g.add_argument("--device", default=device_choices[0], choices=list(device_choices))
+    f = parser.add_argument_group("fine-tuning")
+    f.add_argument("--method", default="full", metavar="|".join(_choices(Method)))
+    f.add_argument("--lora-rank", type=int, default=16)
+    f.add_argument("--lora-alpha", type=float, default=32.0)
+    f.add_argument("--lora-targets", default="qv", help="'qv', 'all-linear' or comma-separated module names")
+    f.add_argument("--lora-dropout", type=float, default=0.0)
+
+
+def model_from_args(args: argparse.Namespace) -> Any:
+    """The `ModelSpec` named by ``--model``, ``--hf-config`` or ``--params``."""
+    from .presets import get_model
+    from .specs import ModelSpec, finite_number
+
+    if args.model:
+        return get_model(args.model)
+    if args.hf_config:
+        return ModelSpec.from_hf_config(args.hf_config)
+    return ModelSpec.from_params(finite_number(args.params, "--params"))
+
+
+def training_options_from_args(args: argparse.Namespace, device: str | None = None) -> dict[str, Any]:
+    """Keyword options for `TrainingSpec` from parsed arguments."""
+    return {
+        "micro_batch": args.micro_batch, "seq_len": args.seq_len, "grad_accum": args.grad_accum,
+        "precision": args.precision, "optimizer": args.optimizer, "optimizer_impl": args.optimizer_impl,
+        "checkpointing": args.checkpointing, "attention": args.attention, "dropout": args.dropout,
+        "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
+        "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
+    }
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from .estimate import estimate
+
+    est = estimate(model_from_args(args), calibration=args.calibration, **training_options_from_args(args))
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        print(est.summary())
+    return 0
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from .presets import get_model, list_presets
+    from .units import format_count
+
+    rows = [(p.name, p.hf_id, format_count(get_model(p.name).n_params)) for p in list_presets()]
+    if args.json:
+        print(json.dumps([{"name": n, "hf_id": h, "n_params": get_model(n).n_params} for n, h, _ in rows], indent=2))
+        return 0
+    width = max(len(r[0]) for r in rows)
+    for name, hf_id, count in rows:
+        print(f"{name:<{width}}  {count:>7}  {hf_id}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``trainmem`` argument parser with all subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="trainmem", description="How much GPU memory does one training step need, and where does it go?"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    est = sub.add_parser("estimate", help="estimate one training step's memory (no torch needed)")
+    add_model_options(est)
+    add_training_options(est)
+    est.add_argument("--calibration", metavar="PATH", help="a calibration JSON from `trainmem measure --device cuda`")
+    est.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
+    est.set_defaults(func=_cmd_estimate)
+    pre = sub.add_parser("presets", help="list the model presets")
+    pre.add_argument("--json", action="store_true")
+    pre.set_defaults(func=_cmd_presets)
+    try:
+        from .measure.cli import add_subcommands
+    except ImportError:  # the measure package is part of the wheel; its torch imports are lazy
+        pass
+    else:
+        add_subcommands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``trainmem`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (SpecError, ValueError, RuntimeError, OSError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"trainmem {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

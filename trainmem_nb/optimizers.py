@@ -1,0 +1,127 @@
+"""Optimizer state and the temporaries of ``optimizer.step()``, per implementation.
+
+State follows each optimizer's ``state`` dict after its first step (steady state); temporaries follow
+the PyTorch 2.x implementations in ``torch/optim/adam.py`` / ``adamw.py`` / ``sgd.py`` /
+``_adafactor.py``: ``foreach`` runs multi-tensor ops over all parameters at once (its temporaries
+exist for every parameter together), ``for-loop`` one parameter at a time (the largest ones count),
+``fused`` one kernel with no temporaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from .breakdown import DETAIL_KEYS
+from .device import CUDA_BLOCK_BYTES
+from .params import ParamTensor
+from .specs import Device, Method, ModelSpec, OptimizerImpl, OptimizerName, TrainingSpec
+from .tape import Sz, const
+
+if TYPE_CHECKING:
+    from .simulate import Segment
+
+__all__ = ["optimizer_program", "state_bytes", "STATE_TENSORS"]
+
+_CAT = {k: i for i, k in enumerate(DETAIL_KEYS)}
+
+#: Param-sized state tensors per parameter (element size = the parameter's, except 8-bit ones).
+STATE_TENSORS = {
+    OptimizerName.ADAMW: 2,  # exp_avg, exp_avg_sq
+    OptimizerName.ADAM: 2,
+    OptimizerName.SGD: 0,
+    OptimizerName.SGD_MOMENTUM: 1,  # momentum_buffer
+    OptimizerName.LION: 1,  # exp_avg (lucidrains/lion-pytorch)
+    OptimizerName.PAGED_ADAMW: 2,  # bitsandbytes PagedAdamW (32-bit states in paged memory)
+    OptimizerName.ADAMW_8BIT: 0,  # see _bnb8_state_bytes
+    OptimizerName.ADAFACTOR: 0,  # see _adafactor_state_bytes
+    OptimizerName.NONE: 0,
+}
+
+#: bitsandbytes 8-bit optimizers keep 32-bit state for tensors under 4096 elements (min_8bit_size)
+#: and quantize block-wise with one fp32 absmax per 256 values (bitsandbytes/optim/optimizer.py).
+BNB_MIN_8BIT_SIZE = 4096
+BNB_BLOCK = 256
+
+
+def _round(n: int) -> int:
+    return -(-n // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if n > 0 else 0
+
+
+def _trainable(t: TrainingSpec, inventory: Sequence[ParamTensor]) -> list[ParamTensor]:
+    return list(inventory) if t.method is Method.FULL else []
+
+
+def state_bytes(m: ModelSpec, t: TrainingSpec, inventory: Sequence[ParamTensor]) -> list[tuple[Sz, int]]:
+    """Bytes of every optimizer-state tensor alive before the step, as ``(bytes of one, count)``."""
+    out: list[tuple[Sz, int]] = []
+    pdt = t.param_bytes
+    opt = t.optimizer
+    for p in _trainable(t, inventory):
+        k = STATE_TENSORS[opt]
+        if opt is OptimizerName.ADAMW_8BIT:
+            if p.numel < BNB_MIN_8BIT_SIZE:
+                out.append((const(_round(p.numel * 4)), 2 * p.count))
+            else:
+                out.append((const(_round(p.numel)), 2 * p.count))
+                out.append((const(_round(-(-p.numel // BNB_BLOCK) * 4)), 2 * p.count))
+            continue
+        if opt is OptimizerName.ADAFACTOR:
+            for nbytes in _adafactor_state(p, pdt):
+                out.append((const(_round(nbytes)), p.count))
+        elif k:
+            dt = 4 if opt is OptimizerName.PAGED_ADAMW else pdt
+            out.append((const(_round(p.numel * dt)), k * p.count))
+        if opt in (OptimizerName.ADAMW, OptimizerName.ADAM, OptimizerName.ADAFACTOR):
+            # `step` is a 0-dim fp32 tensor per parameter: on the parameter's device for fused (and on
+            # CPU), a host tensor otherwise (torch/optim/adam.py _init_group)
+            if t.device is Device.CPU or t.resolved_optimizer_impl is OptimizerImpl.FUSED:
+                out.append((const(_round(4)), p.count))
+    return out
+
+
+def _adafactor_state(p: ParamTensor, pdt: int) -> list[int]:
+    """torch.optim.Adafactor: a row and a column variance for matrices, a full one for vectors."""
+    if len(p.shape) >= 2:
+        rows = p.numel // p.shape[-1]
+        cols = p.numel // p.shape[-2]
+        return [rows * pdt, cols * pdt]
+    return [p.numel * pdt]
+
+
+def optimizer_program(m: ModelSpec, t: TrainingSpec, inventory: Sequence[ParamTensor]) -> list[Segment]:
+    """The optimizer step's and ``zero_grad``'s segments."""
+    from .simulate import Segment
+
+    pdt = t.param_bytes
+    params = _trainable(t, inventory)
+    temp = _CAT["transient/optimizer"]
+    grad = _CAT["gradients"]
+    opt, impl = t.optimizer, t.resolved_optimizer_impl
+    events: list[tuple[int, int, Sz, str]] = []
+    if opt in (OptimizerName.ADAMW, OptimizerName.ADAM) and params:
+        if impl is OptimizerImpl.FOREACH:
+            # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs): one temporary per parameter
+            total = sum(_round(p.numel * pdt) * p.count for p in params)
+            events += [(temp, 1, const(total), "foreach sqrt(exp_avg_sq)"), (temp, -1, const(total), "foreach temps freed")]
+        elif impl is OptimizerImpl.FOR_LOOP:
+            # denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps): while the new denom is computed the
+            # previous parameter's denom is still bound; peak = prev + sqrt + div of the worst pair
+            worst, prev_size, flat = 0, 0, []
+            for p in params:
+                flat += [_round(p.numel * pdt)] * p.count
+            for size in flat:
+                worst = max(worst, prev_size + 2 * size)
+                prev_size = size
+            events += [(temp, 1, const(worst), "for-loop sqrt and denom"), (temp, -1, const(worst), "for-loop temps freed")]
+    elif opt is OptimizerName.LION and params:
+        largest = max(_round(p.numel * pdt) for p in params)
+        events += [(temp, 1, const(largest), "lion update"), (temp, -1, const(largest), "lion update freed")]
+    elif opt is OptimizerName.ADAFACTOR and params:
+        largest = max(_round(p.numel * pdt) for p in params)
+        events += [(temp, 1, const(2 * largest), "adafactor estimate"), (temp, -1, const(2 * largest), "adafactor freed")]
+    segs = [Segment("optimizer", "optimizer step", 1, tuple(events))] if events else []
+    total_grads = sum(_round(p.numel * pdt) * p.count for p in params)
+    if total_grads:
+        segs.append(Segment("zero", "zero_grad", 1, ((grad, -1, const(total_grads), "zero_grad(set_to_none)"),)))
+    return segs

@@ -1,0 +1,281 @@
+"""One training step as a program of allocations and frees, and its peak.
+
+`compile_step` runs a family recipe on symbolic tensors for two transformer layers (the first layer
+and a generic one), backward through them, then the optimizer step. The generic layer's events repeat
+``n_layers - 1`` times; since every repetition adds the same bytes, the peak over repetitions is at
+the first or the last one, so evaluating a step costs the same for 2 layers or 200. The compiled
+program depends on the model and the training options but not on the batch shape; `evaluate` turns it
+into bytes for one (micro_batch, seq_len) in well under a millisecond.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import NamedTuple
+
+from . import ops
+from .activations import recipe_for
+from .breakdown import DETAIL_KEYS, TOP_KEYS
+from .device import CUBLAS_WORKSPACE_BYTES, CUDA_BLOCK_BYTES, Calibration
+from .optimizers import optimizer_program, state_bytes
+from .params import buffer_inventory, param_inventory
+from .specs import Device, Method, ModelSpec, TrainingSpec
+from .tape import Graph, Sz, T, const, per_token
+
+__all__ = ["Program", "Segment", "compile_step", "evaluate", "simulate"]
+
+CAT_INDEX = {k: i for i, k in enumerate(DETAIL_KEYS)}
+
+
+class Segment(NamedTuple):
+    """Events of one part of the step, repeated `repeat` times (a layer's events repeat)."""
+
+    phase: str  # forward | backward | optimizer | zero
+    label: str
+    repeat: int
+    events: tuple[tuple[int, int, Sz, str], ...]  # (category index, +1 alloc / -1 free, bytes, label)
+
+
+@dataclass(frozen=True)
+class Program:
+    """A compiled step: what is alive before it (by category) and its segments."""
+
+    init: tuple[tuple[int, Sz, int], ...]  # (category index, bytes of one tensor, count)
+    segments: tuple[Segment, ...]
+    n_params: int
+    n_trainable: int
+
+
+def _round(nbytes: float) -> int:
+    n = int(round(nbytes))
+    return -(-n // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if n > 0 else 0
+
+
+def _category(t: T, fwd_end: int) -> str:
+    if t.phase == "forward":
+        if 0 <= t.freed < fwd_end:
+            return "transient/forward"
+        if t.wcopy:
+            return "activations/weight_copies"
+        return f"activations/{t.region}"
+    if t.phase == "backward":
+        if t.is_grad:
+            return "gradients"
+        if t.region == "recomputed":
+            return "activations/recomputed"
+        return "transient/backward"
+    if t.phase == "optimizer":
+        return "transient/optimizer"
+    return "transient/forward"
+
+
+def _trainable(m: ModelSpec, t: TrainingSpec, name: str) -> bool:
+    return t.method is Method.FULL
+
+
+@lru_cache(maxsize=1024)
+def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
+    """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic)."""
+    ctx = ops.Ctx(autocast=2 if t.mixed else None, device=t.device.value)
+    g = Graph()
+    pdt = t.param_bytes
+    inventory = param_inventory(m)
+    layer_params: list[dict[str, T]] = [{}, {}]
+    other: dict[str, T] = {}
+    for p in inventory:
+        if p.in_layer:
+            short = p.name[len("layers."):]
+            for i in (0, 1):
+                layer_params[i][short] = g.param(const(p.numel), pdt, f"L{i}.{short}", _trainable(m, t, p.name))
+        else:
+            other[p.name] = g.param(const(p.numel), pdt, p.name, _trainable(m, t, p.name))
+    recipe = recipe_for(m, t, ctx)
+    ids = g.external(per_token(1), 8, "input_ids")
+    ids.region = "inputs"
+    n_layers = m.n_layers
+    two = n_layers >= 2
+
+    g.phase = "forward"
+    g.region = "embeddings"
+    embeds, shared = recipe.embed(g, ids, other)
+    x = g.hold(embeds)  # `hidden_states = inputs_embeds`; the model keeps `inputs_embeds` until it returns
+    node_marks = []
+    for i in range(2 if two else 1):
+        g.region = "layers"
+        g.mark(f"L{i}_fwd_start")
+        node_marks.append(len(g.nodes))
+        y = recipe.layer(g, x, shared, layer_params[i])
+        g.drop(x)
+        x = y
+        g.mark(f"L{i}_fwd_end")
+    g.region = "head"
+    head_node = len(g.nodes)
+    h = recipe.final_norm(g, x, other)
+    g.drop(x)
+    # the base model returns: its locals (inputs_embeds, position ids, mask, cos/sin) go
+    for sh in (*shared.extra, embeds, shared.mask, shared.cos, shared.sin):
+        if sh is not None:
+            g.drop(sh)
+    loss, logits = recipe.lm_head_loss(g, h, ids, other)
+    g.drop(h)  # *ForCausalLM returns: the base output (holding h) goes
+    if ctx.autocast is not None:
+        ops.end_autocast(g, ctx)
+    g.drop(logits)  # the caller keeps only `.loss` of the output
+    g.mark("fwd_end")
+    fwd_end = len(g.events)
+
+    g.phase = "backward"
+    g.region = "backward"
+    starts = {head_node: "head_bwd_end"}
+    for i, nm in enumerate(node_marks):
+        starts[nm] = f"L{i}_bwd_end"
+
+    def on_node(index: int) -> None:
+        # node indices fall as backward proceeds; crossing a layer's first node ends that layer
+        for first, name in starts.items():
+            if index == first - 1 and name not in g.marks:
+                g.mark(name)
+
+    g.mark("bwd_start")
+    g.backward(loss, seed_dt=4, on_node=on_node)
+    for name in starts.values():
+        if name not in g.marks:
+            g.mark(name)
+    g.mark("bwd_end")
+    g.drop(loss)
+
+    g.phase = "optimizer"
+    grads = [e[0] for e in g.events if e[1] > 0 and e[0].is_grad]
+    params_all = [p for p in inventory]
+    opt_events = optimizer_program(m, t, inventory)
+    g.mark("opt_end")
+
+    # -- segments ---------------------------------------------------------------------------
+    def evs(a: int, b: int) -> tuple[tuple[int, int, Sz, str], ...]:
+        out = []
+        for tt, sign in g.events[a:b]:
+            out.append((CAT_INDEX[_category(tt, fwd_end)], sign, tt.bytes, tt.label))
+        return tuple(out)
+
+    mk = g.marks
+    segs: list[Segment] = []
+    segs.append(Segment("forward", "embeddings", 1, evs(0, mk["L0_fwd_start"])))
+    segs.append(Segment("forward", "layer 0", 1, evs(mk["L0_fwd_start"], mk["L0_fwd_end"])))
+    if two:
+        segs.append(Segment("forward", "layers", n_layers - 1, evs(mk["L1_fwd_start"], mk["L1_fwd_end"])))
+    last = "L1" if two else "L0"
+    segs.append(Segment("forward", "head and loss", 1, evs(mk[f"{last}_fwd_end"], mk["fwd_end"])))
+    segs.append(Segment("backward", "loss and head", 1, evs(mk["bwd_start"], mk["head_bwd_end"])))
+    if two:
+        segs.append(Segment("backward", "layers", n_layers - 1, evs(mk["head_bwd_end"], mk["L1_bwd_end"])))
+        segs.append(Segment("backward", "layer 0", 1, evs(mk["L1_bwd_end"], mk["L0_bwd_end"])))
+    else:
+        segs.append(Segment("backward", "layer 0", 1, evs(mk["head_bwd_end"], mk["L0_bwd_end"])))
+    segs.append(Segment("backward", "embeddings", 1, evs(mk["L0_bwd_end"], mk["bwd_end"])))
+    # gradients of the real model: every layer's grads, once per layer (the events above hold them
+    # for two layers; the repeat counts make them n_layers)
+    segs.extend(opt_events)
+
+    # -- what is alive before the step --------------------------------------------------------
+    init: list[tuple[int, Sz, int]] = []
+    for p in inventory:
+        init.append((CAT_INDEX["weights/params"], const(p.numel * pdt), p.count))
+    for _name, nbytes, count in buffer_inventory(m):
+        init.append((CAT_INDEX["weights/buffers"], const(nbytes), count))
+    for nbytes, count in state_bytes(m, t, inventory):
+        init.append((CAT_INDEX["optimizer_states"], nbytes, count))
+    init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
+    if t.device is Device.CUDA:
+        init.append((CAT_INDEX["overhead/workspaces"], const(CUBLAS_WORKSPACE_BYTES["default"]), 1))
+    n_params = sum(p.numel * p.count for p in inventory)
+    n_train = n_params if t.method is Method.FULL else 0
+    _ = (grads, params_all)
+    return Program(tuple(init), tuple(segs), n_params, n_train)
+
+
+class Evaluation(NamedTuple):
+    """Bytes of a compiled program for one batch shape."""
+
+    peak: int
+    peak_phase: str
+    peak_at: str
+    detail: dict[str, int]
+    phase_peaks: dict[str, int]
+
+
+def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
+    """The peak of `prog` for one batch shape, with its category breakdown and phase."""
+    b, s = micro_batch, seq_len
+    bs, bss = b * s, b * s * s
+    ncat = len(DETAIL_KEYS)
+    live = [0] * ncat
+    for cat, sz, count in prog.init:
+        live[cat] += _round(sz.at(b, s)) * count
+    total = sum(live)
+    best = total
+    best_cats = list(live)
+    best_where = ("forward", "start of step")
+    phase_peaks: dict[str, int] = {}
+    for seg in prog.segments:
+        sizes = [sign * _round(sz.c0 + sz.b_ * b + sz.s_ * s + sz.bs * bs + sz.bss * bss) for _, sign, sz, _ in seg.events]
+        run = 0
+        pmax, pidx = 0, -1
+        for i, d in enumerate(sizes):
+            run += d
+            if run > pmax:
+                pmax, pidx = run, i
+        net = run
+        n = seg.repeat
+        if n <= 0:
+            continue
+        reps_before = (n - 1) if net > 0 else 0
+        cand = total + reps_before * net + pmax
+        if pidx >= 0 and cand > best:
+            cats = list(live)
+            if reps_before:
+                for (cat, _, _, _), d in zip(seg.events, sizes):
+                    cats[cat] += d * reps_before
+            for (cat, _, _, _), d in zip(seg.events[: pidx + 1], sizes[: pidx + 1]):
+                cats[cat] += d
+            best, best_cats = cand, cats
+            where = seg.label if n == 1 else f"{seg.label} ({'last' if reps_before else 'first'} of {n})"
+            best_where = (seg.phase, f"{where}: {seg.events[pidx][3]}")
+        if pidx >= 0:
+            phase_peaks[seg.phase] = max(phase_peaks.get(seg.phase, 0), cand)
+        for (cat, _, _, _), d in zip(seg.events, sizes):
+            live[cat] += d * n
+        total += net * n
+    detail = {DETAIL_KEYS[i]: v for i, v in enumerate(best_cats) if v}
+    return Evaluation(best, best_where[0], best_where[1], detail, phase_peaks)
+
+
+def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None) -> object:
+    """`estimate()`'s engine: compile (cached), evaluate, add the device's reserved and context bytes."""
+    from .estimate import MemoryEstimate
+
+    key = t.model_copy(update={"micro_batch": 1, "seq_len": 1, "grad_accum": t.grad_accum})  # structure only
+    prog = compile_step(m, key)
+    ev = evaluate(prog, t.micro_batch, t.seq_len)
+    tops = dict.fromkeys(TOP_KEYS, 0)
+    for k, v in ev.detail.items():
+        tops[k.split("/")[0]] += v
+    overhead: dict[str, int] = {}
+    if t.device is Device.CUDA:
+        from .device import CUDA_CONTEXT_BYTES, LARGE_SEGMENT_BYTES, RESERVED_CHURN_FRACTION
+
+        frac = calibration.reserved_churn_fraction if calibration else RESERVED_CHURN_FRACTION
+        ctx_bytes = calibration.cuda_context_bytes if calibration else CUDA_CONTEXT_BYTES
+        churn = tops["activations"] + tops["transient"]
+        reserved = -(-int(ev.peak + frac * churn) // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES
+        overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": ctx_bytes}
+        total = reserved + ctx_bytes
+    else:
+        reserved = ev.peak
+        total = ev.peak
+    return MemoryEstimate(
+        model=m, training=t, n_params=prog.n_params, n_trainable_params=prog.n_trainable,
+        peak_allocated_bytes=ev.peak, peak_reserved_bytes=reserved, device_total_bytes=total,
+        peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
+        phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration,
+    )

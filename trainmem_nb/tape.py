@@ -1,0 +1,259 @@
+"""A symbolic autograd: tensors are sizes, ops record what PyTorch saves and allocates.
+
+The estimator runs a model's forward once on symbolic tensors. Each op allocates its outputs, keeps
+(holds a reference to) what PyTorch's autograd saves for its backward, and records a backward rule
+that allocates the gradients PyTorch's derivative formula allocates. `Graph.backward` then replays the
+backward the way the autograd engine does (nodes in reverse creation order; for each node: its
+gradient allocations, then shape reductions, then the incoming gradient and the saved tensors are
+released, then gradients are accumulated out of place). Every allocation and free becomes an event,
+so live memory at every point of the step follows from reference counting, exactly as in PyTorch.
+
+Sizes are linear forms in the batch shape so one symbolic run serves every micro-batch and sequence
+length: a tensor holds ``c0 + c_s*s + c_bs*b*s + c_bss*b*s*s`` elements (`Sz`). Only the standard
+library is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+__all__ = ["Graph", "Sz", "T", "const", "per_seq", "per_token", "per_token_sq"]
+
+
+class Sz(NamedTuple):
+    """Elements of a tensor: ``c0 + b_*b + s_*s + bs*b*s + bss*b*s*s``."""
+
+    c0: float = 0
+    s_: float = 0
+    bs: float = 0
+    bss: float = 0
+    b_: float = 0
+
+    def __mul__(self, k: object) -> Sz:  # type: ignore[override]
+        if not isinstance(k, (int, float)):
+            return NotImplemented
+        return Sz(self.c0 * k, self.s_ * k, self.bs * k, self.bss * k, self.b_ * k)
+
+    __rmul__ = __mul__
+
+    def __add__(self, o: object) -> Sz:  # type: ignore[override]
+        if not isinstance(o, Sz):
+            return NotImplemented
+        return Sz(self.c0 + o.c0, self.s_ + o.s_, self.bs + o.bs, self.bss + o.bss, self.b_ + o.b_)
+
+    def key(self) -> tuple[float, float, float, float, float]:
+        """Order by growth: b*s*s terms dominate, then b*s, then s, then b, then constants."""
+        return (self.bss, self.bs, self.s_, self.b_, self.c0)
+
+    def at(self, b: int, s: int) -> float:
+        """Elements (or bytes, for a byte form) at batch `b` and sequence length `s`."""
+        return self.c0 + self.b_ * b + self.s_ * s + self.bs * b * s + self.bss * b * s * s
+
+
+def const(n: float) -> Sz:
+    """A tensor whose size does not depend on the batch (parameters)."""
+    return Sz(c0=n)
+
+
+def per_token(n: float) -> Sz:
+    """``(b, s, n)`` elements."""
+    return Sz(bs=n)
+
+
+def per_seq(n: float) -> Sz:
+    """``(s, n)`` elements (shared by the batch, e.g. rotary cos/sin)."""
+    return Sz(s_=n)
+
+
+def per_token_sq(n: float) -> Sz:
+    """``(b, n, s, s)`` elements (attention scores)."""
+    return Sz(bss=n)
+
+
+class T:
+    """A symbolic tensor: element count, bytes per element, reference count and provenance."""
+
+    __slots__ = ("base", "born", "dt", "freed", "grad", "is_grad", "is_param", "label", "n", "phase", "refs",
+                 "region", "rg", "uses", "wcopy")
+
+    def __init__(self, n: Sz, dt: int, label: str, rg: bool, region: str, phase: str) -> None:
+        self.n = n
+        self.dt = dt
+        self.label = label
+        self.rg = rg  # requires grad
+        self.refs = 1
+        self.region = region
+        self.phase = phase  # phase it was born in
+        self.is_param = False
+        self.uses = 0  # number of backward edges into a parameter (AccumulateGrad waits for all)
+        self.grad: T | None = None  # pending gradient (input buffer) during backward
+        self.wcopy = False  # an autocast copy of a parameter
+        self.is_grad = False  # ended up as a parameter's .grad
+        self.born = -1
+        self.freed = -1
+        self.base: T | None = None  # a view shares its base's storage and keeps it alive
+
+    @property
+    def bytes(self) -> Sz:
+        """Bytes of this tensor as a size form."""
+        return self.n * self.dt
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"T({self.label}, {self.n}, dt={self.dt}, refs={self.refs})"
+
+
+Backward = Callable[["Graph", Sequence["T | None"]], Sequence["T | None"]]
+
+
+class Node:
+    """One autograd node: its inputs, outputs, saved tensors and backward rule."""
+
+    __slots__ = ("backward", "ins", "label", "outs", "region", "saved")
+
+    def __init__(self, label: str, ins: Sequence[T], outs: Sequence[T], saved: Sequence[T], backward: Backward,
+                 region: str) -> None:
+        self.label = label
+        self.ins = tuple(ins)
+        self.outs = tuple(outs)
+        self.saved = tuple(saved)
+        self.backward = backward
+        self.region = region
+
+
+class Graph:
+    """Records events (allocations and frees) and autograd nodes of one symbolic step.
+
+    ``region`` (embeddings, layers, head) and ``phase`` (forward, backward, optimizer) label what is
+    allocated; ``saving`` is False inside a checkpointed forward (nothing is kept for backward);
+    ``recomputing`` marks allocations made while a checkpointed layer re-runs in backward.
+    """
+
+    def __init__(self) -> None:
+        self.events: list[tuple[T, int]] = []
+        self.nodes: list[Node] = []
+        self.marks: dict[str, int] = {}
+        self.region = "embeddings"
+        self.phase = "forward"
+        self.saving = True
+        self.recomputing = False
+        self.node_marks: dict[str, int] = {}
+
+    # -- memory --------------------------------------------------------------------------------
+    def alloc(self, n: Sz, dt: int, label: str, rg: bool = False) -> T:
+        """A new tensor (one reference, held by the caller)."""
+        t = T(n, dt, label, rg, "recomputed" if self.recomputing else self.region, self.phase)
+        t.born = len(self.events)
+        self.events.append((t, 1))
+        return t
+
+    def hold(self, t: T) -> T:
+        """Add a reference (a saved tensor, a second Python name)."""
+        t.refs += 1
+        return t
+
+    def drop(self, *ts: T | None) -> None:
+        """Release references; a tensor whose last reference goes is freed."""
+        for t in ts:
+            if t is None:
+                continue
+            t.refs -= 1
+            if t.refs == 0:
+                if t.base is not None:
+                    self.drop(t.base)
+                    continue
+                t.freed = len(self.events)
+                self.events.append((t, -1))
+            elif t.refs < 0:
+                raise AssertionError(f"tensor {t.label} released more often than held")
+
+    def view(self, x: T, label: str = "view", n: Sz | None = None) -> T:
+        """A view of `x` (no allocation): it keeps `x` alive until the view is released."""
+        v = T(x.n if n is None else n, x.dt, label, x.rg, x.region, self.phase)
+        v.base = x.base if x.base is not None else x
+        self.hold(v.base)
+        return v
+
+    def mark(self, name: str) -> None:
+        """Remember the current event index under `name` (segment boundaries)."""
+        self.marks[name] = len(self.events)
+
+    # -- autograd ------------------------------------------------------------------------------
+    def record(self, label: str, ins: Sequence[T], outs: Sequence[T], saved: Sequence[T | None],
+               backward: Backward) -> None:
+        """Register an autograd node if any input requires grad; hold its saved tensors."""
+        if not any(t.rg for t in ins):
+            return
+        keep = [t for t in saved if t is not None] if self.saving else []
+        for t in keep:
+            self.hold(t)
+        for t in outs:
+            t.rg = True
+        for t in ins:
+            if t.is_param and t.rg:
+                t.uses += 1
+        self.nodes.append(Node(label, ins, outs, keep, backward, self.region))
+
+    def backward(self, loss: T, seed_dt: int = 4,
+                 on_node: Callable[[int], None] | None = None) -> None:
+        """Run the recorded nodes in reverse creation order, as ``loss.backward()`` does."""
+        # torch.autograd.backward makes the seed (ones_like(loss)) and holds it until it returns
+        seed = self.alloc(const(1), seed_dt, "ones_like")
+        loss.grad = self.hold(seed)
+        for index in range(len(self.nodes) - 1, -1, -1):
+            if on_node is not None:
+                on_node(index)
+            node = self.nodes[index]
+            grads_out = []
+            for o in node.outs:
+                grads_out.append(o.grad)
+                o.grad = None
+            if all(g is None for g in grads_out):
+                self.drop(*node.saved)
+                continue
+            grads_in = list(node.backward(self, grads_out))
+            # the engine reduces broadcast gradients to their input's shape (validate_outputs)
+            for i, (inp, g) in enumerate(zip(node.ins, grads_in)):
+                if g is not None and inp.rg and g.n.key() > inp.n.key():
+                    reduced = self.alloc(inp.n, inp.dt, f"sum_to {inp.label}")
+                    self.drop(g)
+                    grads_in[i] = reduced
+            self.drop(*grads_out)
+            self.drop(*node.saved)
+            node.saved = ()
+            for inp, g in zip(node.ins, grads_in):
+                if g is None:
+                    continue
+                if not inp.rg:
+                    self.drop(g)
+                    continue
+                self._accumulate(inp, g)
+        self.drop(seed)
+
+    def _accumulate(self, inp: T, g: T) -> None:
+        """Add `g` into `inp`'s input buffer (out of place, as InputBuffer::add does); a parameter's
+        buffer becomes its ``.grad`` once all its uses have contributed (AccumulateGrad steals it)."""
+        if inp.grad is None:
+            inp.grad = g
+        else:
+            total = self.alloc(inp.grad.n, max(inp.grad.dt, g.dt), f"grad sum {inp.label}")
+            self.drop(inp.grad, g)
+            inp.grad = total
+        if inp.is_param:
+            inp.uses -= 1
+            if inp.uses == 0:
+                inp.grad.is_grad = True
+                inp.grad.label = f"grad {inp.label}"
+                inp.grad = None  # now owned by the parameter until zero_grad
+
+    # -- leaves --------------------------------------------------------------------------------
+    def param(self, n: Sz, dt: int, label: str, trainable: bool = True) -> T:
+        """A parameter that exists before the step (not an allocation of the step)."""
+        t = T(n, dt, label, trainable, "weights", "init")
+        t.is_param = True
+        return t
+
+    def external(self, n: Sz, dt: int, label: str) -> T:
+        """A tensor allocated before this part of the program (no event; freed when dropped)."""
+        t = T(n, dt, label, False, self.region, "init")
+        return t
