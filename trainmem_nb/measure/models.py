@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["hf_config_object", "hf_model_class", "hf_param_shapes"]
+__all__ = ["hf_config_object", "hf_model_class", "hf_param_shapes", "instantiate"]
 
 
 def hf_config_object(config: Mapping[str, Any], **overrides: Any) -> Any:
@@ -38,3 +38,14 @@ def hf_param_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         model = cls.from_config(cfg) if hasattr(cls, "from_config") else cls(cfg)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+def instantiate(config: Any, model_type: str, attn_implementation: str, dtype: Any) -> Any:
+    """A randomly initialised model of `config` (no download), in `dtype`, with that attention kernel.
+
+    Decoders go through ``AutoModelForCausalLM.from_config``; ``BertForMaskedLM`` has no
+    ``from_config`` of its own, so it goes through ``_from_config``, which that method wraps.
+    """
+    cls = hf_model_class(model_type)
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    return make(config, attn_implementation=attn_implementation, dtype=dtype)

@@ -3,7 +3,24 @@
 The step is what a training loop does after its first iteration: optimizer state exists, gradients
 were set to None, then forward (with the loss), backward, ``optimizer.step()`` and
 ``zero_grad(set_to_none=True)``. Devices: ``cpu`` (real tensors), ``fake`` (``FakeTensorMode``: the
-same CPU kernels' shapes, no data, any size) and ``cuda`` (the CUDA allocator's own statistics).
+same CPU kernels' shapes, no data, any size) and ``cuda`` (the CUDA allocator's own statistics, see
+`trainmem_nb.measure.cuda`).
+
+Options map to PyTorch as a training script would set them:
+
+* precision: ``fp32``; ``bf16-mixed`` / ``fp16-mixed`` = fp32 parameters, gradients and optimizer
+  states with ``torch.autocast`` (device type of the kernels) around forward and loss, and for fp16 a
+  ``GradScaler`` (scale, unscale, step, update); ``bf16-true`` / ``fp16-true`` = the model built in
+  that dtype (gradients and optimizer states follow).
+* optimizer: ``torch.optim`` AdamW (weight decay 0.01), Adam, SGD, SGD(momentum=0.9), Adafactor, or
+  none; implementation foreach / fused / for-loop (``foreach=False``).
+* checkpointing: ``full`` = ``gradient_checkpointing_enable(use_reentrant=False)`` (each layer keeps
+  its input and is recomputed in backward); ``selective`` = the same with PyTorch's selective
+  activation checkpointing policy that saves the outputs of matmuls and attention kernels and
+  recomputes the element-wise ops (`_selective_policy`).
+* attention: Hugging Face ``attn_implementation`` (``sdpa`` or ``eager``; ``flash`` needs flash-attn
+  on a CUDA GPU); dropout: every dropout rate of the family's config (`_dropout_overrides`).
+* LoRA: `trainmem_nb.measure.lora.apply_lora` (peft).
 """
 
 from __future__ import annotations
@@ -17,21 +34,40 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..breakdown import DETAIL_KEYS
 from ..hf_config import to_hf_config
-from ..specs import Attention, Checkpointing, Family, Method, ModelSpec, OptimizerImpl, OptimizerName, Precision, TrainingSpec
-from .models import hf_config_object, hf_model_class
+from ..specs import (
+    Attention,
+    Checkpointing,
+    Family,
+    Method,
+    ModelSpec,
+    OptimizerImpl,
+    OptimizerName,
+    Precision,
+    TrainingSpec,
+)
+from .models import hf_config_object, instantiate
 from .tracker import StorageTracker, cuda_round
 
-__all__ = ["StepTrace", "run_step"]
+__all__ = ["MEASURABLE_OPTIMIZERS", "StepTrace", "build", "check_measurable", "run_step", "summarize"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Optimizers that exist in torch.optim (the others need bitsandbytes or another package).
+MEASURABLE_OPTIMIZERS = (
+    OptimizerName.ADAMW, OptimizerName.ADAM, OptimizerName.SGD, OptimizerName.SGD_MOMENTUM,
+    OptimizerName.ADAFACTOR, OptimizerName.NONE,
+)
+
+#: The phases a peak can fall in (``zero`` only frees; nothing is allocated before ``forward``).
+PEAK_PHASES = ("forward", "backward", "optimizer")
 
 
 class StepTrace:
     """The tracker's records of one step plus the model and setup it ran."""
 
     def __init__(self, tracker: StorageTracker, model: ModelSpec, training: TrainingSpec, device: str,
-                 n_params: int, n_trainable: int, timing: dict[str, float]) -> None:
+                 n_params: int, n_trainable: int, timing: dict[str, float],
+                 cuda: dict[str, Any] | None = None) -> None:
         self.tracker = tracker
         self.model = model
         self.training = training
@@ -39,6 +75,33 @@ class StepTrace:
         self.n_params = n_params
         self.n_trainable = n_trainable
         self.timing = timing
+        self.cuda = cuda  #: the CUDA allocator's statistics around the step (device ``cuda`` only)
+
+
+def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
+    """Raise a one-line `RuntimeError` for options that cannot run on `device` with PyTorch alone."""
+    if device not in ("fake", "cpu", "cuda"):
+        raise RuntimeError(f"device={device!r} cannot be measured; use 'fake', 'cpu' or 'cuda'")
+    if t.optimizer not in MEASURABLE_OPTIMIZERS:
+        raise RuntimeError(
+            f"optimizer={t.optimizer.value!r} cannot be measured here: it is not in torch.optim (it needs "
+            f"bitsandbytes or another package); measure adamw, adam, sgd, sgd-momentum, adafactor or none"
+        )
+    if t.method is Method.QLORA:
+        raise RuntimeError(
+            "method='qlora' cannot be measured here: it needs bitsandbytes CUDA kernels for the NF4 base; "
+            "measure method='lora' (the same adapters on a 16-bit base) instead"
+        )
+    if t.attention is Attention.FLASH:
+        if device != "cuda":
+            raise RuntimeError(
+                f"attention='flash' cannot be measured on device={device!r}: flash-attn runs only on a CUDA GPU; "
+                "measure attention='sdpa' (on CPU its flash kernel keeps the same output and logsumexp)"
+            )
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise RuntimeError("attention='flash' needs the flash-attn package: pip install flash-attn")
 
 
 def _dropout_overrides(m: ModelSpec, p: float | None) -> dict[str, Any]:
@@ -65,9 +128,9 @@ def layer_module_names(model: nn.Module) -> dict[str, int]:
     """``{module name: index}`` of the repeated transformer layers (the ModuleList HF checkpoints)."""
     best: tuple[str, nn.ModuleList] | None = None
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) and (best is None or len(mod) > len(best[1])):
-            if all(type(x) is type(mod[0]) for x in mod):
-                best = (name, mod)
+        if (isinstance(mod, nn.ModuleList) and len(mod) and (best is None or len(mod) > len(best[1]))
+                and all(type(x) is type(mod[0]) for x in mod)):
+            best = (name, mod)
     if best is None:
         return {}
     return {f"{best[0]}.{i}": i for i in range(len(best[1]))}
@@ -97,7 +160,8 @@ def _module_context(model: nn.Module, tracker: StorageTracker) -> Iterator[None]
 
 
 def _selective_policy() -> Any:
-    """torchtitan-style selective activation checkpointing: save matmul and attention outputs."""
+    """Selective activation checkpointing (torchtitan's "op" policy): save the outputs of matmuls and
+    attention kernels, recompute everything else (norms, activations, element-wise ops) in backward."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
@@ -105,6 +169,10 @@ def _selective_policy() -> Any:
             aten._scaled_dot_product_flash_attention_for_cpu.default,
             aten._scaled_dot_product_efficient_attention.default,
             aten._scaled_dot_product_flash_attention.default}
+    for name in ("_grouped_mm", "_scaled_dot_product_cudnn_attention"):
+        op = getattr(aten, name, None)
+        if op is not None:
+            save.add(op.default)
 
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
@@ -112,7 +180,8 @@ def _selective_policy() -> Any:
     return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
-def _make_optimizer(t: TrainingSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+def make_optimizer(t: TrainingSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """The ``torch.optim`` optimizer of `t` over `params` (None for ``optimizer='none'``)."""
     impl = t.resolved_optimizer_impl
     flags: dict[str, Any] = {}
     if impl is OptimizerImpl.FOREACH:
@@ -122,7 +191,7 @@ def _make_optimizer(t: TrainingSpec, params: list[nn.Parameter]) -> torch.optim.
     else:
         flags["foreach"] = False
     name = t.optimizer
-    if name is OptimizerName.NONE:
+    if name is OptimizerName.NONE or not params:
         return None
     if name is OptimizerName.ADAMW:
         return torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01, **flags)
@@ -134,10 +203,7 @@ def _make_optimizer(t: TrainingSpec, params: list[nn.Parameter]) -> torch.optim.
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **flags)
     if name is OptimizerName.ADAFACTOR:
         return torch.optim.Adafactor(params, lr=1e-2, foreach=flags.get("foreach"))
-    raise RuntimeError(
-        f"optimizer={name.value!r} cannot be measured here: it needs bitsandbytes or a non-PyTorch "
-        f"implementation; measure adamw, adam, sgd, sgd-momentum, adafactor or none"
-    )
+    raise RuntimeError(f"optimizer={name.value!r} cannot be measured here")
 
 
 def _prime(opt: torch.optim.Optimizer, trainable: list[nn.Parameter]) -> None:
@@ -149,45 +215,47 @@ def _prime(opt: torch.optim.Optimizer, trainable: list[nn.Parameter]) -> None:
         p.grad = torch.zeros_like(p)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    for g, lr in zip(opt.param_groups, lrs):
+    for g, lr in zip(opt.param_groups, lrs, strict=True):
         g["lr"] = lr
 
 
-@contextlib.contextmanager
-def _fake_mode_fixes() -> Iterator[None]:
-    """Make transformers treat fake inputs as it treats real ones.
+def _sanitize_token_ids(cfg: Any, vocab: int) -> None:
+    """Drop special-token ids outside a small test vocabulary (phi3's pad id 32000 would break the
+    embedding's padding_idx; the others only warn). Real configs keep theirs: memory is unaffected."""
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = getattr(cfg, key, None)
+        ids = value if isinstance(value, list) else [value]
+        if any(isinstance(v, int) and v >= vocab for v in ids):
+            setattr(cfg, key, None)
 
-    transformers' mask builder calls ``find_packed_sequence_indices`` when it cannot look at the data
-    (it considers fake tensors as "tracing"); that makes it build an explicit (b, 1, s, s) mask where a
-    real run passes ``is_causal`` to SDPA. Our inputs are never packed, so the answer is None.
-    """
-    from transformers import masking_utils
 
-    original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = lambda *a, **k: None  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        masking_utils.find_packed_sequence_indices = original  # type: ignore[assignment]
+def model_dtype(t: TrainingSpec) -> torch.dtype:
+    """The dtype the model is built in: 16-bit for the ``*-true`` recipes, else fp32."""
+    return {Precision.BF16_TRUE: torch.bfloat16, Precision.FP16_TRUE: torch.float16}.get(t.precision, torch.float32)
 
 
 def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
-    """The Hugging Face model for `m` in training mode, in the recipe's dtype, and its inputs."""
+    """The Hugging Face model for `m` in training mode, in the recipe's dtype, and its inputs.
+
+    Inputs are random token ids of shape (micro_batch, seq_len); ``labels`` is the same tensor (the
+    model shifts it for causal LM; bert's masked-LM loss covers every position).
+    """
     cfg_dict = to_hf_config(m)
     cfg_dict.update(_dropout_overrides(m, t.dropout))
     cfg = hf_config_object(cfg_dict, use_cache=False)
-    cls = hf_model_class(cfg_dict["model_type"])
-    dtype = {Precision.BF16_TRUE: torch.bfloat16, Precision.FP16_TRUE: torch.float16}.get(t.precision, torch.float32)
+    _sanitize_token_ids(cfg, m.vocab)
     torch_device = "cuda" if device == "cuda" else "cpu"
     with torch.device(torch_device):
-        model = cls.from_config(cfg, attn_implementation=_attn_impl(t), dtype=dtype)
+        model = instantiate(cfg, cfg_dict["model_type"], _attn_impl(t), model_dtype(t))
     model.train()
-    if t.checkpointing is Checkpointing.FULL:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif t.checkpointing is Checkpointing.SELECTIVE:
-        model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": _selective_policy()}
-        )
+    if t.checkpointing is not Checkpointing.NONE:
+        kwargs: dict[str, Any] = {"use_reentrant": False}
+        if t.checkpointing is Checkpointing.SELECTIVE:
+            kwargs["context_fn"] = _selective_policy()
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if t.method is not Method.FULL:
         from .lora import apply_lora
 
@@ -197,104 +265,249 @@ def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[s
     return model, {"input_ids": ids, "labels": ids}
 
 
-def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake") -> StepTrace:
-    """Build, prime and measure one training step; ``device`` is ``fake``, ``cpu`` or ``cuda``."""
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' logger (config notices) while a step is built and run."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+class _Setup:
+    """A built model with its inputs, optimizer and (fp16-mixed) grad scaler, ready for steps."""
+
+    def __init__(self, m: ModelSpec, t: TrainingSpec, device: str, prime: bool) -> None:
+        self.model, self.inputs = build(m, t, device)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = make_optimizer(t, self.trainable)
+        self.scaler: Any = None
+        kernels = "cuda" if device == "cuda" else "cpu"
+        if t.precision is Precision.FP16_MIXED:
+            self.scaler = torch.amp.GradScaler(kernels)
+            self.scaler.scale(torch.ones((), device=kernels))  # creates its scale and growth tracker
+        self.opt_context: Any = contextlib.nullcontext
+        if device == "fake" and t.optimizer is OptimizerName.ADAFACTOR:
+            from .fakefix import fake_scalar_reads
+
+            self.opt_context = fake_scalar_reads
+        if self.opt is not None and prime:
+            with self.opt_context():
+                _prime(self.opt, self.trainable)
+        self.autocast: Any = contextlib.nullcontext()
+        if t.mixed:
+            dtype = torch.bfloat16 if t.precision is Precision.BF16_MIXED else torch.float16
+            self.autocast = torch.autocast(device_type=kernels, dtype=dtype)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Tensors the optimizer (and grad scaler) hold between steps."""
+        out: list[torch.Tensor] = []
+        if self.opt is not None:
+            out += [v for s in self.opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        if self.scaler is not None:
+            out += [x for x in (self.scaler._scale, self.scaler._growth_tracker) if isinstance(x, torch.Tensor)]
+        return out
+
+    def step(self, tracker: StorageTracker | None = None, timing: dict[str, float] | None = None) -> None:
+        """One training step; with `tracker`, its phases are marked and the grads are identified."""
+        mark = tracker.mark if tracker is not None else (lambda _p: None)
+        clock = time.perf_counter
+        t0 = clock()
+        mark("forward")
+        with self.autocast:
+            loss = self.model(**self.inputs).loss
+        t1 = clock()
+        mark("backward")
+        scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+        scaled.backward()
+        t2 = clock()
+        if tracker is not None:
+            self.grad_records = {tracker.index_of(p.grad) for p in self.trainable if p.grad is not None}
+        if self.opt is not None:
+            mark("optimizer")
+            with self.opt_context():
+                if self.scaler is not None:
+                    # What GradScaler.step does on a step without inf/NaN, without its host sync
+                    # (``found_inf.item()``), which fake tensors cannot answer.
+                    self.scaler.unscale_(self.opt)
+                    self.opt.step()
+                    self.scaler.update()
+                else:
+                    self.opt.step()
+            mark("zero")
+            self.opt.zero_grad(set_to_none=True)
+        else:
+            mark("zero")
+            for p in self.trainable:
+                p.grad = None
+        del loss, scaled
+        if timing is not None:
+            timing.update(forward_s=t1 - t0, backward_s=t2 - t1, optimizer_s=clock() - t2)
+
+
+def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake", prime: bool = True) -> StepTrace:
+    """Build, prime and measure one training step; ``device`` is ``fake``, ``cpu`` or ``cuda``.
+
+    ``prime=False`` measures the very first step instead (optimizer state is created inside it).
+    """
+    check_measurable(m, t, device)
+    if device == "cuda":
+        from .cuda import require_cuda
+
+        require_cuda()
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
     fake_ctx: Any = contextlib.nullcontext()
+    fixes: Any = contextlib.nullcontext()
     if device == "fake":
         from torch._subclasses.fake_tensor import FakeTensorMode
 
+        from .fakefix import fake_mode_fixes
+
         fake_ctx = FakeTensorMode(allow_non_fake_inputs=False)
-    with fake_ctx, (_fake_mode_fixes() if device == "fake" else contextlib.nullcontext()):
-        model, inputs = build(m, t, device)
-        trainable = [p for p in model.parameters() if p.requires_grad]
-        opt = _make_optimizer(t, trainable)
-        if opt is not None:
-            _prime(opt, trainable)
+        fixes = fake_mode_fixes()
+    cuda_stats: dict[str, Any] | None = None
+    with quiet_transformers(), fake_ctx, fixes:
+        setup = _Setup(m, t, device, prime)
         timing["build_s"] = time.perf_counter() - t0
-        tracker = StorageTracker(layer_module_names(model))
-        tracker.adopt([p for p in model.parameters()], "weights/params", param=True)
-        tracker.adopt([b for b in model.buffers()], "weights/buffers")
-        if opt is not None:
-            state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            tracker.adopt(state, "optimizer_states")
-        tracker.adopt(list(inputs.values()), "activations/inputs")
-        autocast: Any = contextlib.nullcontext()
-        if t.mixed:
-            dtype = torch.bfloat16 if t.precision is Precision.BF16_MIXED else torch.float16
-            autocast = torch.autocast(device_type="cuda" if device == "cuda" else "cpu", dtype=dtype)
+        if device == "cuda":
+            from .cuda import before_step
+
+            before = before_step(setup)
+        tracker = StorageTracker(layer_module_names(setup.model))
+        tracker.adopt(list(setup.model.parameters()), "weights/params", param=True)
+        tracker.adopt(list(setup.model.buffers()), "weights/buffers")
+        tracker.adopt(setup.state_tensors(), "optimizer_states")
+        tracker.adopt(list(setup.inputs.values()), "activations/inputs")
         t1 = time.perf_counter()
-        with tracker, _module_context(model, tracker):
-            tracker.phase = "forward"
-            with autocast:
-                loss = model(**inputs).loss
-            tracker.phase = "backward"
-            loss.backward()
-            grads = [p.grad for p in trainable if p.grad is not None]
-            grad_ids = {tracker.index_of(g) for g in grads}
-            tracker.phase = "optimizer"
-            if opt is not None:
-                opt.step()
-                tracker.phase = "zero"
-                opt.zero_grad(set_to_none=True)
-            else:
-                tracker.phase = "zero"
-                for p in trainable:
-                    p.grad = None
-            del loss, grads
+        with tracker, _module_context(setup.model, tracker):
+            setup.step(tracker, timing)
+        if device == "cuda":
+            from .cuda import after_step
+
+            cuda_stats = after_step(before)
         timing["step_s"] = time.perf_counter() - t1
         tracker.close()
-    _categorize(tracker, grad_ids)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_trainable = sum(p.numel() for p in trainable)
-    return StepTrace(tracker, m, t, device, n_params, n_trainable, timing)
+    t2 = time.perf_counter()
+    _categorize(tracker, setup.grad_records)
+    timing["analyze_s"] = time.perf_counter() - t2
+    n_params = sum(p.numel() for p in setup.model.parameters())
+    n_trainable = sum(p.numel() for p in setup.trainable)
+    timing["wall_s"] = time.perf_counter() - t0
+    return StepTrace(tracker, m, t, device, n_params, n_trainable, timing, cuda_stats)
 
 
 def _categorize(tracker: StorageTracker, grad_ids: set[int | None]) -> None:
-    """Give every record made during the step its breakdown category (same keys as the estimator)."""
-    fwd_end = next((i for i, (idx, s) in enumerate(tracker.events) if tracker.records[idx].phase == "backward"), None)
-    for i, r in enumerate(tracker.records):
+    """Give every record made during the step its breakdown category (the keys of `DETAIL_KEYS`).
+
+    Forward storages still alive when backward starts are activations: ``weight_copies`` when
+    autocast made them from a parameter, ``layers`` when born inside (or between) the transformer
+    layers, ``embeddings`` when born before the first layer ran (embedding output, positions, rotary
+    cos/sin, masks), ``head`` when born after the last layer (final norm, logits, loss). Storages that
+    are ``.grad`` after backward are ``gradients`` from birth. Backward storages born while a
+    module's forward runs again (checkpointing's recomputation) are ``activations/recomputed``;
+    the rest of backward is ``transient/backward``, and optimizer-step allocations are
+    ``transient/optimizer``.
+    """
+    events, records = tracker.events, tracker.records
+    fwd_end = next((i for i, (idx, _) in enumerate(events) if records[idx].phase == "backward"), len(events))
+    layer_births = [r.born for r in records if r.phase == "forward" and r.in_layer]
+    first_layer = min(layer_births) if layer_births else len(events)
+    last_layer = max(layer_births) if layer_births else -1
+    for i, r in enumerate(records):
         if r.category:
             continue
         if i in grad_ids:
             r.category = "gradients"
         elif r.phase == "forward":
-            alive_at_fwd_end = r.died is None or (fwd_end is not None and r.died >= fwd_end)
-            if not alive_at_fwd_end:
+            if r.died is not None and r.died < fwd_end:
                 r.category = "transient/forward"
             elif r.source_param:
                 r.category = "activations/weight_copies"
             elif r.in_layer:
                 r.category = "activations/layers"
+            elif r.born < first_layer:
+                r.category = "activations/embeddings"
+            elif r.born > last_layer:
+                r.category = "activations/head"
             else:
-                r.category = "activations/other"
+                r.category = "activations/layers"
         elif r.phase == "backward":
-            r.category = "activations/recomputed" if r.in_layer and r.module else "transient/backward"
-        elif r.phase == "optimizer":
+            r.category = "activations/recomputed" if r.module else "transient/backward"
+        elif r.phase in ("optimizer", "zero"):
             r.category = "transient/optimizer"
-        else:
-            r.category = "transient/other"
+        else:  # nothing is allocated before the step starts; kept visible rather than dropped
+            r.category = "transient/forward"
+        assert r.category in DETAIL_KEYS, r.category
 
 
-def summarize(trace: StepTrace, rounding: bool = True) -> dict[str, Any]:
-    """Peak, its phase and op, the breakdown at the peak and per-phase peaks of a traced step."""
+def _peak_at(rec: Any) -> str:
+    """Where a peak happened, in words: the op, the module whose forward ran, the phase."""
+    op = rec.op.removesuffix(".default")
+    where = rec.module or {"optimizer": "optimizer.step", "backward": "autograd"}.get(rec.phase, rec.phase)
+    return f"{rec.phase}: aten.{op} in {where}"
+
+
+def summarize(trace: StepTrace, rounding: bool = True, timeline_points: int = 256) -> dict[str, Any]:
+    """Peak, its phase and op, the breakdown at the peak and per-phase peaks of a traced step.
+
+    With `rounding` every storage counts as the CUDA caching allocator would (512-B blocks). Keys:
+    ``peak``, ``peak_phase``, ``peak_op``, ``peak_module``, ``peak_at``, ``detail`` (every
+    `DETAIL_KEYS` entry), ``phase_peaks`` (forward / backward / optimizer: the most live bytes while
+    the phase ran), ``live_at_start`` and ``timeline`` (``[event, live bytes, phase]``, at most
+    `timeline_points` points, each the maximum of its bucket).
+    """
     tr = trace.tracker
     rnd = cuda_round if rounding else (lambda n: n)
+    starts = sorted(tr.phase_starts, key=lambda x: x[1])
+    boundaries = [s[1] for s in starts]
     live = 0
     peak, at = -1, 0
     phase_peaks: dict[str, int] = {}
+    live_at_start = None
+    curve: list[tuple[int, int, str]] = []
+    pi = -1
+    phase = "init"
     for i, (idx, sign) in enumerate(tr.events):
-        rec = tr.records[idx]
-        live += sign * rnd(rec.nbytes)
-        if sign > 0:
-            phase_peaks[rec.phase] = max(phase_peaks.get(rec.phase, 0), live)
-        if live > peak:
+        while pi + 1 < len(boundaries) and boundaries[pi + 1] <= i:
+            pi += 1
+            phase = starts[pi][0]
+            if live_at_start is None:
+                live_at_start = live
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0), live)
+        live += sign * rnd(tr.records[idx].nbytes)
+        if phase != "init":
+            phase_peaks[phase] = max(phase_peaks.get(phase, 0), live)
+            curve.append((i, live, phase))
+        if live > peak and phase in PEAK_PHASES:
             peak, at = live, i
-    detail: dict[str, int] = {}
+    for name, _ in starts[pi + 1:]:  # phases that began after the last event (nothing allocated or freed)
+        phase_peaks[name] = max(phase_peaks.get(name, 0), live)
+    detail = dict.fromkeys(DETAIL_KEYS, 0)
     for idx in tr.alive_at(at):
         rec = tr.records[idx]
-        detail[rec.category] = detail.get(rec.category, 0) + rnd(rec.nbytes)
+        detail[rec.category] += rnd(rec.nbytes)
     peak_rec = tr.records[tr.events[at][0]]
-    return {"peak": peak, "peak_phase": peak_rec.phase, "peak_op": peak_rec.op, "peak_module": peak_rec.module,
-            "detail": dict(sorted(detail.items())), "phase_peaks": phase_peaks}
+    timeline = _downsample(curve, timeline_points)
+    return {
+        "peak": max(peak, 0), "peak_phase": peak_rec.phase, "peak_op": peak_rec.op, "peak_module": peak_rec.module,
+        "peak_at": _peak_at(peak_rec), "detail": detail,
+        "phase_peaks": {p: v for p, v in phase_peaks.items() if p in PEAK_PHASES},
+        "live_at_start": live_at_start or 0, "timeline": timeline,
+    }
+
+
+def _downsample(curve: list[tuple[int, int, str]], points: int) -> list[list[Any]]:
+    """At most `points` samples of the live-bytes curve, each the maximum of its bucket."""
+    if not curve:
+        return []
+    size = max(1, -(-len(curve) // points))
+    out: list[list[Any]] = []
+    for start in range(0, len(curve), size):
+        best = max(curve[start:start + size], key=lambda c: c[1])
+        out.append([best[0], best[1], best[2]])
+    return out

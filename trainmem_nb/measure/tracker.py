@@ -51,13 +51,16 @@ class Record:
 class StorageTracker(TorchDispatchMode):
     """Dispatch mode that records every storage's birth and death.
 
-    ``events`` is the ordered list of ``(record_index, +1 | -1)``; the caller sets ``phase`` as the step
-    moves from ``forward`` to ``backward`` to ``optimizer`` and adopts pre-existing tensors with `adopt`.
-    ``layer_names`` maps each transformer layer's module name to its index, so records know their layer.
+    ``events`` is the ordered list of ``(record_index, +1 | -1)``; the caller moves the step from
+    ``forward`` to ``backward`` to ``optimizer`` with `mark` (or by setting ``phase``) and adopts
+    pre-existing tensors with `adopt`. ``phase_starts`` lists ``(phase, first event index)`` of each
+    `mark`. ``layer_names`` maps each transformer layer's module name to its index, so records know
+    their layer.
     """
 
-    def __init__(self, layer_names: dict[str, int] | None = None) -> None:
+    def __init__(self, layer_names: dict[str, int] | None = None, device_type: str | None = None) -> None:
         super().__init__()
+        self.device_type = device_type  # count only storages on this device type (cuda: not host scalars)
         self.records: list[Record] = []
         self.events: list[tuple[int, int]] = []
         self.phase = "init"
@@ -66,7 +69,14 @@ class StorageTracker(TorchDispatchMode):
         self._live: dict[int, int] = {}
         self._refs: dict[int, Any] = {}
         self._param_storages: set[int] = set()
+        self.phase_starts: list[tuple[str, int]] = []
+        self._layer_cache: dict[str, int | None] = {}
         self.closed = False
+
+    def mark(self, phase: str) -> None:
+        """Enter `phase`: later storages are born in it and `phase_starts` records where it began."""
+        self.phase = phase
+        self.phase_starts.append((phase, len(self.events)))
 
     # -- registration ---------------------------------------------------------------------------
     def adopt(self, tensors: Iterable[torch.Tensor], category: str, param: bool = False) -> None:
@@ -80,6 +90,8 @@ class StorageTracker(TorchDispatchMode):
         storage = t.untyped_storage()
         key = id(storage)
         if key in self._live:
+            return None
+        if self.device_type is not None and storage.device.type != self.device_type:
             return None
         nbytes = storage.nbytes()
         module = self.module_stack[-1] if self.module_stack else ""
@@ -109,10 +121,15 @@ class StorageTracker(TorchDispatchMode):
         return _died
 
     def _layer_of(self, module: str) -> int | None:
+        if module in self._layer_cache:
+            return self._layer_cache[module]
+        found = None
         for name, index in self.layer_names.items():
             if module == name or module.startswith(name + "."):
-                return index
-        return None
+                found = index
+                break
+        self._layer_cache[module] = found
+        return found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
