@@ -89,6 +89,8 @@ class LlamaRecipe(Recipe):
         pos = g.alloc(per_seq(1), I64, "cache_position")
         g.drop(ar)
         sh.extra.append(pos)
+        if self.t.attention is Attention.EAGER:
+            sh.mask = causal_mask(g, x.dt)
         sh.cos, sh.sin = self.rotary(g, x.dt)
         return x, sh
 
@@ -112,6 +114,7 @@ class LlamaRecipe(Recipe):
 
     def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
         m = self.m
+        self.attn_weights: list[T] = []
         residual = g.hold(x)
         h = self.rmsnorm(g, x, p["input_layernorm.weight"], "input_layernorm")
         a = self.attention(g, h, sh, p)
@@ -124,7 +127,7 @@ class LlamaRecipe(Recipe):
         mo = self.mlp(g, h2, p)
         g.drop(h2)
         out = ops.add(g, residual, mo, "residual add (mlp)")
-        g.drop(mo, residual)
+        g.drop(mo, residual, *self.attn_weights)
         _ = m
         return out
 
@@ -137,13 +140,20 @@ class LlamaRecipe(Recipe):
         kv = ops.heads_view(g, k, "k view")
         g.drop(k)
         v = ops.linear(g, ctx, h, p["self_attn.v_proj.weight"], m.hidden, m.kv_dim, p.get("self_attn.v_proj.bias"), "v_proj")
-        vv = ops.heads_view(g, v, "v view", clone_grad=False)
+        # the value's gradient comes back in the projection's layout from SDPA's kernel, but
+        # contiguous in (b, heads, s, d) from eager attention's matmuls (then the view copies it)
+        vv = ops.heads_view(g, v, "v view", clone_grad=self.t.attention is Attention.EAGER or self.sdpa_falls_back_to_math)
         g.drop(v)
         assert sh.cos is not None and sh.sin is not None
         qr = self.apply_rotary(g, qv, sh.cos, sh.sin, "q")
         kr = self.apply_rotary(g, kv, sh.cos, sh.sin, "k")
         g.drop(qv, kv)
-        o = self.sdpa(g, qr, kr, vv)
+        if self.t.attention is Attention.EAGER:
+            o = self.eager(g, qr, kr, vv, sh.mask)
+        elif self.sdpa_falls_back_to_math:
+            o = self.sdpa_math(g, qr, kr, vv)
+        else:
+            o = self.sdpa(g, qr, kr, vv)
         out = ops.linear(g, ctx, o, p["self_attn.o_proj.weight"], m.q_dim, m.hidden, p.get("self_attn.o_proj.bias"), "o_proj")
         g.drop(o)
         g.drop(qr, kr, vv)  # locals query_states, key_states, value_states die when forward returns
@@ -172,8 +182,7 @@ class LlamaRecipe(Recipe):
         vc = v if cd is None else ops.cast(g, v, cd, "sdpa v cast")
         if cd is None:
             g.hold(qc), g.hold(kc), g.hold(vc)
-        out = g.alloc(q.n, qc.dt, "sdpa out")
-        lse = g.alloc(_tok(m.n_heads), F32, "sdpa logsumexp")
+        out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"), g.alloc(_tok(m.n_heads), F32, "sdpa logsumexp")))
 
         def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
             return [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
@@ -182,6 +191,103 @@ class LlamaRecipe(Recipe):
         # the node releases its saved tensors in the order key, query, value, logsumexp, output
         g.record("sdpa", [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
         g.drop(lse, qc, kc, vc)
+        return out
+
+    def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
+        """HF ``eager_attention_forward``: repeat k/v for GQA, ``q @ k^T * scaling + mask``, fp32
+        softmax cast back to q's dtype, dropout, ``@ v``, transpose back to contiguous.
+
+        The rotary outputs keep the projections' (b, s, heads, d) memory layout, so ``matmul``
+        copies q (and k when it is not repeated) to contiguous batched matrices."""
+        m, ctx = self.m, self.ctx
+        n_rep = m.n_heads // m.n_kv_heads
+        scores_n = per_token_sq(m.n_heads)
+        kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
+        vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+        # matmul(query, key^T): autocast casts key then query; the strided operands are copied
+        kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
+        qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
+        q2 = ops.clone(g, qc, "query contiguous")
+        k2 = ops.clone(g, kc, "key^T contiguous") if n_rep == 1 else g.hold(kc)
+        scores = ops.bmm(g, ctx, q2, k2, scores_n, "q @ k^T")
+        g.drop(q2, k2, qc, kc)  # matmul's operands and their copies die when matmul returns
+        w = ops.scalar_op(g, scores, "* scaling")
+        g.drop(scores)
+        if mask is not None:
+            w2 = ops.add(g, w, mask, "+ mask")
+            g.drop(w)
+            w = w2
+        probs = ops.softmax(g, w, F32, "softmax")
+        pq = ops.cast(g, probs, q.dt, "probs to q dtype")
+        g.drop(probs, w)  # `attn_weights = softmax(...).to(dtype)` rebinds the name after the cast
+        pd = ops.dropout(g, ctx, pq, self.dropout_attn, "attn dropout")
+        g.drop(pq)
+        pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
+        vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
+        o3 = ops.bmm(g, ctx, pc, vc, q.n, "probs @ v")
+        g.drop(pc, vc)
+        # matmul returns a view of the bmm result; the gradient reaching it through the transpose is
+        # strided, so its backward reshape copies it
+        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
+        g.drop(o3)
+        out = ops.clone(g, o, "attn_output transpose contiguous")
+        g.drop(o, kx, vx)  # locals of eager_attention_forward
+        # the attention weights are returned too: the decoder layer binds them to `_` until it returns
+        self.attn_weights.append(pd)
+        return out
+
+    @property
+    def sdpa_falls_back_to_math(self) -> bool:
+        """On CPU, SDPA with attention dropout runs the math kernel (the CPU flash kernel has no
+        dropout); CUDA's flash and memory-efficient kernels apply dropout inside the kernel."""
+        return self.t.attention is Attention.SDPA and not self.ctx.cuda and self.dropout_attn > 0
+
+    def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
+        """``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp):
+        16-bit inputs are upcast to fp32 on CPU; q and k scaled by sqrt(scale), an (s, s) causal
+        mask, k/v repeated for GQA, ``matmul``, ``_safe_softmax``, dropout, ``matmul``, results cast
+        back; then HF makes the output contiguous."""
+        m, ctx = self.m, self.ctx
+        cd = ctx.autocast
+        kc = k if cd is None else ops.cast(g, k, cd, "sdpa k cast")
+        qc = q if cd is None else ops.cast(g, q, cd, "sdpa q cast")
+        vc = v if cd is None else ops.cast(g, v, cd, "sdpa v cast")
+        if cd is None:
+            g.hold(qc), g.hold(kc), g.hold(vc)
+        reduced = qc.dt != F32
+        q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
+        n_rep = m.n_heads // m.n_kv_heads
+        qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
+        ones = g.alloc(Sz(ss=1), BOOL, "causal ones")
+        tril = g.alloc(Sz(ss=1), BOOL, "causal tril")
+        g.drop(ones)
+        zero, neg = g.alloc(const(1), F32, "0"), g.alloc(const(1), F32, "-inf")
+        mask = g.alloc(Sz(ss=1), F32, "causal mask")
+        g.drop(zero, neg, tril)
+        kx = ops.repeat_kv(g, k32, n_rep, "key expanded")
+        vx = ops.repeat_kv(g, v32, n_rep, "value expanded")
+        kt = ops.scalar_op(g, kx, "k^T * sqrt(scale)")
+        q2 = ops.clone(g, qs, "query contiguous")
+        scores = ops.bmm(g, ctx, q2, kt, per_token_sq(m.n_heads), "q @ k^T")
+        g.drop(q2, kt)
+        sm = ops.add(g, scores, mask, "+ mask")
+        g.drop(scores)
+        probs = ops.softmax(g, sm, None, "_safe_softmax")
+        g.drop(sm)
+        pd = ops.dropout(g, ctx, probs, self.dropout_attn, "attn dropout")
+        g.drop(probs)
+        # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
+        attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
+        o3 = ops.bmm(g, ctx, pd, vx, q.n, "probs @ v")
+        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
+        g.drop(o3)
+        if reduced:
+            o16 = ops.cast(g, o, qc.dt, "output to input dtype")
+            g.drop(o)
+            o = o16
+        g.drop(kx, qs, mask, k32, v32, q32, pd, vx, attn16, qc, kc, vc)
+        out = ops.clone(g, o, "attn_output transpose contiguous")
+        g.drop(o)
         return out
 
     def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
@@ -208,15 +314,36 @@ class LlamaRecipe(Recipe):
         m, ctx = self.m, self.ctx
         w = p.get("lm_head.weight") or p["embed_tokens.weight"]
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
-        return causal_lm_loss(g, logits, m.vocab), logits
+        return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
 
 
-def causal_lm_loss(g: Graph, logits: T, vocab: int) -> T:
+def causal_mask(g: Graph, dt: int) -> T:
+    """transformers' ``create_causal_mask`` for eager attention: a (b, 1, s, s) additive mask in the
+    model's dtype (0 or the dtype's minimum), built from a (1, 1, s, s) boolean causal pattern."""
+    a1 = g.alloc(Sz(b_=1), I64, "batch arange")
+    a2 = g.alloc(const(1), I64, "head arange")
+    kv = [g.alloc(per_seq(1), I64, "kv arange"), None]
+    kv[1] = g.alloc(per_seq(1), I64, "kv idx")
+    g.drop(kv[0])
+    qa = g.alloc(per_seq(1), I64, "q arange")
+    qi = g.alloc(per_seq(1), I64, "q idx")
+    g.drop(qa)
+    le = g.alloc(Sz(ss=1), BOOL, "causal bool")
+    g.drop(a1, a2, kv[1], qi)
+    z = g.alloc(const(1), F32, "zero")
+    mn = g.alloc(const(1), F32, "min")
+    mask = g.alloc(Sz(bss=1), dt, "causal mask")
+    g.drop(mn, z, le)
+    return mask
+
+
+def causal_lm_loss(g: Graph, logits: T, vocab: int, batch1: bool = False) -> T:
     """transformers' ForCausalLMLoss: logits upcast to fp32, labels padded and shifted, then
     ``cross_entropy`` = log_softmax (saves its fp32 result) + nll_loss (mean)."""
     lf = ops.cast(g, logits, F32, "logits.float()")
     pad = g.alloc(Sz(bs=1, b_=1), I64, "labels pad")  # F.pad(labels, (0, 1)): (b, s+1) int64
-    shift = g.alloc(_tok(1), I64, "shift_labels")  # labels[..., 1:].contiguous()
+    # labels[..., 1:].contiguous(): a copy, except with one sequence, where the slice is contiguous
+    shift = g.view(pad, "shift_labels", n=_tok(1)) if batch1 else g.alloc(_tok(1), I64, "shift_labels")
     ls = g.alloc(lf.n, F32, "log_softmax")
 
     def ls_bwd(g: Graph, go: list[T | None]) -> list[T | None]:

@@ -30,6 +30,7 @@ class Ctx:
 
     autocast: int | None
     device: str
+    batch1: bool = False  # micro-batch 1: some slices are already contiguous (no copy)
     wcache: dict[int, T] = field(default_factory=dict)
 
     @property
@@ -101,9 +102,10 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
         wc = autocast_weight(g, ctx, w)
         bc = autocast_weight(g, ctx, b) if b is not None else None
         xc = cast(g, x, ctx.autocast, f"{label} input cast")
-    out = g.alloc(xc.n * (out_features / in_features), xc.dt, label)
     ins = [xc, wc] + ([bc] if bc is not None else [])
     saved = [wc if xc.rg else None, xc if wc.rg else None]  # released weight first, then input
+    g.before_outputs(ins, saved)
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), xc.dt, label),))
     has_bias = bc is not None
     w_first = (not has_bias) if grad_w_first is None else grad_w_first
 
@@ -324,3 +326,87 @@ def reserve(n: Sz, dt: int) -> Sz:
 
 
 ONE = const(1)
+
+
+# -- attention building blocks ------------------------------------------------------------------
+def bmm(g: Graph, ctx: Ctx, a: T, b: T, out_n: Sz, label: str = "bmm") -> T:
+    """``torch.matmul`` of two (batched) matrices (``bmm`` after reshapes); autocast casts both to
+    16 bit. Saves b if a needs a gradient and a if b does."""
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),))
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
+        gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
+        return [ga, gb]
+
+    g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
+    return out
+
+
+def clone(g: Graph, x: T, label: str = "clone", n: Sz | None = None) -> T:
+    """A contiguous copy (``.contiguous()``, a reshape that cannot be a view); the gradient passes
+    through to the input unchanged."""
+    out = g.alloc(x.n if n is None else n, x.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        (grad,) = go
+        assert grad is not None
+        return [g.hold(grad)]
+
+    g.record(label, [x], [out], [], bwd)
+    return out
+
+
+def repeat_kv(g: Graph, x: T, n_rep: int, label: str) -> T:
+    """HF ``repeat_kv``: ``expand`` then ``reshape`` (a copy n_rep times larger); its backward sums
+    the repeats back (one kv-sized gradient)."""
+    if n_rep == 1:
+        return g.hold(x)
+    out = g.alloc(x.n * n_rep, x.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(x.n, x.dt, f"{label} backward sum")]
+
+    g.record(label, [x], [out], [], bwd)
+    return out
+
+
+def softmax(g: Graph, x: T, dt: int | None = None, label: str = "softmax") -> T:
+    """``softmax(x, dim=-1, dtype=dt)``: an input in another dtype is first cast (a temporary);
+    saves its output; backward allocates one gradient (then casts it back if the input was cast)."""
+    src = cast(g, x, dt, f"{label} input cast") if dt is not None else g.hold(x)
+    out = g.alloc(src.n, src.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(src.n, src.dt, f"{label} backward")]
+
+    g.record(label, [src], [out], [out], bwd)
+    g.drop(src)
+    return out
+
+
+def dropout(g: Graph, ctx: Ctx, x: T, p: float, label: str = "dropout") -> T:
+    """``F.dropout(x, p, training=True)``. p == 0 returns the input itself. On CUDA the fused
+    ``native_dropout`` keeps a bool mask (1 B/element); on CPU ``at::dropout`` keeps a mask in the
+    input's dtype (``empty_like(x).bernoulli_()``) and multiplies (aten/src/ATen/native/Dropout.cpp)."""
+    if p <= 0:
+        return g.hold(x)
+    if ctx.cuda:
+        out = g.alloc(x.n, x.dt, label)
+        mask = g.alloc(x.n, BOOL, f"{label} mask")
+
+        def cuda_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+            return [g.alloc(x.n, x.dt, f"{label} backward")]
+
+        g.record(label, [x], [out], [mask], cuda_bwd)
+        g.drop(mask)
+        return out
+    noise = g.alloc(x.n, x.dt, f"{label} mask")
+    out = g.alloc(x.n, x.dt, label)
+
+    def cpu_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(x.n, x.dt, f"{label} backward"), None]
+
+    g.record(label, [x, noise], [out], [noise], cpu_bwd)
+    g.drop(noise)
+    return out

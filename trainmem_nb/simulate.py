@@ -20,7 +20,7 @@ from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .device import CUBLAS_WORKSPACE_BYTES, CUDA_BLOCK_BYTES, Calibration
 from .optimizers import optimizer_program, state_bytes
 from .params import buffer_inventory, param_inventory
-from .specs import Device, Method, ModelSpec, TrainingSpec
+from .specs import Checkpointing, Device, Method, ModelSpec, TrainingSpec
 from .tape import Graph, Sz, T, const, per_token
 
 __all__ = ["Program", "Segment", "compile_step", "evaluate", "simulate"]
@@ -34,7 +34,7 @@ class Segment(NamedTuple):
     phase: str  # forward | backward | optimizer | zero
     label: str
     repeat: int
-    events: tuple[tuple[int, int, Sz, str], ...]  # (category index, +1 alloc / -1 free, bytes, label)
+    events: tuple[tuple[int, int, Sz, str], ...]  # (category index, +k alloc / -k free of k tensors, bytes, label)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def _trainable(m: ModelSpec, t: TrainingSpec, name: str) -> bool:
 @lru_cache(maxsize=1024)
 def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic)."""
-    ctx = ops.Ctx(autocast=2 if t.mixed else None, device=t.device.value)
+    ctx = ops.Ctx(autocast=2 if t.mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
     g = Graph()
     pdt = t.param_bytes
     inventory = param_inventory(m)
@@ -101,11 +101,19 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     embeds, shared = recipe.embed(g, ids, other)
     x = g.hold(embeds)  # `hidden_states = inputs_embeds`; the model keeps `inputs_embeds` until it returns
     node_marks = []
+    layer_inputs: list[T] = []
+    checkpointed = t.checkpointing is not Checkpointing.NONE
     for i in range(2 if two else 1):
         g.region = "layers"
         g.mark(f"L{i}_fwd_start")
         node_marks.append(len(g.nodes))
-        y = recipe.layer(g, x, shared, layer_params[i])
+        if checkpointed:
+            y = _checkpointed_layer(g, ctx, recipe, x, shared, layer_params[i],
+                                    selective=t.checkpointing is Checkpointing.SELECTIVE)
+        else:
+            y = recipe.layer(g, x, shared, layer_params[i])
+        y.chain = True
+        layer_inputs.append(x)
         g.drop(x)
         x = y
         g.mark(f"L{i}_fwd_end")
@@ -136,14 +144,20 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
         for first, name in starts.items():
             if index == first - 1 and name not in g.marks:
                 g.mark(name)
+                if name == "L1_bwd_end" and layer_inputs[1].grad is not None:
+                    layer_inputs[1].grad.chain = True  # the gradient handed to the layer below
+
+    def on_checkpoint(frame: object) -> None:
+        assert isinstance(frame, _Frame)
+        frame.recompute(g, ctx, recipe)
 
     g.mark("bwd_start")
-    g.backward(loss, seed_dt=4, on_node=on_node)
+    g.backward(loss, seed_dt=4, on_node=on_node, on_checkpoint=on_checkpoint)
     for name in starts.values():
         if name not in g.marks:
             g.mark(name)
     g.mark("bwd_end")
-    g.drop(loss)
+    # the training loop keeps `loss` until after the optimizer step: it is not freed here
 
     g.phase = "optimizer"
     grads = [e[0] for e in g.events if e[1] > 0 and e[0].is_grad]
@@ -152,13 +166,22 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     g.mark("opt_end")
 
     # -- segments ---------------------------------------------------------------------------
+    mk = g.marks
+    # a tensor born in the repeated layer but freed elsewhere (e.g. an autocast weight copy freed
+    # when autocast exits) is freed once per repeated layer; a layer's output and its input's
+    # gradient are the exception: each repetition frees its predecessor's, the last one is freed once
+    repeated = [(mk["L1_fwd_start"], mk["L1_fwd_end"]), (mk["head_bwd_end"], mk["L1_bwd_end"])] if two else []
+
     def evs(a: int, b: int) -> tuple[tuple[int, int, Sz, str], ...]:
         out = []
+        inside = any(lo == a and hi == b for lo, hi in repeated)
         for tt, sign in g.events[a:b]:
-            out.append((CAT_INDEX[_category(tt, fwd_end)], sign, tt.bytes, tt.label))
+            k = sign
+            if sign < 0 and not inside and not tt.chain and any(lo <= tt.born < hi for lo, hi in repeated):
+                k = -(n_layers - 1)
+            out.append((CAT_INDEX[_category(tt, fwd_end)], k, tt.bytes, tt.label))
         return tuple(out)
 
-    mk = g.marks
     segs: list[Segment] = []
     segs.append(Segment("forward", "embeddings", 1, evs(0, mk["L0_fwd_start"])))
     segs.append(Segment("forward", "layer 0", 1, evs(mk["L0_fwd_start"], mk["L0_fwd_end"])))
@@ -194,6 +217,72 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     return Program(tuple(init), tuple(segs), n_params, n_train)
 
 
+class _Frame:
+    """One checkpointed layer call (``torch.utils.checkpoint`` without reentrant autograd)."""
+
+    def __init__(self, x: T, shared: object, params: dict[str, T]) -> None:
+        self.x = x
+        self.shared = shared
+        self.params = params
+        self.first_node: object = None  # its earliest node with packed tensors
+        self.held: list[T] = []
+        self.sac: list[tuple[T, ...]] | None = None  # selective checkpointing's cache of op outputs
+
+    def release(self, g: Graph) -> None:
+        """The frame dies with its last saved-tensor hooks: its input, keyword tensors and whatever
+        the selective-checkpointing cache still holds go."""
+        g.drop(*self.held)
+        self.held = []
+        for outs in self.sac or ():
+            g.drop(*outs)
+        self.sac = None
+
+    def recompute(self, g: Graph, ctx: ops.Ctx, recipe: object) -> None:
+        """Re-run the layer's forward (with its own autocast region) to refill its nodes."""
+        nodes = [n for n in g.nodes if n.checkpoint is self]
+        outer = dict(ctx.wcache)
+        ctx.wcache.clear()
+
+        def rerun() -> None:
+            y = recipe.layer(g, self.x, self.shared, self.params)  # type: ignore[attr-defined]
+            g.drop(y)
+            if ctx.autocast is not None:
+                ops.end_autocast(g, ctx)
+
+        g.sac_replay = self.sac
+        g.recompute(nodes, rerun)
+        g.sac_replay = None
+        ctx.wcache.update(outer)
+
+
+def _checkpointed_layer(g: Graph, ctx: ops.Ctx, recipe: object, x: T, shared: object, params: dict[str, T],
+                        selective: bool = False) -> T:
+    """A layer under non-reentrant checkpointing: ``_NoopSaveInputs`` saves the layer input, the
+    layer's ops pack holders instead of saving, and backward recomputes the layer."""
+    frame = _Frame(x, shared, params)
+    dummy = g.external(const(0), 4, "checkpoint dummy")
+    dummy.rg = True
+
+    # _NoopSaveInputs saves the layer input; the frame keeps the layer's keyword tensors (cos/sin,
+    # position ids, mask) through the recompute function's closure. Both live as long as the frame,
+    # which dies with the hooks of its earliest saving node, late in the layer's backward.
+    kw = [s for s in (*shared.extra, shared.mask, shared.cos, shared.sin) if s is not None]  # type: ignore[attr-defined]
+    frame.held = [g.hold(x), *(g.hold(s) for s in kw)]
+    first = len(g.nodes)
+    g.saving = False
+    g.checkpoint = frame
+    if selective:
+        frame.sac = []
+        g.sac_store = frame.sac
+    y = recipe.layer(g, x, shared, params)  # type: ignore[attr-defined]
+    g.sac_store = None
+    g.saving = True
+    g.checkpoint = None
+    frame.first_node = next((n for n in g.nodes[first:] if n.n_saved), None)
+    _ = dummy
+    return y
+
+
 class Evaluation(NamedTuple):
     """Bytes of a compiled program for one batch shape."""
 
@@ -207,7 +296,7 @@ class Evaluation(NamedTuple):
 def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     """The peak of `prog` for one batch shape, with its category breakdown and phase."""
     b, s = micro_batch, seq_len
-    bs, bss = b * s, b * s * s
+    bs, ss, bss = b * s, s * s, b * s * s
     ncat = len(DETAIL_KEYS)
     live = [0] * ncat
     for cat, sz, count in prog.init:
@@ -218,7 +307,8 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     best_where = ("forward", "start of step")
     phase_peaks: dict[str, int] = {}
     for seg in prog.segments:
-        sizes = [sign * _round(sz.c0 + sz.b_ * b + sz.s_ * s + sz.bs * bs + sz.bss * bss) for _, sign, sz, _ in seg.events]
+        sizes = [sign * _round(sz.c0 + sz.b_ * b + sz.s_ * s + sz.bs * bs + sz.ss * ss + sz.bss * bss)
+                 for _, sign, sz, _ in seg.events]
         run = 0
         pmax, pidx = 0, -1
         for i, d in enumerate(sizes):
@@ -254,7 +344,9 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
     """`estimate()`'s engine: compile (cached), evaluate, add the device's reserved and context bytes."""
     from .estimate import MemoryEstimate
 
-    key = t.model_copy(update={"micro_batch": 1, "seq_len": 1, "grad_accum": t.grad_accum})  # structure only
+    # the program is symbolic in the batch shape; only "one sequence or several" changes its structure
+    # (model_copy skips validation: the values come from a validated spec)
+    key = t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": 1})
     prog = compile_step(m, key)
     ev = evaluate(prog, t.micro_batch, t.seq_len)
     tops = dict.fromkeys(TOP_KEYS, 0)

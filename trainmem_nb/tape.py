@@ -22,33 +22,34 @@ __all__ = ["Graph", "Sz", "T", "const", "per_seq", "per_token", "per_token_sq"]
 
 
 class Sz(NamedTuple):
-    """Elements of a tensor: ``c0 + b_*b + s_*s + bs*b*s + bss*b*s*s``."""
+    """Elements of a tensor: ``c0 + b_*b + s_*s + bs*b*s + ss*s*s + bss*b*s*s``."""
 
     c0: float = 0
     s_: float = 0
     bs: float = 0
     bss: float = 0
     b_: float = 0
+    ss: float = 0
 
     def __mul__(self, k: object) -> Sz:  # type: ignore[override]
         if not isinstance(k, (int, float)):
             return NotImplemented
-        return Sz(self.c0 * k, self.s_ * k, self.bs * k, self.bss * k, self.b_ * k)
+        return Sz(self.c0 * k, self.s_ * k, self.bs * k, self.bss * k, self.b_ * k, self.ss * k)
 
     __rmul__ = __mul__
 
     def __add__(self, o: object) -> Sz:  # type: ignore[override]
         if not isinstance(o, Sz):
             return NotImplemented
-        return Sz(self.c0 + o.c0, self.s_ + o.s_, self.bs + o.bs, self.bss + o.bss, self.b_ + o.b_)
+        return Sz(self.c0 + o.c0, self.s_ + o.s_, self.bs + o.bs, self.bss + o.bss, self.b_ + o.b_, self.ss + o.ss)
 
-    def key(self) -> tuple[float, float, float, float, float]:
-        """Order by growth: b*s*s terms dominate, then b*s, then s, then b, then constants."""
-        return (self.bss, self.bs, self.s_, self.b_, self.c0)
+    def key(self) -> tuple[float, ...]:
+        """Order by growth: b*s*s terms dominate, then s*s, then b*s, then s, then b, then constants."""
+        return (self.bss, self.ss, self.bs, self.s_, self.b_, self.c0)
 
     def at(self, b: int, s: int) -> float:
         """Elements (or bytes, for a byte form) at batch `b` and sequence length `s`."""
-        return self.c0 + self.b_ * b + self.s_ * s + self.bs * b * s + self.bss * b * s * s
+        return self.c0 + self.b_ * b + self.s_ * s + self.bs * b * s + self.ss * s * s + self.bss * b * s * s
 
 
 def const(n: float) -> Sz:
@@ -74,8 +75,8 @@ def per_token_sq(n: float) -> Sz:
 class T:
     """A symbolic tensor: element count, bytes per element, reference count and provenance."""
 
-    __slots__ = ("base", "born", "dt", "freed", "grad", "is_grad", "is_param", "label", "n", "phase", "refs",
-                 "region", "rg", "uses", "wcopy")
+    __slots__ = ("base", "born", "chain", "dt", "freed", "grad", "is_grad", "is_param", "label", "n", "phase",
+                 "refs", "region", "rg", "uses", "wcopy")
 
     def __init__(self, n: Sz, dt: int, label: str, rg: bool, region: str, phase: str) -> None:
         self.n = n
@@ -93,6 +94,7 @@ class T:
         self.born = -1
         self.freed = -1
         self.base: T | None = None  # a view shares its base's storage and keeps it alive
+        self.chain = False  # a layer's output (or its input's gradient): passed to the next layer
 
     @property
     def bytes(self) -> Sz:
@@ -109,7 +111,7 @@ Backward = Callable[["Graph", Sequence["T | None"]], Sequence["T | None"]]
 class Node:
     """One autograd node: its inputs, outputs, saved tensors and backward rule."""
 
-    __slots__ = ("backward", "ins", "label", "outs", "region", "saved")
+    __slots__ = ("backward", "ins", "label", "n_saved", "outs", "region", "saved", "checkpoint")
 
     def __init__(self, label: str, ins: Sequence[T], outs: Sequence[T], saved: Sequence[T], backward: Backward,
                  region: str) -> None:
@@ -117,8 +119,10 @@ class Node:
         self.ins = tuple(ins)
         self.outs = tuple(outs)
         self.saved = tuple(saved)
+        self.n_saved = 0  # tensors packed into checkpoint holders instead of saved
         self.backward = backward
         self.region = region
+        self.checkpoint: object | None = None  # the checkpointed region this node belongs to
 
 
 class Graph:
@@ -138,11 +142,20 @@ class Graph:
         self.saving = True
         self.recomputing = False
         self.node_marks: dict[str, int] = {}
+        self.checkpoint: object | None = None  # set while a checkpointed region runs its forward
+        self._refill: list[Node] = []  # recomputation: nodes whose saved slots are being re-made
+        self._stopped = False  # recomputation stopped early: further work is not executed
+        self._final_refill = False  # the stop came from input saves packed before the kernel ran
+        self.sac_store: list[tuple[T, ...]] | None = None  # selective checkpointing: forward cache
+        self.sac_replay: list[tuple[T, ...]] | None = None  # selective checkpointing: recompute reads it
 
     # -- memory --------------------------------------------------------------------------------
     def alloc(self, n: Sz, dt: int, label: str, rg: bool = False) -> T:
         """A new tensor (one reference, held by the caller)."""
         t = T(n, dt, label, rg, "recomputed" if self.recomputing else self.region, self.phase)
+        if self._stopped:  # code after an early-stopped recomputation never runs
+            t.born = -2
+            return t
         t.born = len(self.events)
         self.events.append((t, 1))
         return t
@@ -158,6 +171,8 @@ class Graph:
             if t is None:
                 continue
             t.refs -= 1
+            if t.born == -2:
+                continue
             if t.refs == 0:
                 if t.base is not None:
                     self.drop(t.base)
@@ -174,6 +189,18 @@ class Graph:
         self.hold(v.base)
         return v
 
+    def sac_outputs(self, make: Callable[[], tuple[T, ...]]) -> tuple[T, ...]:
+        """Outputs of an op that selective checkpointing saves (matmuls, attention): in the forward
+        the policy's cache keeps them (``_CachingTorchDispatchMode``); in the recomputation they are
+        taken from the cache instead of being computed again (``_CachedTorchDispatchMode``)."""
+        if self.sac_store is not None:
+            outs = make()
+            self.sac_store.append(tuple(self.hold(o) for o in outs))
+            return outs
+        if self.sac_replay is not None and self.recomputing and not self._stopped and self.sac_replay:
+            return self.sac_replay.pop(0)
+        return make()
+
     def mark(self, name: str) -> None:
         """Remember the current event index under `name` (segment boundaries)."""
         self.marks[name] = len(self.events)
@@ -184,18 +211,60 @@ class Graph:
         """Register an autograd node if any input requires grad; hold its saved tensors."""
         if not any(t.rg for t in ins):
             return
-        keep = [t for t in saved if t is not None] if self.saving else []
-        for t in keep:
-            self.hold(t)
         for t in outs:
             t.rg = True
+        if self._stopped and not self._final_refill:
+            return
+        packed = [t for t in saved if t is not None]
+        if self.recomputing:
+            # the recomputation's own graph is thrown away; what it saves refills the original nodes
+            if self._final_refill:
+                self._final_refill = False
+                node = self._refill.pop(0)
+                node.saved = tuple(self.hold(t) for t in packed)
+                return
+            if not packed or not self._refill:
+                return
+            node = self._refill.pop(0)
+            node.saved = tuple(self.hold(t) for t in packed)
+            if not self._refill:
+                # PyTorch raises _StopRecomputationError here (early stop): nothing after this op runs
+                # and unwinding frees the recomputation's locals. The recipe keeps running on phantom
+                # tensors so that its ``drop`` calls free the real ones, as unwinding would.
+                self._stopped = True
+            return
         for t in ins:
             if t.is_param and t.rg:
                 t.uses += 1
-        self.nodes.append(Node(label, ins, outs, keep, backward, self.region))
+        node = Node(label, ins, outs, [self.hold(t) for t in packed] if self.saving else [], backward, self.region)
+        if not self.saving:
+            node.n_saved = len(packed)
+            node.checkpoint = self.checkpoint
+        self.nodes.append(node)
+
+    def before_outputs(self, ins: Sequence[T], saved_inputs: Sequence[T | None]) -> None:
+        """Autograd packs an op's saved *inputs* before its kernel runs; if that completes a
+        recomputation, it stops before the op's outputs are allocated."""
+        if not self.recomputing or self._stopped or len(self._refill) != 1 or not any(t.rg for t in ins):
+            return
+        if sum(t is not None for t in saved_inputs) == self._refill[0].n_saved:
+            self._stopped = True
+            self._final_refill = True
+
+    def recompute(self, nodes: list[Node], rerun: Callable[[], None]) -> None:
+        """Re-run a checkpointed region's forward so that `nodes` get their saved tensors back,
+        stopping as soon as the last one has them (non-reentrant checkpoint with early stop)."""
+        self._refill = [n for n in nodes if n.n_saved]
+        if not self._refill:
+            return
+        self.recomputing = True
+        rerun()
+        self.recomputing = False
+        self._stopped = False
 
     def backward(self, loss: T, seed_dt: int = 4,
-                 on_node: Callable[[int], None] | None = None) -> None:
+                 on_node: Callable[[int], None] | None = None,
+                 on_checkpoint: Callable[[object], None] | None = None) -> None:
         """Run the recorded nodes in reverse creation order, as ``loss.backward()`` does."""
         # torch.autograd.backward makes the seed (ones_like(loss)) and holds it until it returns
         seed = self.alloc(const(1), seed_dt, "ones_like")
@@ -204,6 +273,8 @@ class Graph:
             if on_node is not None:
                 on_node(index)
             node = self.nodes[index]
+            if node.checkpoint is not None and node.n_saved and not node.saved and on_checkpoint is not None:
+                on_checkpoint(node.checkpoint)
             grads_out = []
             for o in node.outs:
                 grads_out.append(o.grad)
@@ -212,6 +283,10 @@ class Graph:
                 self.drop(*node.saved)
                 continue
             grads_in = list(node.backward(self, grads_out))
+            if node.checkpoint is not None:
+                # recomputed tensors are handed to the node at unpack and die when its apply returns
+                self.drop(*node.saved)
+                node.saved = ()
             # the engine reduces broadcast gradients to their input's shape (validate_outputs)
             for i, (inp, g) in enumerate(zip(node.ins, grads_in)):
                 if g is not None and inp.rg and g.n.key() > inp.n.key():
@@ -221,6 +296,9 @@ class Graph:
             self.drop(*grads_out)
             self.drop(*node.saved)
             node.saved = ()
+            frame = node.checkpoint
+            if frame is not None and getattr(frame, "first_node", None) is node:
+                frame.release(self)  # type: ignore[attr-defined]
             for inp, g in zip(node.ins, grads_in):
                 if g is None:
                     continue
