@@ -54,269 +54,6 @@ class Recipe:
         raise NotImplementedError
 
 
-def _tok(n: float) -> Sz:
-    return per_token(n)
-
-
-class LlamaRecipe(Recipe):
-    """llama, mistral, qwen2, gemma, phi3 and mixtral: pre-norm RMSNorm decoder with RoPE."""
-
-    def rmsnorm(self, g: Graph, x: T, w: T, label: str) -> T:
-        """LlamaRMSNorm.forward: upcast to fp32, ``x * rsqrt(mean(x**2) + eps)``, cast back, ``* w``."""
-        h = self.m.hidden
-        input_dt = x.dt
-        hs = ops.cast(g, x, F32, f"{label} to fp32")
-        p = ops.pow2(g, hs, f"{label} pow")
-        var = ops.mean_last(g, p, _tok(1), f"{label} mean")
-        g.drop(p)
-        ve = ops.scalar_op(g, var, f"{label} +eps", grad_allocs=False)
-        r = ops.rsqrt(g, ve, f"{label} rsqrt")
-        g.drop(ve)
-        hs2 = ops.mul(g, hs, r, f"{label} x*rsqrt")
-        g.drop(r, hs)
-        hs3 = ops.cast(g, hs2, input_dt, f"{label} to input dtype")
-        out = ops.mul(g, w, hs3, f"{label} *weight")
-        g.drop(hs3, hs2, var)
-        _ = h
-        return out
-
-    def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
-        m = self.m
-        x = ops.embedding(g, ids, p["embed_tokens.weight"], _tok(m.hidden), "embed_tokens")
-        sh = Shared()
-        # position ids: cache_position = arange(s) (+ past length) -> unsqueeze
-        ar = g.alloc(per_seq(1), I64, "arange")
-        pos = g.alloc(per_seq(1), I64, "cache_position")
-        g.drop(ar)
-        sh.extra.append(pos)
-        if self.t.attention is Attention.EAGER:
-            sh.mask = causal_mask(g, x.dt)
-        sh.cos, sh.sin = self.rotary(g, x.dt)
-        return x, sh
-
-    def rotary(self, g: Graph, x_dt: int) -> tuple[T, T]:
-        """LlamaRotaryEmbedding.forward: fp32 ``cos``/``sin`` of (s, rotary_dims), cast to x's dtype on
-        return (the fp32 locals die when the function returns)."""
-        d = self.m.rotary_dims
-        pos_f = g.alloc(per_seq(1), F32, "position_ids float")
-        freqs = g.alloc(per_seq(d / 2), F32, "freqs")
-        g.drop(pos_f)
-        emb = g.alloc(per_seq(d), F32, "emb cat")
-        full = []
-        for name in ("cos", "sin"):
-            raw = g.alloc(per_seq(d), F32, name)
-            scaled = g.alloc(per_seq(d), F32, f"{name} * scaling")
-            g.drop(raw)
-            full.append(scaled)
-        out = [ops.cast(g, full[0], x_dt, "cos to dtype"), ops.cast(g, full[1], x_dt, "sin to dtype")]
-        g.drop(freqs, emb, full[0], full[1])
-        return out[0], out[1]
-
-    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
-        m = self.m
-        self.attn_weights: list[T] = []
-        residual = g.hold(x)
-        h = self.rmsnorm(g, x, p["input_layernorm.weight"], "input_layernorm")
-        a = self.attention(g, h, sh, p)
-        g.drop(h)
-        h1 = ops.add(g, residual, a, "residual add (attn)")
-        g.drop(a, residual)
-        residual = g.hold(h1)
-        h2 = self.rmsnorm(g, h1, p["post_attention_layernorm.weight"], "post_attention_layernorm")
-        g.drop(h1)
-        mo = self.mlp(g, h2, p)
-        g.drop(h2)
-        out = ops.add(g, residual, mo, "residual add (mlp)")
-        g.drop(mo, residual, *self.attn_weights)
-        _ = m
-        return out
-
-    def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T]) -> T:
-        m, ctx = self.m, self.ctx
-        q = ops.linear(g, ctx, h, p["self_attn.q_proj.weight"], m.hidden, m.q_dim, p.get("self_attn.q_proj.bias"), "q_proj")
-        qv = ops.heads_view(g, q, "q view")
-        g.drop(q)
-        k = ops.linear(g, ctx, h, p["self_attn.k_proj.weight"], m.hidden, m.kv_dim, p.get("self_attn.k_proj.bias"), "k_proj")
-        kv = ops.heads_view(g, k, "k view")
-        g.drop(k)
-        v = ops.linear(g, ctx, h, p["self_attn.v_proj.weight"], m.hidden, m.kv_dim, p.get("self_attn.v_proj.bias"), "v_proj")
-        # the value's gradient comes back in the projection's layout from SDPA's kernel, but
-        # contiguous in (b, heads, s, d) from eager attention's matmuls (then the view copies it)
-        vv = ops.heads_view(g, v, "v view", clone_grad=self.t.attention is Attention.EAGER or self.sdpa_falls_back_to_math)
-        g.drop(v)
-        assert sh.cos is not None and sh.sin is not None
-        qr = self.apply_rotary(g, qv, sh.cos, sh.sin, "q")
-        kr = self.apply_rotary(g, kv, sh.cos, sh.sin, "k")
-        g.drop(qv, kv)
-        if self.t.attention is Attention.EAGER:
-            o = self.eager(g, qr, kr, vv, sh.mask)
-        elif self.sdpa_falls_back_to_math:
-            o = self.sdpa_math(g, qr, kr, vv)
-        else:
-            o = self.sdpa(g, qr, kr, vv)
-        out = ops.linear(g, ctx, o, p["self_attn.o_proj.weight"], m.q_dim, m.hidden, p.get("self_attn.o_proj.bias"), "o_proj")
-        g.drop(o)
-        g.drop(qr, kr, vv)  # locals query_states, key_states, value_states die when forward returns
-        return out
-
-    def apply_rotary(self, g: Graph, x: T, cos: T, sin: T, name: str) -> T:
-        """``(x * cos) + (rotate_half(x) * sin)``."""
-        a = ops.mul(g, x, cos, f"{name} * cos")
-        rh = ops.rotate_half(g, x, 1.0, f"{name} rotate_half")
-        b = ops.mul(g, rh, sin, f"{name} rotate_half * sin")
-        g.drop(rh)
-        out = ops.add(g, a, b, f"{name} rotary add")
-        g.drop(a, b)
-        return out
-
-    def sdpa(self, g: Graph, q: T, k: T, v: T) -> T:
-        """HF's sdpa_attention_forward → torch SDPA (is_causal, enable_gqa: no repeated k/v).
-
-        CPU without dropout and CUDA use a flash-style kernel that saves q, k, v, the output and an
-        fp32 logsumexp of (b, heads, s)."""
-        m, ctx = self.m, self.ctx
-        cd = ctx.autocast
-        # autocast casts the key before the query (seen in measured traces); value is already 16-bit
-        kc = k if cd is None else ops.cast(g, k, cd, "sdpa k cast")
-        qc = q if cd is None else ops.cast(g, q, cd, "sdpa q cast")
-        vc = v if cd is None else ops.cast(g, v, cd, "sdpa v cast")
-        if cd is None:
-            g.hold(qc), g.hold(kc), g.hold(vc)
-        out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"), g.alloc(_tok(m.n_heads), F32, "sdpa logsumexp")))
-
-        def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
-            return [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
-                    g.alloc(vc.n, vc.dt, "sdpa grad v")]
-
-        # the node releases its saved tensors in the order key, query, value, logsumexp, output
-        g.record("sdpa", [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
-        g.drop(lse, qc, kc, vc)
-        return out
-
-    def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
-        """HF ``eager_attention_forward``: repeat k/v for GQA, ``q @ k^T * scaling + mask``, fp32
-        softmax cast back to q's dtype, dropout, ``@ v``, transpose back to contiguous.
-
-        The rotary outputs keep the projections' (b, s, heads, d) memory layout, so ``matmul``
-        copies q (and k when it is not repeated) to contiguous batched matrices."""
-        m, ctx = self.m, self.ctx
-        n_rep = m.n_heads // m.n_kv_heads
-        scores_n = per_token_sq(m.n_heads)
-        kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
-        vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
-        # matmul(query, key^T): autocast casts key then query; the strided operands are copied
-        kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
-        qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
-        q2 = ops.clone(g, qc, "query contiguous")
-        k2 = ops.clone(g, kc, "key^T contiguous") if n_rep == 1 else g.hold(kc)
-        scores = ops.bmm(g, ctx, q2, k2, scores_n, "q @ k^T")
-        g.drop(q2, k2, qc, kc)  # matmul's operands and their copies die when matmul returns
-        w = ops.scalar_op(g, scores, "* scaling")
-        g.drop(scores)
-        if mask is not None:
-            w2 = ops.add(g, w, mask, "+ mask")
-            g.drop(w)
-            w = w2
-        probs = ops.softmax(g, w, F32, "softmax")
-        pq = ops.cast(g, probs, q.dt, "probs to q dtype")
-        g.drop(probs, w)  # `attn_weights = softmax(...).to(dtype)` rebinds the name after the cast
-        pd = ops.dropout(g, ctx, pq, self.dropout_attn, "attn dropout")
-        g.drop(pq)
-        pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
-        vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
-        o3 = ops.bmm(g, ctx, pc, vc, q.n, "probs @ v")
-        g.drop(pc, vc)
-        # matmul returns a view of the bmm result; the gradient reaching it through the transpose is
-        # strided, so its backward reshape copies it
-        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
-        g.drop(o3)
-        out = ops.clone(g, o, "attn_output transpose contiguous")
-        g.drop(o, kx, vx)  # locals of eager_attention_forward
-        # the attention weights are returned too: the decoder layer binds them to `_` until it returns
-        self.attn_weights.append(pd)
-        return out
-
-    @property
-    def sdpa_falls_back_to_math(self) -> bool:
-        """On CPU, SDPA with attention dropout runs the math kernel (the CPU flash kernel has no
-        dropout); CUDA's flash and memory-efficient kernels apply dropout inside the kernel."""
-        return self.t.attention is Attention.SDPA and not self.ctx.cuda and self.dropout_attn > 0
-
-    def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
-        """``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp):
-        16-bit inputs are upcast to fp32 on CPU; q and k scaled by sqrt(scale), an (s, s) causal
-        mask, k/v repeated for GQA, ``matmul``, ``_safe_softmax``, dropout, ``matmul``, results cast
-        back; then HF makes the output contiguous."""
-        m, ctx = self.m, self.ctx
-        cd = ctx.autocast
-        kc = k if cd is None else ops.cast(g, k, cd, "sdpa k cast")
-        qc = q if cd is None else ops.cast(g, q, cd, "sdpa q cast")
-        vc = v if cd is None else ops.cast(g, v, cd, "sdpa v cast")
-        if cd is None:
-            g.hold(qc), g.hold(kc), g.hold(vc)
-        reduced = qc.dt != F32
-        q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
-        n_rep = m.n_heads // m.n_kv_heads
-        qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
-        ones = g.alloc(Sz(ss=1), BOOL, "causal ones")
-        tril = g.alloc(Sz(ss=1), BOOL, "causal tril")
-        g.drop(ones)
-        zero, neg = g.alloc(const(1), F32, "0"), g.alloc(const(1), F32, "-inf")
-        mask = g.alloc(Sz(ss=1), F32, "causal mask")
-        g.drop(zero, neg, tril)
-        kx = ops.repeat_kv(g, k32, n_rep, "key expanded")
-        vx = ops.repeat_kv(g, v32, n_rep, "value expanded")
-        kt = ops.scalar_op(g, kx, "k^T * sqrt(scale)")
-        q2 = ops.clone(g, qs, "query contiguous")
-        scores = ops.bmm(g, ctx, q2, kt, per_token_sq(m.n_heads), "q @ k^T")
-        g.drop(q2, kt)
-        sm = ops.add(g, scores, mask, "+ mask")
-        g.drop(scores)
-        probs = ops.softmax(g, sm, None, "_safe_softmax")
-        g.drop(sm)
-        pd = ops.dropout(g, ctx, probs, self.dropout_attn, "attn dropout")
-        g.drop(probs)
-        # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
-        attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
-        o3 = ops.bmm(g, ctx, pd, vx, q.n, "probs @ v")
-        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
-        g.drop(o3)
-        if reduced:
-            o16 = ops.cast(g, o, qc.dt, "output to input dtype")
-            g.drop(o)
-            o = o16
-        g.drop(kx, qs, mask, k32, v32, q32, pd, vx, attn16, qc, kc, vc)
-        out = ops.clone(g, o, "attn_output transpose contiguous")
-        g.drop(o)
-        return out
-
-    def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
-        m, ctx = self.m, self.ctx
-        gt = ops.linear(g, ctx, x, p["mlp.gate_proj.weight"], m.hidden, m.ffn, p.get("mlp.gate_proj.bias"), "gate_proj")
-        a = self.act(g, gt)
-        g.drop(gt)
-        u = ops.linear(g, ctx, x, p["mlp.up_proj.weight"], m.hidden, m.ffn, p.get("mlp.up_proj.bias"), "up_proj")
-        pr = ops.mul(g, a, u, "act * up")
-        g.drop(a, u)
-        out = ops.linear(g, ctx, pr, p["mlp.down_proj.weight"], m.ffn, m.hidden, p.get("mlp.down_proj.bias"), "down_proj")
-        g.drop(pr)
-        return out
-
-    def act(self, g: Graph, x: T) -> T:
-        return ops.unary_saving_input(g, x, self.m.activation)
-
-    def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
-        """The base model's last op (its output is held by the returned model output)."""
-        return self.rmsnorm(g, x, p["norm.weight"], "norm")
-
-    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
-        """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits)."""
-        m, ctx = self.m, self.ctx
-        w = p.get("lm_head.weight") or p["embed_tokens.weight"]
-        logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
-        return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
-
-
 def causal_mask(g: Graph, dt: int) -> T:
     """transformers' ``create_causal_mask`` for eager attention: a (b, 1, s, s) additive mask in the
     model's dtype (0 or the dtype's minimum), built from a (1, 1, s, s) boolean causal pattern."""
@@ -343,7 +80,7 @@ def causal_lm_loss(g: Graph, logits: T, vocab: int, batch1: bool = False) -> T:
     lf = ops.cast(g, logits, F32, "logits.float()")
     pad = g.alloc(Sz(bs=1, b_=1), I64, "labels pad")  # F.pad(labels, (0, 1)): (b, s+1) int64
     # labels[..., 1:].contiguous(): a copy, except with one sequence, where the slice is contiguous
-    shift = g.view(pad, "shift_labels", n=_tok(1)) if batch1 else g.alloc(_tok(1), I64, "shift_labels")
+    shift = g.view(pad, "shift_labels", n=tok(1)) if batch1 else g.alloc(tok(1), I64, "shift_labels")
     ls = g.alloc(lf.n, F32, "log_softmax")
 
     def ls_bwd(g: Graph, go: list[T | None]) -> list[T | None]:
@@ -362,10 +99,19 @@ def causal_lm_loss(g: Graph, logits: T, vocab: int, batch1: bool = False) -> T:
 
 
 def recipe_for(m: ModelSpec, t: TrainingSpec, ctx: Ctx) -> Recipe:
-    """The recipe of `m`'s family."""
-    if m.family in (Family.LLAMA, Family.MISTRAL, Family.QWEN2, Family.MIXTRAL, Family.PHI3, Family.GEMMA):
-        return LlamaRecipe(m, t, ctx)
-    raise NotImplementedError(f"family {m.family.value!r} has no recipe yet")
+    """The recipe of `m`'s family (one module per family in `trainmem_nb.families`)."""
+    from .families import RECIPES
+
+    try:
+        cls = RECIPES[m.family]
+    except KeyError:
+        raise NotImplementedError(f"family {m.family.value!r} has no recipe yet") from None
+    return cls(m, t, ctx)
 
 
-_ = (Attention, BOOL, per_token_sq)
+def tok(n: float) -> Sz:
+    """``(b, s, n)`` elements: a per-token activation of width n."""
+    return per_token(n)
+
+
+_ = (Attention, Family, per_token_sq)
