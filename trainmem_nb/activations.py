@@ -40,6 +40,18 @@ class Recipe:
         self.dropout_hidden = m.hidden_dropout if t.dropout is None else t.dropout
         self.dropout_embd = m.embd_dropout if t.dropout is None else t.dropout
 
+    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
+               **kw: object) -> T:
+        """A projection layer (``nn.Linear``/``Conv1D``) by its module name in the layer: the plain
+        matmul, or peft's LoRA-wrapped forward when an adapter targets it."""
+        a_w = p.get(f"{module}.lora_A.weight")
+        if a_w is not None:
+            return ops.lora_linear(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), a_w,
+                                   p[f"{module}.lora_B.weight"], in_features, out_features, self.t.lora_rank,
+                                   self.t.lora_dropout, module)
+        return ops.linear(g, self.ctx, x, p[f"{module}.weight"], in_features, out_features, p.get(f"{module}.bias"),
+                          module, **kw)  # type: ignore[arg-type]
+
     # parameters are created by simulate.py from the inventory and passed in by name
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         raise NotImplementedError

@@ -98,9 +98,9 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
         xc = g.hold(x)
         wc: T = g.hold(w)
         bc = g.hold(b) if b is not None else None
-    else:  # autocast casts the weight (cached) and bias before the input
-        wc = autocast_weight(g, ctx, w)
+    else:  # autocast casts the arguments right to left (C++ evaluation order): bias, weight, input
         bc = autocast_weight(g, ctx, b) if b is not None else None
+        wc = autocast_weight(g, ctx, w)
         xc = cast(g, x, ctx.autocast, f"{label} input cast")
     ins = [xc, wc] + ([bc] if bc is not None else [])
     saved = [wc if xc.rg else None, xc if wc.rg else None]  # released weight first, then input
@@ -410,3 +410,223 @@ def dropout(g: Graph, ctx: Ctx, x: T, p: float, label: str = "dropout") -> T:
     g.record(label, [x, noise], [out], [noise], cpu_bwd)
     g.drop(noise)
     return out
+
+
+# -- fine-tuning adapters -----------------------------------------------------------------------
+def lora_linear(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, a_w: T, b_w: T, in_features: int, out_features: int,
+                rank: int, dropout_p: float, label: str) -> T:
+    """peft ``lora.Linear.forward``: ``result = base(x)``; ``x`` cast to the adapter dtype (fp32 by
+    default); ``result = result + lora_B(lora_A(dropout(x))) * scaling``; cast back to the base
+    result's dtype (peft/tuners/lora/layer.py)."""
+    result = linear(g, ctx, x, w, in_features, out_features, b, f"{label}.base_layer")
+    result_dt = result.dt
+    xa = cast(g, x, a_w.dt, f"{label} lora input cast")
+    d = dropout(g, ctx, xa, dropout_p, f"{label}.lora_dropout")
+    a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A")
+    bb = linear(g, ctx, a, b_w, rank, out_features, None, f"{label}.lora_B")
+    g.drop(a, d)
+    sc = scalar_op(g, bb, f"{label} * scaling")
+    g.drop(bb)
+    total = add(g, result, sc, f"{label} + lora")
+    g.drop(result, sc)
+    out = cast(g, total, result_dt, f"{label} to result dtype")
+    g.drop(total, xa)
+    return out
+
+
+# -- ops added for the LayerNorm families ---------------------------------------------------------
+# (gpt2, opt, bert, gpt_neox: LayerNorm, Conv1D/linear with biases, GELU/ReLU, fused qkv, SDPA/eager)
+def layer_norm(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, stats_n: Sz, label: str = "layer_norm") -> T:
+    """``F.layer_norm`` → ``native_layer_norm``: output in the input's dtype plus ``mean`` and
+    ``rstd`` of (tokens, 1); saves input, weight, bias, mean, rstd (derivatives.yaml
+    native_layer_norm); backward (``native_layer_norm_backward``) allocates the input's, the
+    weight's and the bias's gradients.
+
+    Statistics dtype: CPU ``layer_norm_cpu`` uses ``param_scalar_type`` (the input's dtype, fp32 when a
+    16-bit input meets fp32 parameters); CUDA ``layer_norm_cuda`` uses the accumulate type (fp32).
+    CUDA autocast runs ``layer_norm`` in fp32 (at::autocast fp32 list): a 16-bit input is cast first."""
+    src = cast(g, x, F32, f"{label} autocast fp32") if ctx.cuda and ctx.autocast and x.dt != F32 else g.hold(x)
+    stats_dt = F32 if (ctx.cuda or src.dt == F32 or w.dt == F32) else src.dt
+    out = g.alloc(src.n, src.dt, label)
+    mean = g.alloc(stats_n, stats_dt, f"{label} mean")
+    rstd = g.alloc(stats_n, stats_dt, f"{label} rstd")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        gx = g.alloc(src.n, src.dt, f"{label} grad x") if src.rg else None
+        gw = g.alloc(w.n, w.dt, f"{label} grad w") if w.rg else None
+        gb = g.alloc(b.n, b.dt, f"{label} grad b") if b is not None and b.rg else None
+        return [gx, gw] + ([gb] if b is not None else [])
+
+    ins = [src, w] + ([b] if b is not None else [])
+    g.record(label, ins, [out], [src, w, b, mean, rstd], bwd)
+    g.drop(mean, rstd, src)
+    return out
+
+
+def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: int, label: str = "addmm") -> T:
+    """transformers ``Conv1D``: ``torch.addmm(bias, x.view(-1, nx), weight)`` with a (in, out) weight.
+
+    Memory as `linear` with a bias (saves the input and the weight; backward: input gradient, weight
+    gradient, then the bias gradient as the engine's reduction of the output gradient). Autocast's
+    wrapper casts its arguments right to left (GCC evaluates the ``cached_cast(args)...`` pack from
+    the last argument): the weight (cached), the input, then the bias (cached)."""
+    if ctx.autocast is None:
+        xc, wc, bc = g.hold(x), g.hold(w), g.hold(b)
+    else:
+        wc = autocast_weight(g, ctx, w)
+        xc = cast(g, x, ctx.autocast, f"{label} input cast")
+        bc = autocast_weight(g, ctx, b)
+    ins = [xc, wc, bc]
+    saved = [wc if xc.rg else None, xc if wc.rg else None]
+    g.before_outputs(ins, saved)
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), xc.dt, label),))
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        gx = g.alloc(xc.n, xc.dt, f"{label} grad x") if xc.rg else None
+        gw = g.alloc(wc.n, wc.dt, f"{label} grad w") if wc.rg else None
+        gb = g.alloc(bc.n, bc.dt, f"{label} grad b") if bc.rg else None
+        return [gx, gw, gb]
+
+    g.record(label, ins, [out], saved, bwd)
+    g.drop(xc, wc, bc)
+    return out
+
+
+def split(g: Graph, x: T, parts: Sequence[float], label: str = "split") -> list[T]:
+    """``x.split(...)`` along the last dim: views (fractions `parts` of x); backward
+    (``split_with_sizes_backward``) concatenates the parts' gradients into one x-sized tensor
+    (missing ones are zero-filled first)."""
+    views = [g.view(x, f"{label} part", n=x.n * f) for f in parts]
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        zeros = [g.alloc(x.n * f, x.dt, f"{label} zeros") for f, gr in zip(parts, go) if gr is None]
+        out = g.alloc(x.n, x.dt, f"{label} backward cat")
+        g.drop(*zeros)
+        return [out]
+
+    g.record(label, [x], views, [], bwd)
+    return views
+
+
+def gelu(g: Graph, x: T, label: str = "gelu") -> T:
+    """``F.gelu`` (exact, erf): saves its input; backward ``gelu_backward`` allocates one gradient."""
+    return unary_saving_input(g, x, label)
+
+
+def relu(g: Graph, x: T, label: str = "relu") -> T:
+    """``F.relu``: saves its result; backward ``threshold_backward`` allocates one gradient."""
+    return unary_saving_output(g, x, label)
+
+
+def gelu_new(g: Graph, ctx: Ctx, x: T, label: str = "gelu_new") -> T:
+    """transformers ``NewGELUActivation``: the Python formula
+    ``0.5 * x * (1.0 + tanh(sqrt(2/pi) * (x + 0.044715 * pow(x, 3.0))))``, op by op (each temporary dies
+    where the expression stops using it). Saved: x (by pow), 0.5*x, tanh's result, 1+tanh, and the
+    product's inputs.
+
+    CUDA autocast runs ``pow`` in fp32 (at::autocast fp32 list): x is cast to fp32 (that copy is what
+    pow saves) and everything downstream of it is promoted to fp32."""
+    half = scalar_op(g, x, f"{label} 0.5*x")
+    if ctx.cuda and ctx.autocast and x.dt != F32:
+        x32 = cast(g, x, F32, f"{label} pow autocast fp32")
+        p = pow2(g, x32, f"{label} pow3")
+        g.drop(x32)
+    else:
+        p = pow2(g, x, f"{label} pow3")
+    m = scalar_op(g, p, f"{label} 0.044715*")
+    g.drop(p)
+    s = add(g, x, m, f"{label} x+")
+    g.drop(m)
+    e = scalar_op(g, s, f"{label} sqrt(2/pi)*")
+    g.drop(s)
+    t = unary_saving_output(g, e, f"{label} tanh")
+    g.drop(e)
+    u = scalar_op(g, t, f"{label} 1+", grad_allocs=False)
+    g.drop(t)
+    out = mul(g, half, u, f"{label} mul")
+    g.drop(half, u)
+    return out
+
+
+def activation(g: Graph, ctx: Ctx, x: T, name: str, label: str = "act") -> T:
+    """The MLP activation by its transformers name (``ACT2FN``)."""
+    if name == "gelu_new":
+        return gelu_new(g, ctx, x, label)
+    if name == "relu":
+        return relu(g, x, label)
+    if name in ("gelu", "silu", "gelu_pytorch_tanh"):
+        return unary_saving_input(g, x, label)
+    raise NotImplementedError(f"activation {name!r}")
+
+
+def sdpa_flash(g: Graph, ctx: Ctx, q: T, k: T, v: T, lse_n: Sz, label: str = "sdpa") -> T:
+    """``F.scaled_dot_product_attention`` on a flash-style kernel (CPU flash without dropout; CUDA
+    flash / memory-efficient): the output in q's layout and an fp32 logsumexp; saves q, k, v, the
+    output and the logsumexp; backward allocates the three input gradients. Autocast casts key,
+    query, value (a no-op for 16-bit inputs)."""
+    cd = ctx.autocast
+    kc = cast(g, k, cd, f"{label} k cast") if cd else g.hold(k)
+    qc = cast(g, q, cd, f"{label} q cast") if cd else g.hold(q)
+    vc = cast(g, v, cd, f"{label} v cast") if cd else g.hold(v)
+    out, lse = g.sac_outputs(lambda: (g.alloc(qc.n, qc.dt, f"{label} out"), g.alloc(lse_n, F32, f"{label} logsumexp")))
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(qc.n, qc.dt, f"{label} grad q"), g.alloc(kc.n, kc.dt, f"{label} grad k"),
+                g.alloc(vc.n, vc.dt, f"{label} grad v")]
+
+    # the node releases its saved tensors in the order key, query, value, logsumexp, output
+    g.record(label, [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
+    g.drop(lse, qc, kc, vc)
+    return out
+
+
+def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, causal: bool,
+              copy_k: bool = True, copy_v: bool = True, label: str = "sdpa math") -> T:
+    """``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp), which
+    CPU SDPA runs when attention dropout is on: 16-bit inputs are upcast to fp32 on CPU; q and k^T
+    scaled by sqrt(scale); with ``is_causal`` an (s, s) additive mask (``ones.tril`` → ``where``);
+    ``matmul`` (it copies strided operands: always the query, the key and value when `copy_k` /
+    `copy_v`), ``_safe_softmax``, dropout, ``matmul``; the results are cast back. Returns the
+    (b, heads, s, d) output (a view of the last matmul's result when no cast back happens)."""
+    cd = ctx.autocast
+    kc = cast(g, k, cd, f"{label} k cast") if cd else g.hold(k)
+    qc = cast(g, q, cd, f"{label} q cast") if cd else g.hold(q)
+    vc = cast(g, v, cd, f"{label} v cast") if cd else g.hold(v)
+    reduced = qc.dt != F32 and not ctx.cuda
+    q32, k32, v32 = ((cast(g, x, F32, f"{label} upcast") if reduced else g.hold(x)) for x in (qc, kc, vc))
+    qs = scalar_op(g, q32, f"{label} q * sqrt(scale)")
+    mask = None
+    if causal:
+        ones = g.alloc(Sz(ss=1), BOOL, f"{label} causal ones")
+        tril = g.alloc(Sz(ss=1), BOOL, f"{label} causal tril")
+        g.drop(ones)
+        zero, neg = g.alloc(ONE, q32.dt, "0"), g.alloc(ONE, q32.dt, "-inf")
+        mask = g.alloc(Sz(ss=1), q32.dt, f"{label} causal mask")
+        g.drop(zero, neg, tril)
+    kt = scalar_op(g, k32, f"{label} k^T * sqrt(scale)")
+    q2 = clone(g, qs, f"{label} query contiguous")
+    k2 = clone(g, kt, f"{label} key^T contiguous") if copy_k else g.hold(kt)
+    scores = bmm(g, ctx, q2, k2, scores_n, f"{label} q @ k^T")
+    g.drop(q2, k2, kt)
+    if mask is not None:
+        sm = add(g, scores, mask, f"{label} + mask")
+        g.drop(scores)
+    else:
+        sm = scores
+    probs = softmax(g, sm, None, f"{label} _safe_softmax")
+    g.drop(sm)
+    pd = dropout(g, ctx, probs, p, f"{label} attn dropout")
+    g.drop(probs)
+    # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
+    attn16 = cast(g, pd, qc.dt, f"{label} attn to input dtype") if reduced else None
+    v2 = clone(g, v32, f"{label} value contiguous") if copy_v else g.hold(v32)
+    o3 = bmm(g, ctx, pd, v2, q.n, f"{label} probs @ v")
+    g.drop(v2)
+    o = heads_view(g, o3, f"{label} matmul unsafe_view", clone_grad=True)
+    g.drop(o3)
+    if reduced:
+        o16 = cast(g, o, qc.dt, f"{label} output to input dtype")
+        g.drop(o)
+        o = o16
+    g.drop(qs, mask, q32, k32, v32, pd, attn16, qc, kc, vc)
+    return o

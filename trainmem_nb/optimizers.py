@@ -9,13 +9,12 @@ exist for every parameter together), ``for-loop`` one parameter at a time (the l
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .breakdown import DETAIL_KEYS
 from .device import CUDA_BLOCK_BYTES
-from .params import ParamTensor
-from .specs import Device, Method, ModelSpec, OptimizerImpl, OptimizerName, TrainingSpec
+from .params import ParamTensor, trainable_tensors
+from .specs import Device, ModelSpec, OptimizerImpl, OptimizerName, TrainingSpec
 from .tape import Sz, const
 
 if TYPE_CHECKING:
@@ -48,16 +47,11 @@ def _round(n: int) -> int:
     return -(-n // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if n > 0 else 0
 
 
-def _trainable(t: TrainingSpec, inventory: Sequence[ParamTensor]) -> list[ParamTensor]:
-    return list(inventory) if t.method is Method.FULL else []
-
-
-def state_bytes(m: ModelSpec, t: TrainingSpec, inventory: Sequence[ParamTensor]) -> list[tuple[Sz, int]]:
+def state_bytes(m: ModelSpec, t: TrainingSpec) -> list[tuple[Sz, int]]:
     """Bytes of every optimizer-state tensor alive before the step, as ``(bytes of one, count)``."""
     out: list[tuple[Sz, int]] = []
-    pdt = t.param_bytes
     opt = t.optimizer
-    for p in _trainable(t, inventory):
+    for p, pdt in trainable_tensors(m, t):
         k = STATE_TENSORS[opt]
         if opt is OptimizerName.ADAMW_8BIT:
             if p.numel < BNB_MIN_8BIT_SIZE:
@@ -89,12 +83,11 @@ def _adafactor_state(p: ParamTensor, pdt: int) -> list[int]:
     return [p.numel * pdt]
 
 
-def optimizer_program(m: ModelSpec, t: TrainingSpec, inventory: Sequence[ParamTensor]) -> list[Segment]:
+def optimizer_program(m: ModelSpec, t: TrainingSpec) -> list[Segment]:
     """The optimizer step's and ``zero_grad``'s segments."""
     from .simulate import Segment
 
-    pdt = t.param_bytes
-    params = _trainable(t, inventory)
+    params = trainable_tensors(m, t)
     temp = _CAT["transient/optimizer"]
     grad = _CAT["gradients"]
     opt, impl = t.optimizer, t.resolved_optimizer_impl
@@ -102,26 +95,26 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, inventory: Sequence[ParamTe
     if opt in (OptimizerName.ADAMW, OptimizerName.ADAM) and params:
         if impl is OptimizerImpl.FOREACH:
             # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs): one temporary per parameter
-            total = sum(_round(p.numel * pdt) * p.count for p in params)
+            total = sum(_round(p.numel * pdt) * p.count for p, pdt in params)
             events += [(temp, 1, const(total), "foreach sqrt(exp_avg_sq)"), (temp, -1, const(total), "foreach temps freed")]
         elif impl is OptimizerImpl.FOR_LOOP:
             # denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps): while the new denom is computed the
             # previous parameter's denom is still bound; peak = prev + sqrt + div of the worst pair
             worst, prev_size, flat = 0, 0, []
-            for p in params:
+            for p, pdt in params:
                 flat += [_round(p.numel * pdt)] * p.count
             for size in flat:
                 worst = max(worst, prev_size + 2 * size)
                 prev_size = size
             events += [(temp, 1, const(worst), "for-loop sqrt and denom"), (temp, -1, const(worst), "for-loop temps freed")]
     elif opt is OptimizerName.LION and params:
-        largest = max(_round(p.numel * pdt) for p in params)
+        largest = max(_round(p.numel * pdt) for p, pdt in params)
         events += [(temp, 1, const(largest), "lion update"), (temp, -1, const(largest), "lion update freed")]
     elif opt is OptimizerName.ADAFACTOR and params:
-        largest = max(_round(p.numel * pdt) for p in params)
+        largest = max(_round(p.numel * pdt) for p, pdt in params)
         events += [(temp, 1, const(2 * largest), "adafactor estimate"), (temp, -1, const(2 * largest), "adafactor freed")]
     segs = [Segment("optimizer", "optimizer step", 1, tuple(events))] if events else []
-    total_grads = sum(_round(p.numel * pdt) * p.count for p in params)
+    total_grads = sum(_round(p.numel * pdt) * p.count for p, pdt in params)
     if total_grads:
         segs.append(Segment("zero", "zero_grad", 1, ((grad, -1, const(total_grads), "zero_grad(set_to_none)"),)))
     return segs

@@ -11,9 +11,12 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import NamedTuple
 
-from .specs import Family, ModelSpec
+from .specs import Family, Method, ModelSpec, TrainingSpec
 
-__all__ = ["ParamTensor", "param_inventory", "count_params", "buffer_inventory"]
+__all__ = [
+    "LORA_QV", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules", "param_inventory",
+    "trainable_tensors", "weight_tensors",
+]
 
 
 class ParamTensor(NamedTuple):
@@ -172,3 +175,72 @@ def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
         out.append(("embeddings.position_ids", 8 * m.max_positions, 1))
         out.append(("embeddings.token_type_ids", 8 * m.max_positions, 1))
     return tuple(out)
+
+
+#: Each family's query and value projections (what peft targets for ``lora_targets='qv'``); families
+#: with a fused q/k/v projection adapt the fused layer.
+LORA_QV: dict[Family, tuple[str, ...]] = {
+    Family.LLAMA: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.MISTRAL: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.QWEN2: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.GEMMA: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.MIXTRAL: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.OPT: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.PHI3: ("self_attn.qkv_proj",),
+    Family.GPT2: ("attn.c_attn",),
+    Family.GPT_NEOX: ("attention.query_key_value",),
+    Family.BERT: ("attention.self.query", "attention.self.value"),
+}
+
+
+def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
+    """The in-layer modules LoRA adapts: ``'qv'``, ``'all-linear'`` (every 2-D matmul weight in the
+    layers, as peft's ``all-linear`` picks nn.Linear/Conv1D layers but not the output head), or
+    comma-separated names matched as suffixes like peft's ``target_modules``."""
+    from .specs import SpecError
+
+    text = targets.strip().lower()
+    linears = [p.name[len("layers."):-len(".weight")] for p in param_inventory(m)
+               if p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
+               and not p.name.endswith("mlp.gate.weight")]
+    if text == "qv":
+        return LORA_QV[m.family]
+    if text in ("all-linear", "all_linear", "all"):
+        return tuple(linears)
+    names = [n.strip() for n in targets.split(",") if n.strip()]
+    chosen = tuple(mod for mod in linears if any(mod == n or mod.endswith("." + n) for n in names))
+    if not chosen:
+        raise SpecError(
+            f"lora_targets={targets!r} matches no linear layer of {m.family.value}; "
+            f"its layers have: {', '.join(sorted({x.split('.')[-1] for x in linears}))} (or use 'qv', 'all-linear')"
+        )
+    return chosen
+
+
+@lru_cache(maxsize=512)
+def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, ...]:
+    """LoRA adapter tensors: ``lora_A`` (rank, in) and ``lora_B`` (out, rank) per adapted layer."""
+    shapes = {p.name[len("layers."):-len(".weight")]: p.shape for p in param_inventory(m) if p.in_layer}
+    out: list[ParamTensor] = []
+    for mod in lora_modules(m, targets):
+        shape = shapes[mod]
+        in_f, out_f = (shape[0], shape[1]) if m.family is Family.GPT2 else (shape[1], shape[0])  # Conv1D is (in, out)
+        out.append(ParamTensor(f"layers.{mod}.lora_A.weight", (rank, in_f), m.n_layers, True, True))
+        out.append(ParamTensor(f"layers.{mod}.lora_B.weight", (out_f, rank), m.n_layers, True, True))
+    return tuple(out)
+
+
+def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int, bool]]:
+    """Every weight tensor of the training run as ``(tensor, bytes per element, trainable)``:
+    the base model in the recipe's dtype (frozen under LoRA) plus LoRA adapters, which peft keeps
+    in fp32 on a 16-bit base (``autocast_adapter_dtype=True``)."""
+    full = t.method is Method.FULL
+    out = [(p, t.param_bytes, full) for p in param_inventory(m)]
+    if not full:
+        out += [(p, 4, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
+    return out
+
+
+def trainable_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int]]:
+    """The tensors the optimizer updates, with their bytes per element."""
+    return [(p, dt) for p, dt, trainable in weight_tensors(m, t) if trainable]

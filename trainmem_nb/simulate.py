@@ -19,7 +19,7 @@ from .activations import recipe_for
 from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .device import CUBLAS_WORKSPACE_BYTES, CUDA_BLOCK_BYTES, Calibration
 from .optimizers import optimizer_program, state_bytes
-from .params import buffer_inventory, param_inventory
+from .params import buffer_inventory, weight_tensors
 from .specs import Checkpointing, Device, Method, ModelSpec, TrainingSpec
 from .tape import Graph, Sz, T, const, per_token
 
@@ -70,26 +70,21 @@ def _category(t: T, fwd_end: int) -> str:
     return "transient/forward"
 
 
-def _trainable(m: ModelSpec, t: TrainingSpec, name: str) -> bool:
-    return t.method is Method.FULL
-
-
 @lru_cache(maxsize=1024)
 def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic)."""
     ctx = ops.Ctx(autocast=2 if t.mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
     g = Graph()
-    pdt = t.param_bytes
-    inventory = param_inventory(m)
+    weights = weight_tensors(m, t)
     layer_params: list[dict[str, T]] = [{}, {}]
     other: dict[str, T] = {}
-    for p in inventory:
+    for p, dt, trainable in weights:
         if p.in_layer:
             short = p.name[len("layers."):]
             for i in (0, 1):
-                layer_params[i][short] = g.param(const(p.numel), pdt, f"L{i}.{short}", _trainable(m, t, p.name))
+                layer_params[i][short] = g.param(const(p.numel), dt, f"L{i}.{short}", trainable)
         else:
-            other[p.name] = g.param(const(p.numel), pdt, p.name, _trainable(m, t, p.name))
+            other[p.name] = g.param(const(p.numel), dt, p.name, trainable)
     recipe = recipe_for(m, t, ctx)
     ids = g.external(per_token(1), 8, "input_ids")
     ids.region = "inputs"
@@ -99,6 +94,11 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     g.phase = "forward"
     g.region = "embeddings"
     embeds, shared = recipe.embed(g, ids, other)
+    if t.method is not Method.FULL and t.checkpointing is not Checkpointing.NONE:
+        # PEFT wraps a model whose gradient checkpointing is on with `enable_input_require_grads()`: a
+        # forward hook makes the embedding output require grad so gradients reach checkpointed layers
+        embeds.rg = True
+        g.input_leaves.append(embeds)
     x = g.hold(embeds)  # `hidden_states = inputs_embeds`; the model keeps `inputs_embeds` until it returns
     node_marks = []
     layer_inputs: list[T] = []
@@ -160,9 +160,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     # the training loop keeps `loss` until after the optimizer step: it is not freed here
 
     g.phase = "optimizer"
-    grads = [e[0] for e in g.events if e[1] > 0 and e[0].is_grad]
-    params_all = [p for p in inventory]
-    opt_events = optimizer_program(m, t, inventory)
+    opt_events = optimizer_program(m, t)
     g.mark("opt_end")
 
     # -- segments ---------------------------------------------------------------------------
@@ -202,18 +200,17 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
 
     # -- what is alive before the step --------------------------------------------------------
     init: list[tuple[int, Sz, int]] = []
-    for p in inventory:
-        init.append((CAT_INDEX["weights/params"], const(p.numel * pdt), p.count))
+    for p, dt, _ in weights:
+        init.append((CAT_INDEX["weights/params"], const(p.numel * dt), p.count))
     for _name, nbytes, count in buffer_inventory(m):
         init.append((CAT_INDEX["weights/buffers"], const(nbytes), count))
-    for nbytes, count in state_bytes(m, t, inventory):
+    for nbytes, count in state_bytes(m, t):
         init.append((CAT_INDEX["optimizer_states"], nbytes, count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
     if t.device is Device.CUDA:
         init.append((CAT_INDEX["overhead/workspaces"], const(CUBLAS_WORKSPACE_BYTES["default"]), 1))
-    n_params = sum(p.numel * p.count for p in inventory)
-    n_train = n_params if t.method is Method.FULL else 0
-    _ = (grads, params_all)
+    n_params = sum(p.numel * p.count for p, _, _ in weights)
+    n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     return Program(tuple(init), tuple(segs), n_params, n_train)
 
 

@@ -146,6 +146,7 @@ class Graph:
         self._refill: list[Node] = []  # recomputation: nodes whose saved slots are being re-made
         self._stopped = False  # recomputation stopped early: further work is not executed
         self._final_refill = False  # the stop came from input saves packed before the kernel ran
+        self.input_leaves: list[T] = []  # non-parameter leaves made to require grad (their grad is dropped)
         self.sac_store: list[tuple[T, ...]] | None = None  # selective checkpointing: forward cache
         self.sac_replay: list[tuple[T, ...]] | None = None  # selective checkpointing: recompute reads it
 
@@ -306,6 +307,10 @@ class Graph:
                     self.drop(g)
                     continue
                 self._accumulate(inp, g)
+        for leaf in self.input_leaves:  # AccumulateGrad of a leaf that is already gone: discarded
+            if leaf.grad is not None:
+                self.drop(leaf.grad)
+                leaf.grad = None
         self.drop(seed)
 
     def _accumulate(self, inp: T, g: T) -> None:

@@ -90,14 +90,14 @@ class LlamaRecipe(Recipe):
         return out
 
     def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T]) -> T:
-        m, ctx = self.m, self.ctx
-        q = ops.linear(g, ctx, h, p["self_attn.q_proj.weight"], m.hidden, m.q_dim, p.get("self_attn.q_proj.bias"), "q_proj")
+        m = self.m
+        q = self.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
         qv = ops.heads_view(g, q, "q view")
         g.drop(q)
-        k = ops.linear(g, ctx, h, p["self_attn.k_proj.weight"], m.hidden, m.kv_dim, p.get("self_attn.k_proj.bias"), "k_proj")
+        k = self.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
         kv = ops.heads_view(g, k, "k view")
         g.drop(k)
-        v = ops.linear(g, ctx, h, p["self_attn.v_proj.weight"], m.hidden, m.kv_dim, p.get("self_attn.v_proj.bias"), "v_proj")
+        v = self.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
         # the value's gradient comes back in the projection's layout from SDPA's kernel, but
         # contiguous in (b, heads, s, d) from eager attention's matmuls (then the view copies it)
         vv = ops.heads_view(g, v, "v view", clone_grad=self.t.attention is Attention.EAGER or self.sdpa_falls_back_to_math)
@@ -112,7 +112,7 @@ class LlamaRecipe(Recipe):
             o = self.sdpa_math(g, qr, kr, vv)
         else:
             o = self.sdpa(g, qr, kr, vv)
-        out = ops.linear(g, ctx, o, p["self_attn.o_proj.weight"], m.q_dim, m.hidden, p.get("self_attn.o_proj.bias"), "o_proj")
+        out = self.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
         g.drop(o)
         g.drop(qr, kr, vv)  # locals query_states, key_states, value_states die when forward returns
         return out
@@ -249,14 +249,14 @@ class LlamaRecipe(Recipe):
         return out
 
     def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
-        m, ctx = self.m, self.ctx
-        gt = ops.linear(g, ctx, x, p["mlp.gate_proj.weight"], m.hidden, m.ffn, p.get("mlp.gate_proj.bias"), "gate_proj")
+        m = self.m
+        gt = self.linear(g, x, p, "mlp.gate_proj", m.hidden, m.ffn)
         a = self.act(g, gt)
         g.drop(gt)
-        u = ops.linear(g, ctx, x, p["mlp.up_proj.weight"], m.hidden, m.ffn, p.get("mlp.up_proj.bias"), "up_proj")
+        u = self.linear(g, x, p, "mlp.up_proj", m.hidden, m.ffn)
         pr = ops.mul(g, a, u, "act * up")
         g.drop(a, u)
-        out = ops.linear(g, ctx, pr, p["mlp.down_proj.weight"], m.ffn, m.hidden, p.get("mlp.down_proj.bias"), "down_proj")
+        out = self.linear(g, pr, p, "mlp.down_proj", m.ffn, m.hidden)
         g.drop(pr)
         return out
 
