@@ -86,6 +86,9 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
         else:
             other[p.name] = g.param(const(p.numel), dt, p.name, trainable)
     recipe = recipe_for(m, t, ctx)
+    # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
+    # start and new gradients are added in place (HF Trainer zeroes them only after optimizer.step())
+    g.grads_exist = t.grad_accum > 1
     ids = g.external(per_token(1), 8, "input_ids")
     ids.region = "inputs"
     n_layers = m.n_layers
@@ -206,6 +209,10 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
         init.append((CAT_INDEX["weights/buffers"], const(nbytes), count))
     for nbytes, count in state_bytes(m, t):
         init.append((CAT_INDEX["optimizer_states"], nbytes, count))
+    if t.grad_accum > 1:
+        for p, dt, trainable in weights:
+            if trainable:
+                init.append((CAT_INDEX["gradients"], const(p.numel * dt), p.count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
     if t.device is Device.CUDA:
         init.append((CAT_INDEX["overhead/workspaces"], const(CUBLAS_WORKSPACE_BYTES["default"]), 1))
@@ -343,7 +350,8 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
 
     # the program is symbolic in the batch shape; only "one sequence or several" changes its structure
     # (model_copy skips validation: the values come from a validated spec)
-    key = t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": 1})
+    key = t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": 1,
+                               "grad_accum": min(t.grad_accum, 2)})
     prog = compile_step(m, key)
     ev = evaluate(prog, t.micro_batch, t.seq_len)
     tops = dict.fromkeys(TOP_KEYS, 0)

@@ -147,6 +147,7 @@ class Graph:
         self._stopped = False  # recomputation stopped early: further work is not executed
         self._final_refill = False  # the stop came from input saves packed before the kernel ran
         self.input_leaves: list[T] = []  # non-parameter leaves made to require grad (their grad is dropped)
+        self.grads_exist = False  # gradient accumulation: .grad is already set, new grads are added in place
         self.sac_store: list[tuple[T, ...]] | None = None  # selective checkpointing: forward cache
         self.sac_replay: list[tuple[T, ...]] | None = None  # selective checkpointing: recompute reads it
 
@@ -325,8 +326,12 @@ class Graph:
         if inp.is_param:
             inp.uses -= 1
             if inp.uses == 0:
-                inp.grad.is_grad = True
-                inp.grad.label = f"grad {inp.label}"
+                if self.grads_exist:
+                    # AccumulateGrad: `param.grad += new_grad` in place, then the new gradient goes
+                    self.drop(inp.grad)
+                else:
+                    inp.grad.is_grad = True
+                    inp.grad.label = f"grad {inp.label}"
                 inp.grad = None  # now owned by the parameter until zero_grad
 
     # -- leaves --------------------------------------------------------------------------------
