@@ -1,10 +1,14 @@
-"""``estimate()``: simulate one training step and report per-device memory, its peak and when.
+"""``estimate()``: one training step's per-device memory, its peak and when the peak happens.
 
-(Work in progress: the simulation body is being written; the API and the result type are stable.)
+>>> import trainmem_nb as tm
+>>> est = tm.estimate("gpt2", micro_batch=4, seq_len=512, precision="fp32", device="cpu")
+>>> est.peak_phase, round(est.peak_allocated_bytes / 2**30, 2)
+('backward', 4.52)
 """
 
 from __future__ import annotations
 
+import html
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,14 +22,26 @@ from .units import format_bytes, format_count
 
 __all__ = ["MemoryEstimate", "estimate"]
 
+#: What each top-level category means, for tables and charts.
+CATEGORY_HELP = {
+    "weights": "parameters and buffers",
+    "gradients": ".grad of the trained parameters",
+    "optimizer_states": "moments and step counters kept by the optimizer",
+    "activations": "tensors kept for backward (and autocast weight copies)",
+    "transient": "temporaries: activation gradients, logits, optimizer scratch",
+    "overhead": "cuBLAS workspaces counted by the allocator",
+}
+
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Per-device memory of one training step: the peak, when it happens and what it is made of.
 
     All memory fields are ``int`` bytes. ``breakdown_bytes`` (weights, gradients, optimizer_states,
-    activations, transient, overhead) sums exactly to ``peak_allocated_bytes``; ``detail_bytes`` splits
-    it further with slash keys (``activations/layers``).
+    activations, transient, overhead) sums exactly to ``peak_allocated_bytes`` (what
+    ``torch.cuda.max_memory_allocated()`` reports); ``detail_bytes`` splits it further with slash
+    keys (``activations/layers``). ``peak_reserved_bytes`` adds the caching allocator's unused
+    cache, ``device_total_bytes`` the CUDA context (what nvidia-smi shows).
     """
 
     model: ModelSpec
@@ -41,11 +57,25 @@ class MemoryEstimate:
     phase_peaks_bytes: dict[str, int]
     overhead_bytes: dict[str, int] = field(default_factory=dict)
     calibration: Calibration | None = None
+    program: Any = field(default=None, repr=False, compare=False)
 
     @property
     def breakdown_bytes(self) -> dict[str, int]:
         """The top-level categories at the peak; they sum to ``peak_allocated_bytes``."""
         return roll_up(self.detail_bytes)
+
+    @property
+    def saved_activations_bytes(self) -> int:
+        """Activations alive at the end of the forward pass (kept for backward), in bytes."""
+        from .simulate import activations_at_forward_end
+
+        return activations_at_forward_end(self.program, self.training.micro_batch, self.training.seq_len)
+
+    def timeline(self, max_points: int = 1500) -> list[Any]:
+        """Live bytes after each operation of the step (`trainmem_nb.simulate.TimelinePoint`s)."""
+        from .simulate import timeline
+
+        return timeline(self.program, self.training.micro_batch, self.training.seq_len, max_points)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (``trainmem estimate --json``)."""
@@ -63,24 +93,62 @@ class MemoryEstimate:
             "breakdown_bytes": self.breakdown_bytes,
             "detail_bytes": dict(self.detail_bytes),
             "phase_peaks_bytes": dict(self.phase_peaks_bytes),
+            "saved_activations_bytes": self.saved_activations_bytes,
             "overhead_bytes": dict(self.overhead_bytes),
+            "calibration": self.calibration.model_dump() if self.calibration else None,
             "training": self.training.model_dump(mode="json"),
             "model_spec": self.model.model_dump(mode="json"),
         }
 
+    def _headline(self) -> str:
+        t = self.training
+        impl = t.resolved_optimizer_impl.value if t.optimizer.value != "none" else ""
+        opt = f"{t.optimizer.value} ({impl})" if impl else t.optimizer.value
+        method = "" if t.method.value == "full" else f", {t.method.value} r={t.lora_rank} on {t.lora_targets}"
+        return (
+            f"{self.model.name}: {format_count(self.n_params)} parameters ({format_count(self.n_trainable_params)} "
+            f"trained{method}), {t.precision.value}, {opt}, micro-batch {t.micro_batch} x {t.seq_len} tokens, "
+            f"checkpointing {t.checkpointing.value}, {t.attention.value} attention, device {t.device.value}"
+        )
+
     def summary(self) -> str:
         """A plain-text table for terminals."""
         lines = [
-            f"{self.model.name}: {format_count(self.n_params)} params ({format_count(self.n_trainable_params)} trainable), "
-            f"{self.training.precision.value}, {self.training.optimizer.value}, micro-batch {self.training.micro_batch} x "
-            f"{self.training.seq_len} tokens, device {self.training.device.value}",
+            self._headline(),
             f"peak allocated {format_bytes(self.peak_allocated_bytes)} during {self.peak_phase} ({self.peak_at})",
         ]
+        total = self.peak_allocated_bytes or 1
         for key, value in self.breakdown_bytes.items():
-            lines.append(f"  {key:<18} {format_bytes(value):>12}")
-        lines.append(f"peak reserved  {format_bytes(self.peak_reserved_bytes)}")
-        lines.append(f"device total   {format_bytes(self.device_total_bytes)}  (what nvidia-smi shows)")
+            lines.append(f"  {key:<17} {format_bytes(value):>12}  {100 * value / total:5.1f} %")
+        lines.append(f"peak reserved    {format_bytes(self.peak_reserved_bytes):>12}  (PyTorch's caching allocator)")
+        lines.append(f"device total     {format_bytes(self.device_total_bytes):>12}  (what nvidia-smi shows)")
         return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def _repr_html_(self) -> str:
+        """A compact table for notebooks: the breakdown with bars, the peak and when it happens."""
+        total = self.peak_allocated_bytes or 1
+        rows = []
+        for key in TOP_KEYS:
+            value = self.breakdown_bytes[key]
+            share = 100 * value / total
+            rows.append(
+                f"<tr><td>{key}</td><td style='text-align:right'>{format_bytes(value)}</td>"
+                f"<td style='text-align:right'>{share:.1f} %</td>"
+                f"<td><div style='background:#4c72b0;height:0.8em;width:{share * 1.5:.0f}px'></div></td>"
+                f"<td style='color:#666'>{CATEGORY_HELP[key]}</td></tr>"
+            )
+        return (
+            "<div class='trainmem-estimate'>"
+            f"<p>{html.escape(self._headline())}</p>"
+            "<table><thead><tr><th>category</th><th>bytes</th><th>share</th><th></th><th></th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>"
+            f"<p><b>peak allocated {format_bytes(self.peak_allocated_bytes)}</b> during <b>{self.peak_phase}</b> "
+            f"({html.escape(self.peak_at)}) &middot; reserved {format_bytes(self.peak_reserved_bytes)} "
+            f"&middot; device total {format_bytes(self.device_total_bytes)}</p></div>"
+        )
 
 
 def estimate(
@@ -94,15 +162,19 @@ def estimate(
 ) -> MemoryEstimate:
     """Simulate one steady-state training step and return its per-device memory.
 
-    `model` is a preset name or repo id, a `ModelSpec`, a config dict or a parameter count (or use
-    ``hf_config=`` / ``params=``); `options` are `TrainingSpec` fields (micro_batch, seq_len, precision...).
+    `model` is a preset name or Hugging Face repo id, a `ModelSpec`, a config dict or a parameter
+    count (or pass ``hf_config=`` a path/dict, or ``params=`` a count); `options` are `TrainingSpec`
+    fields: micro_batch, seq_len, grad_accum, precision, optimizer, optimizer_impl, checkpointing,
+    attention, dropout, device, method, lora_*. `calibration` (from ``trainmem measure --device cuda``)
+    replaces the modelled CUDA context and allocator constants with your GPU's.
     """
     m = _resolve(model, hf_config, params)
     t = build_training(training, **options)
+    _check_fits_model(m, t)
     cal = load_calibration(calibration)
     from .simulate import simulate
 
-    return simulate(m, t, cal)
+    return simulate(m, t, cal)  # type: ignore[return-value]
 
 
 def _resolve(model: Any, hf_config: Any, params: Any) -> ModelSpec:
@@ -116,4 +188,16 @@ def _resolve(model: Any, hf_config: Any, params: Any) -> ModelSpec:
     return resolve_model(model)
 
 
-_ = TOP_KEYS
+def _check_fits_model(m: ModelSpec, t: TrainingSpec) -> None:
+    """Options that cannot run on this model: a clear error instead of a silent wrong number."""
+    if t.seq_len > m.max_positions:
+        raise SpecError(
+            f"seq_len={t.seq_len} exceeds {m.name}'s max_positions={m.max_positions}; "
+            f"use seq_len <= {m.max_positions}"
+        )
+    if t.attention.value == "flash" and t.device.value == "cpu":
+        raise SpecError("attention='flash' (flash-attention 2) runs only on CUDA; use attention='sdpa' with device='cpu'")
+    if t.method.value != "full":
+        from .params import lora_modules
+
+        lora_modules(m, t.lora_targets)  # raises when the targets match nothing

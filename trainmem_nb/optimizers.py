@@ -18,7 +18,7 @@ from .specs import Device, ModelSpec, OptimizerImpl, OptimizerName, TrainingSpec
 from .tape import Sz, const
 
 if TYPE_CHECKING:
-    from .simulate import Segment
+    from .simulate import _segment
 
 __all__ = ["optimizer_program", "state_bytes", "STATE_TENSORS"]
 
@@ -85,7 +85,7 @@ def _adafactor_state(p: ParamTensor, pdt: int) -> list[int]:
 
 def optimizer_program(m: ModelSpec, t: TrainingSpec) -> list[Segment]:
     """The optimizer step's and ``zero_grad``'s segments."""
-    from .simulate import Segment
+    from .simulate import _segment
 
     params = trainable_tensors(m, t)
     temp = _CAT["transient/optimizer"]
@@ -113,8 +113,8 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec) -> list[Segment]:
     elif opt is OptimizerName.ADAFACTOR and params:
         largest = max(_round(p.numel * pdt) for p, pdt in params)
         events += [(temp, 1, const(2 * largest), "adafactor estimate"), (temp, -1, const(2 * largest), "adafactor freed")]
-    segs = [Segment("optimizer", "optimizer step", 1, tuple(events))] if events else []
+    segs = [_segment("optimizer", "optimizer step", 1, tuple(events))] if events else []
     total_grads = sum(_round(p.numel * pdt) * p.count for p, pdt in params)
     if total_grads:
-        segs.append(Segment("zero", "zero_grad", 1, ((grad, -1, const(total_grads), "zero_grad(set_to_none)"),)))
+        segs.append(_segment("zero", "zero_grad", 1, ((grad, -1, const(total_grads), "zero_grad(set_to_none)"),)))
     return segs

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 from typing import NamedTuple
 
 from . import ops
@@ -23,7 +24,7 @@ from .params import buffer_inventory, weight_tensors
 from .specs import Checkpointing, Device, Method, ModelSpec, TrainingSpec
 from .tape import Graph, Sz, T, const, per_token
 
-__all__ = ["Program", "Segment", "compile_step", "evaluate", "simulate"]
+__all__ = ["Program", "Segment", "TimelinePoint", "compile_step", "evaluate", "simulate", "timeline"]
 
 CAT_INDEX = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -35,6 +36,12 @@ class Segment(NamedTuple):
     label: str
     repeat: int
     events: tuple[tuple[int, int, Sz, str], ...]  # (category index, +k alloc / -k free of k tensors, bytes, label)
+    fast: tuple[tuple[int, float, int], ...] = ()  # per event: (monomial index or -1, coefficient, sign)
+
+
+def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...]) -> Segment:
+    """A segment with its events' sizes precompiled for `evaluate`."""
+    return Segment(phase, label, repeat, events, tuple((*_terms(sz), sign) for _c, sign, sz, _l in events))
 
 
 @dataclass(frozen=True)
@@ -184,19 +191,19 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
         return tuple(out)
 
     segs: list[Segment] = []
-    segs.append(Segment("forward", "embeddings", 1, evs(0, mk["L0_fwd_start"])))
-    segs.append(Segment("forward", "layer 0", 1, evs(mk["L0_fwd_start"], mk["L0_fwd_end"])))
+    segs.append(_segment("forward", "embeddings", 1, evs(0, mk["L0_fwd_start"])))
+    segs.append(_segment("forward", "layer 0", 1, evs(mk["L0_fwd_start"], mk["L0_fwd_end"])))
     if two:
-        segs.append(Segment("forward", "layers", n_layers - 1, evs(mk["L1_fwd_start"], mk["L1_fwd_end"])))
+        segs.append(_segment("forward", "layers", n_layers - 1, evs(mk["L1_fwd_start"], mk["L1_fwd_end"])))
     last = "L1" if two else "L0"
-    segs.append(Segment("forward", "head and loss", 1, evs(mk[f"{last}_fwd_end"], mk["fwd_end"])))
-    segs.append(Segment("backward", "loss and head", 1, evs(mk["bwd_start"], mk["head_bwd_end"])))
+    segs.append(_segment("forward", "head and loss", 1, evs(mk[f"{last}_fwd_end"], mk["fwd_end"])))
+    segs.append(_segment("backward", "loss and head", 1, evs(mk["bwd_start"], mk["head_bwd_end"])))
     if two:
-        segs.append(Segment("backward", "layers", n_layers - 1, evs(mk["head_bwd_end"], mk["L1_bwd_end"])))
-        segs.append(Segment("backward", "layer 0", 1, evs(mk["L1_bwd_end"], mk["L0_bwd_end"])))
+        segs.append(_segment("backward", "layers", n_layers - 1, evs(mk["head_bwd_end"], mk["L1_bwd_end"])))
+        segs.append(_segment("backward", "layer 0", 1, evs(mk["L1_bwd_end"], mk["L0_bwd_end"])))
     else:
-        segs.append(Segment("backward", "layer 0", 1, evs(mk["head_bwd_end"], mk["L0_bwd_end"])))
-    segs.append(Segment("backward", "embeddings", 1, evs(mk["L0_bwd_end"], mk["bwd_end"])))
+        segs.append(_segment("backward", "layer 0", 1, evs(mk["head_bwd_end"], mk["L0_bwd_end"])))
+    segs.append(_segment("backward", "embeddings", 1, evs(mk["L0_bwd_end"], mk["bwd_end"])))
     # gradients of the real model: every layer's grads, once per layer (the events above hold them
     # for two layers; the repeat counts make them n_layers)
     segs.extend(opt_events)
@@ -297,51 +304,85 @@ class Evaluation(NamedTuple):
     phase_peaks: dict[str, int]
 
 
+# The size forms' monomials, in the order of `_terms`: 1, b, s, b*s, s*s, b*s*s.
+_FIELDS = ("c0", "b_", "s_", "bs", "ss", "bss")
+
+
+def _terms(sz: Sz) -> tuple[int, float]:
+    """An event's size as (monomial index, coefficient) when it has one term, else (-1, 0)."""
+    nz = [(i, getattr(sz, f)) for i, f in enumerate(_FIELDS) if getattr(sz, f)]
+    if len(nz) == 1:
+        coef = nz[0][1]
+        return nz[0][0], int(coef) if float(coef).is_integer() else coef
+    return (-1, 0) if nz else (0, 0)
+
+
+def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> list[int]:
+    """Signed, 512-B-rounded bytes of each event at (b, s)."""
+    fast = seg.fast or tuple((*_terms(sz), sign) for _c, sign, sz, _l in seg.events)
+    out = [k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if i >= 0 else 0 for i, c, k in fast]
+    if any(i < 0 for i, _c, _k in fast):
+        for j, (i, _c, k) in enumerate(fast):
+            if i < 0:
+                out[j] = k * _round(seg.events[j][2].at(b, s))
+    return out
+
+
 def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     """The peak of `prog` for one batch shape, with its category breakdown and phase."""
     b, s = micro_batch, seq_len
-    bs, ss, bss = b * s, s * s, b * s * s
-    ncat = len(DETAIL_KEYS)
-    live = [0] * ncat
-    for cat, sz, count in prog.init:
-        live[cat] += _round(sz.at(b, s)) * count
-    total = sum(live)
-    best = total
-    best_cats = list(live)
-    best_where = ("forward", "start of step")
+    mono = (1, b, s, b * s, s * s, b * s * s)
+    total = 0
+    for _cat, sz, count in prog.init:
+        total += _round(sz.at(b, s)) * count
+    best, best_where = total, (-1, 0, 0)  # (segment index, event index, repetitions before)
     phase_peaks: dict[str, int] = {}
-    for seg in prog.segments:
-        sizes = [sign * _round(sz.c0 + sz.b_ * b + sz.s_ * s + sz.bs * bs + sz.ss * ss + sz.bss * bss)
-                 for _, sign, sz, _ in seg.events]
-        run = 0
-        pmax, pidx = 0, -1
-        for i, d in enumerate(sizes):
-            run += d
-            if run > pmax:
-                pmax, pidx = run, i
-        net = run
+    all_sizes: list[list[int]] = []
+    for si, seg in enumerate(prog.segments):
         n = seg.repeat
-        if n <= 0:
+        sizes = _sizes(seg, b, s, mono) if n > 0 and seg.events else []
+        all_sizes.append(sizes)
+        if not sizes:
             continue
-        reps_before = (n - 1) if net > 0 else 0
-        cand = total + reps_before * net + pmax
-        if pidx >= 0 and cand > best:
-            cats = list(live)
-            if reps_before:
-                for (cat, _, _, _), d in zip(seg.events, sizes):
-                    cats[cat] += d * reps_before
-            for (cat, _, _, _), d in zip(seg.events[: pidx + 1], sizes[: pidx + 1]):
-                cats[cat] += d
-            best, best_cats = cand, cats
-            where = seg.label if n == 1 else f"{seg.label} ({'last' if reps_before else 'first'} of {n})"
-            best_where = (seg.phase, f"{where}: {seg.events[pidx][3]}")
-        if pidx >= 0:
+        run = list(accumulate(sizes))
+        net = run[-1]
+        pmax = max(run)
+        if pmax > 0:
+            reps_before = (n - 1) if net > 0 else 0
+            cand = total + reps_before * net + pmax
             phase_peaks[seg.phase] = max(phase_peaks.get(seg.phase, 0), cand)
-        for (cat, _, _, _), d in zip(seg.events, sizes):
-            live[cat] += d * n
+            if cand > best:
+                best, best_where = cand, (si, run.index(pmax), reps_before)
         total += net * n
-    detail = {DETAIL_KEYS[i]: v for i, v in enumerate(best_cats) if v}
-    return Evaluation(best, best_where[0], best_where[1], detail, phase_peaks)
+    detail = _breakdown_at(prog, b, s, all_sizes, *best_where)
+    si, ei, reps = best_where
+    if si < 0:
+        phase, where = "forward", "start of step"
+    else:
+        seg = prog.segments[si]
+        rep = "" if seg.repeat == 1 else f" ({'last' if reps else 'first'} of {seg.repeat})"
+        phase, where = seg.phase, f"{seg.label}{rep}: {seg.events[ei][3]}"
+    return Evaluation(int(best), phase, where, detail, {k: int(v) for k, v in phase_peaks.items()})
+
+
+def _breakdown_at(prog: Program, b: int, s: int, all_sizes: list[list[int]], si: int, ei: int,
+                  reps: int) -> dict[str, int]:
+    """Bytes per detailed category just after event `ei` of segment `si` (repeated `reps` times before)."""
+    cats = [0] * len(DETAIL_KEYS)
+    for cat, sz, count in prog.init:
+        cats[cat] += _round(sz.at(b, s)) * count
+    for j, seg in enumerate(prog.segments):
+        if si < 0 or j > si:
+            break
+        sizes = all_sizes[j]
+        times = seg.repeat if j < si else reps
+        if times:
+            for (cat, _, _, _), d in zip(seg.events, sizes):
+                cats[cat] += d * times
+        if j == si:
+            for (cat, _, _, _), d in zip(seg.events[: ei + 1], sizes[: ei + 1]):
+                cats[cat] += d
+    return {DETAIL_KEYS[i]: int(v) for i, v in enumerate(cats) if v}
 
 
 def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None) -> object:
@@ -374,5 +415,65 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         model=m, training=t, n_params=prog.n_params, n_trainable_params=prog.n_trainable,
         peak_allocated_bytes=ev.peak, peak_reserved_bytes=reserved, device_total_bytes=total,
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
-        phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration,
+        phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
     )
+
+
+class TimelinePoint(NamedTuple):
+    """Live memory after one operation of the step."""
+
+    step: int  #: position in the step (operations since its start)
+    phase: str  #: forward | backward | optimizer | zero
+    label: str  #: what was just allocated or freed
+    total_bytes: int
+    by_category: tuple[int, ...]  #: bytes per `trainmem_nb.breakdown.TOP_KEYS` entry
+
+
+def timeline(prog: Program, micro_batch: int, seq_len: int, max_points: int = 1500) -> list[TimelinePoint]:
+    """Live bytes through the step. Repeated layers are drawn in full for the first and last one and
+    as their start and peak in between, so a 126-layer model costs about as much as a 2-layer one;
+    the result is thinned to `max_points`, keeping each bucket's highest point (the peak survives)."""
+    b, s = micro_batch, seq_len
+    top_of = [TOP_KEYS.index(k.split("/")[0]) for k in DETAIL_KEYS]
+    cats = [0] * len(TOP_KEYS)
+    for cat, sz, count in prog.init:
+        cats[top_of[cat]] += _round(sz.at(b, s)) * count
+    points = [TimelinePoint(0, "forward", "start of step", sum(cats), tuple(cats))]
+    step = 0
+    for seg in prog.segments:
+        deltas = [(top_of[cat], sign * _round(sz.at(b, s)), label) for cat, sign, sz, label in seg.events]
+        n = seg.repeat
+        for rep in range(n):
+            full = rep in (0, n - 1)
+            best = None
+            for top, d, label in deltas:
+                cats[top] += d
+                step += 1
+                total = sum(cats)
+                if full:
+                    points.append(TimelinePoint(step, seg.phase, f"{seg.label}: {label}", total, tuple(cats)))
+                elif best is None or total > best.total_bytes:
+                    best = TimelinePoint(step, seg.phase, f"{seg.label} ({rep + 1} of {n}): {label}", total, tuple(cats))
+            if not full and best is not None:
+                points.append(best)
+                points.append(TimelinePoint(step, seg.phase, f"{seg.label} ({rep + 1} of {n}) done", sum(cats), tuple(cats)))
+    if len(points) <= max_points:
+        return points
+    size = -(-len(points) // max_points)
+    return [max(points[i:i + size], key=lambda p: p.total_bytes) for i in range(0, len(points), size)]
+
+
+def activations_at_forward_end(prog: Program, micro_batch: int, seq_len: int) -> int:
+    """Bytes of activations alive when the forward pass ends: what is kept for backward (saved
+    tensors, autocast weight copies, the loss path) plus the inputs."""
+    b, s = micro_batch, seq_len
+    mono = (1, b, s, b * s, s * s, b * s * s)
+    acts = {i for i, k in enumerate(DETAIL_KEYS) if k.startswith("activations/")}
+    total = sum(_round(sz.at(b, s)) * count for cat, sz, count in prog.init if cat in acts)
+    for seg in prog.segments:
+        if seg.phase != "forward":
+            break
+        for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono)):
+            if cat in acts:
+                total += d * seg.repeat
+    return int(total)
