@@ -89,9 +89,15 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec) -> list[Segment]:
 
     params = trainable_tensors(m, t)
     temp = _CAT["transient/optimizer"]
+    states = _CAT["optimizer_states"]
     grad = _CAT["gradients"]
     opt, impl = t.optimizer, t.resolved_optimizer_impl
     events: list[tuple[int, int, Sz, str]] = []
+    if t.first_step:
+        # the first step() creates the state (zeros_like per parameter in _init_group) before updating
+        created = sum(_round(int(sz.c0)) * count for sz, count in state_bytes(m, t))
+        if created:
+            events.append((states, 1, const(created), "state created on the first step"))
     if opt in (OptimizerName.ADAMW, OptimizerName.ADAM) and params:
         if impl is OptimizerImpl.FOREACH:
             # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs): one temporary per parameter

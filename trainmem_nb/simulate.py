@@ -112,6 +112,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     x = g.hold(embeds)  # `hidden_states = inputs_embeds`; the model keeps `inputs_embeds` until it returns
     node_marks = []
     layer_inputs: list[T] = []
+    layer_outputs: list[T] = []
     checkpointed = t.checkpointing is not Checkpointing.NONE
     for i in range(2 if two else 1):
         g.region = "layers"
@@ -124,6 +125,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
             y = recipe.layer(g, x, shared, layer_params[i])
         y.chain = True
         layer_inputs.append(x)
+        layer_outputs.append(y)
         g.drop(x)
         x = y
         g.mark(f"L{i}_fwd_end")
@@ -180,6 +182,10 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     # gradient are the exception: each repetition frees its predecessor's, the last one is freed once
     repeated = [(mk["L1_fwd_start"], mk["L1_fwd_end"]), (mk["head_bwd_end"], mk["L1_bwd_end"])] if two else []
 
+    # every repeated layer's output lives like the first layer's output (the next layer holds it);
+    # only the simulated last one is freed at the end of the forward, so it must not decide
+    chain_cat = {id(y): CAT_INDEX[_category(layer_outputs[0], fwd_end)] for y in layer_outputs[1:]}
+
     def evs(a: int, b: int) -> tuple[tuple[int, int, Sz, str], ...]:
         out = []
         inside = any(lo == a and hi == b for lo, hi in repeated)
@@ -187,7 +193,8 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
             k = sign
             if sign < 0 and not inside and not tt.chain and any(lo <= tt.born < hi for lo, hi in repeated):
                 k = -(n_layers - 1)
-            out.append((CAT_INDEX[_category(tt, fwd_end)], k, tt.bytes, tt.label))
+            cat = chain_cat.get(id(tt)) if tt.chain else None
+            out.append((CAT_INDEX[_category(tt, fwd_end)] if cat is None else cat, k, tt.bytes, tt.label))
         return tuple(out)
 
     segs: list[Segment] = []
@@ -214,8 +221,9 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
         init.append((CAT_INDEX["weights/params"], const(p.numel * dt), p.count))
     for _name, nbytes, count in buffer_inventory(m):
         init.append((CAT_INDEX["weights/buffers"], const(nbytes), count))
-    for nbytes, count in state_bytes(m, t):
-        init.append((CAT_INDEX["optimizer_states"], nbytes, count))
+    if not t.first_step:
+        for nbytes, count in state_bytes(m, t):
+            init.append((CAT_INDEX["optimizer_states"], nbytes, count))
     if t.grad_accum > 1:
         for p, dt, trainable in weights:
             if trainable:

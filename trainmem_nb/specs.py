@@ -439,6 +439,10 @@ class TrainingSpec(BaseModel):
     lora_alpha: float = Field(default=32.0, gt=0.0)
     lora_targets: str = Field(default="qv", description="'qv', 'all-linear' or comma-separated module names")
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    first_step: bool = Field(
+        default=False,
+        description="the very first step: optimizer state does not exist yet and is created inside step()",
+    )
 
     @model_validator(mode="before")
     @classmethod

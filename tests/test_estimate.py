@@ -1,0 +1,109 @@
+"""The estimate's contract: JSON keys, a breakdown that sums to the peak, the CLI's output and errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+import trainmem_nb as tm
+from trainmem_nb.breakdown import DETAIL_KEYS, TOP_KEYS
+from trainmem_nb.cli import main
+
+CONTRACT = {"n_params", "n_trainable_params", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes",
+            "peak_phase", "breakdown_bytes"}
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_json_contract_keys_and_breakdown_summing_to_the_peak(device: str) -> None:
+    d = tm.estimate("llama-3-8b", micro_batch=2, seq_len=2048, precision="bf16-mixed", checkpointing="full",
+                    device=device).to_dict()
+    assert CONTRACT <= set(d)
+    assert d["peak_phase"] in ("forward", "backward", "optimizer")
+    assert set(d["breakdown_bytes"]) >= {"weights", "gradients", "optimizer_states", "activations", "transient"}
+    assert sum(d["breakdown_bytes"].values()) == d["peak_allocated_bytes"]
+    assert sum(d["detail_bytes"].values()) == d["peak_allocated_bytes"]
+    assert set(d["detail_bytes"]) <= set(DETAIL_KEYS)
+    assert all(isinstance(v, int) for v in d["breakdown_bytes"].values())
+    json.dumps(d)  # serializable
+
+
+def test_cuda_adds_reserved_cache_and_context_on_top_of_allocated() -> None:
+    e = tm.estimate("llama-2-7b", micro_batch=1, seq_len=2048)
+    assert e.peak_allocated_bytes < e.peak_reserved_bytes < e.device_total_bytes
+    assert e.device_total_bytes - e.peak_reserved_bytes == e.overhead_bytes["cuda_context"]
+
+
+def test_cpu_device_reports_tensor_bytes_only() -> None:
+    e = tm.estimate("llama-2-7b", micro_batch=1, seq_len=2048, device="cpu")
+    assert e.peak_allocated_bytes == e.peak_reserved_bytes == e.device_total_bytes
+    assert e.breakdown_bytes["overhead"] == 0
+
+
+def test_calibration_replaces_the_modelled_context() -> None:
+    cal = {"gpu_name": "test", "cuda_context_bytes": 1 << 30, "reserved_churn_fraction": 0.0}
+    e = tm.estimate("llama-2-7b", micro_batch=1, seq_len=2048, calibration=cal)
+    assert e.device_total_bytes - e.peak_reserved_bytes == 1 << 30
+
+
+def test_the_timeline_reaches_the_peak_and_ends_with_states_only() -> None:
+    e = tm.estimate("llama-2-13b", micro_batch=1, seq_len=1024, checkpointing="full")
+    tl = e.timeline()
+    assert max(p.total_bytes for p in tl) == e.peak_allocated_bytes
+    assert tl[-1].by_category[TOP_KEYS.index("gradients")] == 0  # zero_grad freed them
+    assert len(tl) <= 1500
+
+
+def test_html_repr_shows_every_category_and_the_peak() -> None:
+    html = tm.estimate("gpt2", micro_batch=2, seq_len=256)._repr_html_()
+    for key in TOP_KEYS:
+        assert f"<td>{key}</td>" in html
+    assert "peak allocated" in html
+
+
+def test_peak_and_phase_for_adamw_foreach_is_the_optimizer_step_on_small_batches() -> None:
+    e = tm.estimate("llama-2-7b", micro_batch=1, seq_len=512, precision="bf16-mixed")
+    assert e.peak_phase == "optimizer"
+    b = e.breakdown_bytes
+    # params + grads + two moments + one sqrt(exp_avg_sq) temporary: 20 bytes per parameter in fp32
+    assert math.isclose(b["weights"] + b["gradients"] + b["optimizer_states"] + b["transient"],
+                        20 * e.n_params, rel_tol=1e-4)
+
+
+def test_cli_json_matches_the_python_api(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["estimate", "--model", "llama-3-8b", "--micro-batch", "2", "--seq-len", "2048",
+                 "--precision", "bf16-mixed", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    api = tm.estimate("llama-3-8b", micro_batch=2, seq_len=2048, precision="bf16-mixed").to_dict()
+    assert cli == json.loads(json.dumps(api))
+
+
+def test_cli_reads_an_hf_config_file(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "llama", "hidden_size": 512, "num_hidden_layers": 4,
+                                "num_attention_heads": 8, "intermediate_size": 1376, "vocab_size": 32000}))
+    assert main(["estimate", "--hf-config", str(path), "--micro-batch", "4", "--seq-len", "1024",
+                 "--precision", "fp32", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["n_params"] == tm.estimate(hf_config=path).n_params
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--model", "llama-3-8b", "--precision", "bf17"], "precision='bf17' is not supported"),
+    (["--model", "nope-13b"], "model='nope-13b' is not a known preset"),
+    (["--params", "lots"], "--params='lots' is not a number"),
+    (["--model", "gpt2", "--micro-batch", "0"], "micro_batch=0"),
+])
+def test_cli_bad_input_prints_one_line_and_exits_2(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "trainmem_nb.cli", "estimate", *args],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_presets_command_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["presets"]) == 0
+    assert "llama-2-70b" in capsys.readouterr().out

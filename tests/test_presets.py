@@ -1,0 +1,58 @@
+"""Presets: popular models by short name or repo id, with parameter counts equal to Hugging Face's."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from trainmem_nb.params import count_params
+from trainmem_nb.presets import get_model, get_preset, list_presets
+
+REQUIRED = ["gpt2", "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "mistral-7b", "mixtral-8x7b",
+            "qwen2.5-7b", "gemma-2b", "phi-3-mini", "pythia-1.4b", "tinyllama-1.1b", "bert-large"]
+
+
+def test_at_least_twenty_presets_each_with_a_config_source() -> None:
+    presets = list_presets()
+    assert len(presets) >= 20
+    for p in presets:
+        assert p.source.startswith("https://huggingface.co/") and p.source.endswith("/config.json")
+        assert p.n_params, f"{p.name} has no recorded Hugging Face parameter count"
+
+
+@pytest.mark.parametrize("name", REQUIRED)
+def test_required_short_names_resolve(name: str) -> None:
+    assert get_model(name).name == name
+
+
+def test_hugging_face_repo_ids_and_case_resolve_to_the_same_model() -> None:
+    assert get_preset("meta-llama/Llama-2-7b-hf").name == "llama-2-7b"
+    assert get_preset("Llama-2-7B-HF").name == "llama-2-7b"
+    assert get_preset("mistralai/Mixtral-8x7B-v0.1").name == "mixtral-8x7b"
+
+
+@pytest.mark.parametrize("preset", list_presets(), ids=lambda p: p.name)
+def test_parameter_count_equals_the_recorded_hugging_face_count(preset) -> None:  # type: ignore[no-untyped-def]
+    # the recorded count comes from transformers itself (scripts/record_preset_params.py)
+    assert count_params(get_model(preset.name)) == preset.n_params
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the measure extra")
+@pytest.mark.parametrize("preset", list_presets(), ids=lambda p: p.name)
+def test_parameter_count_equals_transformers_built_on_meta(preset) -> None:  # type: ignore[no-untyped-def]
+    import warnings
+
+    from trainmem_nb.measure.models import hf_param_shapes
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' notices about legacy config keys
+        shapes = hf_param_shapes(preset.config)
+    total = 0
+    for shape in shapes.values():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n
+    assert count_params(get_model(preset.name)) == total
