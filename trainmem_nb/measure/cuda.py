@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["after_step", "before_step", "calibration_from", "require_cuda", "write_calibration"]
+__all__ = ["after_step", "before_step", "require_cuda", "write_calibration"]
 
 #: memory_stats() entries kept with a measurement (allocation retries and OOMs say the step was tight).
 _STATS = (
@@ -77,40 +77,10 @@ def after_step(before: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def calibration_from(measurement: Any) -> Any:
-    """A `trainmem_nb.device.Calibration` from a ``cuda`` `Measurement`.
-
-    * ``cuda_context_bytes`` = device memory in use (total − free) − ``memory_reserved()``;
-    * ``workspace_bytes`` = allocated bytes at step start that are not tracked tensors (cuBLAS
-      workspaces allocated through the caching allocator);
-    * ``reserved_churn_fraction`` = (peak reserved − peak allocated) / (activations + transient bytes
-      at the peak): the allocator's overhead per byte that churns within a step.
-    """
-    from ..device import Calibration
-
-    cuda = measurement.measured_with.get("cuda")
-    if measurement.mode != "cuda" or not cuda:
-        raise RuntimeError("a calibration needs a measurement on device='cuda' (--device cuda)")
-    b = measurement.breakdown_bytes
-    churn = max(1, b["activations"] + b["transient"])
-    fraction = max(0.0, (measurement.peak_reserved_bytes - measurement.peak_allocated_bytes) / churn)
-    return Calibration(
-        gpu_name=str(cuda["gpu_name"]),
-        total_memory_bytes=int(cuda["device_total"]),
-        cuda_context_bytes=int(cuda["context"]),
-        workspace_bytes=int(cuda["workspace_at_start"]),
-        reserved_churn_fraction=min(fraction, 10.0),
-        torch_version=str(measurement.measured_with.get("torch", "")),
-        measured_on=str(measurement.measured_with.get("date", "")),
-        source=(
-            f"trainmem measure --device cuda: {measurement.model.name}, {measurement.training.precision.value}, "
-            f"micro-batch {measurement.training.micro_batch} x {measurement.training.seq_len}"
-        ),
-    )
-
-
 def write_calibration(measurement: Any, path: str | Path) -> Path:
     """Write ``{"calibration": {...}, "measurement": {...}}``; `trainmem_nb.device.load_calibration` reads it."""
+    from .calibration import calibration_from
+
     cal = calibration_from(measurement)
     out = Path(path)
     data = {

@@ -76,7 +76,7 @@ def apply_lora(model: Any, model_spec: ModelSpec, training_spec: TrainingSpec) -
             # peft 0.21 reads transformers' deprecated `is_gradient_checkpointing` alias; nothing to act on.
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
             # peft's default rank pattern for MoE expert weights, when 'all-linear' does not reach them.
-            warnings.filterwarnings("ignore", message="The following rank_pattern keys did not match", category=RuntimeWarning)
+            warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match", category=RuntimeWarning)
             return get_peft_model(model, config)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         raise SpecError(f"lora_targets={training_spec.lora_targets!r}: {str(exc).splitlines()[0]}") from None

@@ -21,7 +21,7 @@ __all__ = ["CONTRACT_KEYS", "Measurement"]
 CONTRACT_KEYS: tuple[str, ...] = (
     "model", "family", "device", "n_params", "n_trainable_params", "peak_allocated_bytes",
     "peak_reserved_bytes", "device_total_bytes", "peak_phase", "peak_at", "breakdown_bytes", "detail_bytes",
-    "phase_peaks_bytes", "overhead_bytes", "training", "model_spec",
+    "phase_peaks_bytes", "overhead_bytes", "calibration", "training", "model_spec",
 )
 
 
@@ -77,6 +77,7 @@ class Measurement:
             "detail_bytes": dict(self.detail_bytes),
             "phase_peaks_bytes": dict(self.phase_peaks_bytes),
             "overhead_bytes": dict(self.overhead_bytes),
+            "calibration": self.calibration().model_dump(mode="json") if self.mode == "cuda" else None,
             "training": self.training.model_dump(mode="json"),
             "model_spec": self.model.model_dump(mode="json"),
             "peak_live_bytes": self.peak_live_bytes,
@@ -115,6 +116,12 @@ class Measurement:
             measured_with=dict(data.get("measured_with", {})),
             note=str(data.get("note", "")),
         )
+
+    def calibration(self) -> Any:
+        """The `trainmem_nb.device.Calibration` a ``cuda`` measurement yields (context, workspaces, churn)."""
+        from .calibration import calibration_from
+
+        return calibration_from(self)
 
     def summary(self) -> str:
         """A plain-text table for terminals."""

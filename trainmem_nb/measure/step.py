@@ -45,12 +45,13 @@ from ..specs import (
     OptimizerImpl,
     OptimizerName,
     Precision,
+    SpecError,
     TrainingSpec,
 )
 from .models import hf_config_object, instantiate
 from .tracker import StorageTracker, cuda_round
 
-__all__ = ["MEASURABLE_OPTIMIZERS", "StepTrace", "build", "check_measurable", "run_step", "summarize"]
+__all__ = ["MEASURABLE_OPTIMIZERS", "StepTrace", "build", "check_measurable", "run_step", "summarize", "traced_step"]
 
 #: Optimizers that exist in torch.optim (the others need bitsandbytes or another package).
 MEASURABLE_OPTIMIZERS = (
@@ -82,6 +83,11 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
     """Raise a one-line `RuntimeError` for options that cannot run on `device` with PyTorch alone."""
     if device not in ("fake", "cpu", "cuda"):
         raise RuntimeError(f"device={device!r} cannot be measured; use 'fake', 'cpu' or 'cuda'")
+    if m.positions == "learned" and t.seq_len > m.max_positions:
+        raise SpecError(
+            f"seq_len={t.seq_len} exceeds the {m.max_positions} learned positions of {m.name!r}; "
+            f"use seq_len <= {m.max_positions}"
+        )
     if t.optimizer not in MEASURABLE_OPTIMIZERS:
         raise RuntimeError(
             f"optimizer={t.optimizer.value!r} cannot be measured here: it is not in torch.optim (it needs "
@@ -349,6 +355,23 @@ class _Setup:
             timing.update(forward_s=t1 - t0, backward_s=t2 - t1, optimizer_s=clock() - t2)
 
 
+def traced_step(setup: _Setup, device_type: str | None = None,
+                timing: dict[str, float] | None = None) -> StorageTracker:
+    """Run one step of `setup` under a new `StorageTracker` (still open: the caller closes it).
+
+    The parameters, buffers, optimizer (and grad-scaler) state and the inputs that exist before the
+    step are adopted under their categories; the tracker counts only `device_type` storages if given.
+    """
+    tracker = StorageTracker(layer_module_names(setup.model), device_type)
+    tracker.adopt(list(setup.model.parameters()), "weights/params", param=True)
+    tracker.adopt(list(setup.model.buffers()), "weights/buffers")
+    tracker.adopt(setup.state_tensors(), "optimizer_states")
+    tracker.adopt(list(setup.inputs.values()), "activations/inputs")
+    with tracker, _module_context(setup.model, tracker):
+        setup.step(tracker, timing)
+    return tracker
+
+
 def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake", prime: bool = True) -> StepTrace:
     """Build, prime and measure one training step; ``device`` is ``fake``, ``cpu`` or ``cuda``.
 
@@ -378,14 +401,8 @@ def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake", prime: bool = 
             from .cuda import before_step
 
             before = before_step(setup)
-        tracker = StorageTracker(layer_module_names(setup.model))
-        tracker.adopt(list(setup.model.parameters()), "weights/params", param=True)
-        tracker.adopt(list(setup.model.buffers()), "weights/buffers")
-        tracker.adopt(setup.state_tensors(), "optimizer_states")
-        tracker.adopt(list(setup.inputs.values()), "activations/inputs")
         t1 = time.perf_counter()
-        with tracker, _module_context(setup.model, tracker):
-            setup.step(tracker, timing)
+        tracker = traced_step(setup, "cuda" if device == "cuda" else None, timing)
         if device == "cuda":
             from .cuda import after_step
 

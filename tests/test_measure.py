@@ -1,0 +1,260 @@
+"""`trainmem measure`: fake == real CPU for every family, categories, the JSON contract, the harness.
+
+Every expected number here comes from a second measurement (real vs fake tensors, or the independent
+harness's stored results), never from a constant typed into the test.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.torch
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from trainmem_nb.breakdown import DETAIL_KEYS, TOP_KEYS  # noqa: E402
+from trainmem_nb.measure import measure  # noqa: E402
+from trainmem_nb.measure.dataset import CASES_FILE, HARNESS_FILE, load_cases  # noqa: E402
+from trainmem_nb.measure.step import run_step, summarize  # noqa: E402
+from trainmem_nb.specs import Family, ModelSpec, TrainingSpec  # noqa: E402
+
+ALL_FAMILIES = [f.value for f in Family]
+
+
+def tiny(family: str, **kw: Any) -> ModelSpec:
+    """A two-layer model of `family` (GQA where the family has it; mistral with a window shorter than the sequence)."""
+    spec: dict[str, Any] = {"family": family, "name": f"{family}-tiny", "n_layers": 2, "hidden": 64, "n_heads": 4,
+                            "ffn": 128, "vocab": 256, "max_positions": 256}
+    if family in ("llama", "mistral", "qwen2", "mixtral", "phi3", "gemma"):
+        spec["n_kv_heads"] = 2
+    if family == "gemma":
+        spec["head_dim"] = 16
+    if family == "mistral":
+        spec["sliding_window"] = 16
+    if family == "mixtral":
+        spec.update(n_experts=4, experts_top_k=2)
+    spec.update(kw)
+    return ModelSpec.model_validate(spec)
+
+
+def training(**kw: Any) -> TrainingSpec:
+    base: dict[str, Any] = {"micro_batch": 2, "seq_len": 32, "device": "cpu", "dropout": 0.0, "precision": "fp32",
+                            "optimizer_impl": "foreach"}
+    base.update(kw)
+    if base.get("optimizer") == "none":
+        base["optimizer_impl"] = None
+    return TrainingSpec.model_validate(base)
+
+
+def summaries(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The 512-B-rounded and the exact summary of one step (without the timeline)."""
+    trace = run_step(m, t, device)
+    out = []
+    for rounding in (True, False):
+        s = summarize(trace, rounding=rounding)
+        s.pop("timeline")
+        out.append(s)
+    return out[0], out[1]
+
+
+FAMILY_SETUPS = {
+    "fp32-adamw": {},
+    "bf16-mixed-ckpt-dropout": {"precision": "bf16-mixed", "checkpointing": "full", "dropout": 0.1},
+}
+
+
+@pytest.mark.parametrize("setup", sorted(FAMILY_SETUPS))
+@pytest.mark.parametrize("family", ALL_FAMILIES)
+def test_fake_equals_cpu_byte_for_byte_for_every_family(family: str, setup: str) -> None:
+    m, t = tiny(family), training(**FAMILY_SETUPS[setup])
+    fake = summaries(m, t, "fake")
+    real = summaries(m, t, "cpu")
+    assert fake == real
+    rounded = fake[0]
+    assert rounded["peak_phase"] in ("forward", "backward", "optimizer")
+    assert max(rounded["phase_peaks"].values()) == rounded["peak"]
+    assert sum(rounded["detail"].values()) == rounded["peak"]
+
+
+OPTIONS = {
+    "bf16-true": {"precision": "bf16-true"},
+    "fp16-mixed-scaler": {"precision": "fp16-mixed"},
+    "fp16-true": {"precision": "fp16-true"},
+    "selective-ckpt": {"checkpointing": "selective"},
+    "eager-dropout": {"attention": "eager", "dropout": 0.1},
+    "lora-qv": {"method": "lora", "lora_targets": "qv", "lora_rank": 4, "lora_alpha": 8},
+    "lora-all-linear-bf16": {"method": "lora", "lora_targets": "all-linear", "precision": "bf16-true",
+                             "lora_dropout": 0.1},
+    "lora-ckpt-mixed": {"method": "lora", "checkpointing": "full", "precision": "bf16-mixed"},
+    "sgd": {"optimizer": "sgd"},
+    "sgd-momentum-for-loop": {"optimizer": "sgd-momentum", "optimizer_impl": "for-loop"},
+    "adam-fused": {"optimizer": "adam", "optimizer_impl": "fused"},
+    "adafactor": {"optimizer": "adafactor"},
+    "adamw-for-loop": {"optimizer_impl": "for-loop"},
+    "no-optimizer": {"optimizer": "none"},
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_fake_equals_cpu_byte_for_byte_across_options(option: str, family: str) -> None:
+    m, t = tiny(family), training(**OPTIONS[option])
+    assert summaries(m, t, "fake") == summaries(m, t, "cpu")
+
+
+def test_breakdown_sums_to_the_peak_with_the_estimators_keys() -> None:
+    from trainmem_nb.estimate import MemoryEstimate
+
+    r = measure(tiny("llama"), training(precision="bf16-mixed"), device="fake")
+    d = r.to_dict()
+    assert set(d["breakdown_bytes"]) == set(TOP_KEYS)
+    assert set(d["detail_bytes"]) == set(DETAIL_KEYS)
+    assert sum(d["breakdown_bytes"].values()) == d["peak_allocated_bytes"]
+    assert d["peak_reserved_bytes"] == d["device_total_bytes"] == d["peak_allocated_bytes"]
+    assert d["device"] == "cpu" and d["measured_with"]["device"] == "fake"
+    for key in ("torch", "transformers", "peft", "python", "threads", "timing", "date"):
+        assert key in d["measured_with"]
+    est = MemoryEstimate(model=r.model, training=r.training, n_params=1, n_trainable_params=1,
+                         peak_allocated_bytes=0, peak_reserved_bytes=0, device_total_bytes=0, peak_phase="forward",
+                         peak_at="", detail_bytes={}, phase_peaks_bytes={})
+    assert set(est.to_dict()) <= set(d)
+    json.dumps(d)  # the contract is JSON
+
+
+def test_measurement_round_trips_through_its_dict() -> None:
+    from trainmem_nb.measure.result import Measurement
+
+    r = measure(tiny("qwen2"), training(), device="fake")
+    assert Measurement.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+
+
+def test_measure_accepts_the_model_forms_of_estimate() -> None:
+    from trainmem_nb.hf_config import to_hf_config
+
+    m = tiny("gpt2")
+    by_spec = measure(m, training(), device="fake")
+    by_config = measure(hf_config=to_hf_config(m), micro_batch=2, seq_len=32, precision="fp32",
+                        optimizer_impl="foreach", dropout=0.0, device="fake")
+    assert by_config.peak_allocated_bytes == by_spec.peak_allocated_bytes
+    assert by_spec.n_params == m.n_params
+
+
+def _records(m: ModelSpec, t: TrainingSpec) -> list[Any]:
+    return run_step(m, t, "fake").tracker.records
+
+
+def test_checkpointing_recomputes_layers_in_backward_only() -> None:
+    plain = {r.category for r in _records(tiny("llama"), training())}
+    ckpt = [r for r in _records(tiny("llama"), training(checkpointing="full")) if r.category == "activations/recomputed"]
+    assert "activations/recomputed" not in plain
+    assert ckpt and all(r.phase == "backward" and r.in_layer for r in ckpt)
+
+
+def test_autocast_weight_copies_are_their_own_category() -> None:
+    copies = [r for r in _records(tiny("llama"), training(precision="bf16-mixed"))
+              if r.category == "activations/weight_copies"]
+    assert copies and all(r.dtype == "bfloat16" and r.op.startswith("_to_copy") for r in copies)
+    assert not [r for r in _records(tiny("llama"), training()) if r.category == "activations/weight_copies"]
+
+
+def test_activations_outside_layers_split_into_embeddings_and_head() -> None:
+    records = _records(tiny("llama"), training())
+    emb = [r for r in records if r.category == "activations/embeddings"]
+    head = [r for r in records if r.category == "activations/head"]
+    first_layer = min(r.born for r in records if r.in_layer and r.phase == "forward")
+    last_layer = max(r.born for r in records if r.in_layer and r.phase == "forward")
+    assert any(r.op.startswith("embedding") for r in emb)
+    assert all(r.born < first_layer for r in emb)
+    assert any("log_softmax" in r.op for r in head)
+    assert all(r.born > last_layer for r in head)
+
+
+def test_lora_trains_only_the_adapters() -> None:
+    full = measure(tiny("llama"), training(), device="fake")
+    lora = measure(tiny("llama"), training(method="lora", lora_rank=4, lora_alpha=8), device="fake")
+    assert 0 < lora.n_trainable_params < lora.n_params
+    assert lora.n_params > full.n_params  # the adapters are added to the base
+    grads = [r for r in run_step(tiny("llama"), training(method="lora", lora_rank=4, lora_alpha=8), "fake").tracker.records
+             if r.category == "gradients"]
+    assert sum(r.nbytes for r in grads) == 4 * lora.n_trainable_params  # fp32 adapter grads only
+
+
+def test_first_step_creates_optimizer_state_inside_the_step() -> None:
+    steady = measure(tiny("llama"), training(), device="fake")
+    first = measure(tiny("llama"), training(), device="fake", prime=False)
+    assert first.live_at_start_bytes < steady.live_at_start_bytes
+    assert first.measured_with["steady_state"] is False
+
+
+def _harness_cases() -> dict[str, dict[str, Any]]:
+    return {c["id"]: c for c in json.loads(HARNESS_FILE.read_text())["cases"]}
+
+
+# Small harness runs (two real-tensor GPT-2 steps, a first step, a real-tensor LoRA step), re-measured live.
+LIVE_HARNESS = ["harness/gpt2-124m_fp32_adamw_b1_s128", "harness/gpt2-124m_fp32_adamw_b4_s128_ckpt",
+                "harness/gpt2-124m_fp32_adamw_b4_s512_firststep", "harness/llama-1b_fp32_lora8qv_b1_s512"]
+
+
+@pytest.mark.parametrize("case_id", LIVE_HARNESS)
+def test_agrees_with_the_independent_harness_within_one_percent(case_id: str) -> None:
+    from trainmem_nb.measure.harness import compare
+
+    case = _harness_cases()[case_id]
+    m = ModelSpec.model_validate(case["model_spec"])
+    t = TrainingSpec.model_validate(case["training"])
+    r = measure(m, t, device="fake", prime=case["steady_state"])
+    c = compare(r.to_dict(), case)
+    assert abs(c["peak_rel_err"]) <= 0.01
+    assert c["phase_ours"] == c["phase_harness"]
+    assert all(abs(e) <= 0.01 for e in c["category_rel_err"].values()), c["category_rel_err"]
+    assert r.n_params == case["n_params"] and r.n_trainable_params == case["n_trainable_params"]
+
+
+def _reproducible_cases() -> list[Any]:
+    if not CASES_FILE.exists():
+        return []
+    picks = ("families/gpt2-tiny/fp32-adamw-foreach/b2s64/fake", "families/mixtral-tiny/", "cpu-real/bert-tiny/",
+             "families/gemma-tiny-mqa/bf16-true")
+    cases = load_cases()
+    return [next(c for c in cases if c.id.startswith(p)) for p in picks if any(c.id.startswith(p) for c in cases)]
+
+
+@pytest.mark.parametrize("case", _reproducible_cases(), ids=lambda c: c.id)
+def test_stored_dataset_cases_are_reproduced_byte_for_byte(case: Any) -> None:
+    import transformers
+
+    stored = case.measurement
+    if (stored.measured_with["torch"], stored.measured_with["transformers"]) != (torch.__version__,
+                                                                                 transformers.__version__):
+        pytest.skip("the dataset was measured with other torch/transformers versions")
+    again = measure(case.model, case.training, device=case.mode)
+    for key in ("n_params", "n_trainable_params", "peak_allocated_bytes", "peak_phase", "peak_at", "detail_bytes",
+                "phase_peaks_bytes", "peak_live_bytes"):
+        assert getattr(again, key) == getattr(stored, key), key
+
+
+def test_dataset_file_is_present() -> None:
+    assert CASES_FILE.exists() and HARNESS_FILE.exists()
+    assert len(_reproducible_cases()) == 4
+
+
+def test_cpu_step_that_cannot_fit_in_ram_is_refused_before_allocating() -> None:
+    from trainmem_nb.measure.api import check_fits_in_ram
+    from trainmem_nb.presets import get_model
+
+    m = get_model("llama-2-7b")
+    with pytest.raises(RuntimeError, match="use --device fake"):
+        check_fits_in_ram(m, training(), available=8 << 30)
+    check_fits_in_ram(tiny("llama"), training(), available=8 << 30)  # a tiny step passes
+
+
+def test_options_that_need_other_kernels_are_refused_in_one_line() -> None:
+    for opts, text in (({"optimizer": "adamw-8bit"}, "cannot be measured here"),
+                       ({"method": "qlora"}, "bitsandbytes"),
+                       ({"attention": "flash"}, "flash-attn")):
+        with pytest.raises(RuntimeError, match=text) as err:
+            measure(tiny("llama"), training(**opts), device="fake")
+        assert "\n" not in str(err.value)

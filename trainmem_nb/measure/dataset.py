@@ -1,0 +1,408 @@
+"""The shipped dataset of measured training steps (``validation/cases.jsonl``) and how to regenerate it.
+
+Every case is one `Measurement` (``to_dict()`` without the timeline) plus ``id``, ``group`` and
+``source``, one JSON object per line, sorted by id. Its ``measured_with`` block says how (device/mode,
+torch, transformers, peft and python versions, threads, date, timing). Device semantics are CPU
+kernels: compare a case with ``estimate(case.model, case.training)``, whose ``training.device`` is
+``cpu``.
+
+Regenerate everything (about an hour on 2 cores)::
+
+    python -m trainmem_nb.measure.dataset            # or: trainmem validate --remeasure
+    python -m trainmem_nb.measure.dataset --only gemma --keep   # re-measure a subset, keep the rest
+
+`load_cases` reads the file without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..specs import ModelSpec, TrainingSpec
+from .result import Measurement
+
+__all__ = ["VALIDATION_DIR", "CaseSpec", "MeasuredCase", "full_matrix", "load_cases", "main", "quick_matrix"]
+
+#: ``validation/`` at the root of the repository (beside the package).
+VALIDATION_DIR = Path(__file__).resolve().parents[2] / "validation"
+CASES_FILE = VALIDATION_DIR / "cases.jsonl"
+HARNESS_FILE = VALIDATION_DIR / "harness_cases.json"
+
+
+@dataclass(frozen=True)
+class CaseSpec:
+    """One step to measure: a model, a training setup and how (``fake`` or ``cpu``)."""
+
+    id: str
+    group: str
+    model: ModelSpec
+    training: TrainingSpec
+    mode: str = "fake"
+    steady_state: bool = True
+    source: str = "trainmem_nb.measure.dataset"
+
+
+@dataclass(frozen=True)
+class MeasuredCase:
+    """A stored case: what was measured (`measurement`) and under which id and group."""
+
+    id: str
+    group: str
+    source: str
+    measurement: Measurement
+
+    @property
+    def model(self) -> ModelSpec:
+        """The model that was measured."""
+        return self.measurement.model
+
+    @property
+    def training(self) -> TrainingSpec:
+        """The training setup (device ``cpu``: CPU-kernel semantics)."""
+        return self.measurement.training
+
+    @property
+    def mode(self) -> str:
+        """``fake`` (FakeTensorMode) or ``cpu`` (real tensors)."""
+        return self.measurement.mode
+
+    @property
+    def steady_state(self) -> bool:
+        """False for a first step (optimizer state created inside it), which the estimator does not model."""
+        return bool(self.measurement.measured_with.get("steady_state", True))
+
+
+def load_cases(path: str | Path | None = None, steady_state_only: bool = True) -> list[MeasuredCase]:
+    """The measured cases of ``validation/cases.jsonl`` (or `path`), without importing torch.
+
+    >>> cases = load_cases()  # doctest: +SKIP
+    >>> c = cases[0]; c.id, c.measurement.peak_allocated_bytes, c.measurement.breakdown_bytes  # doctest: +SKIP
+    """
+    file = Path(path) if path is not None else CASES_FILE
+    if not file.exists():
+        raise FileNotFoundError(f"no measured cases at {file}; regenerate with: python -m trainmem_nb.measure.dataset")
+    out = []
+    for n, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+            case = MeasuredCase(str(data["id"]), str(data.get("group", "")), str(data.get("source", "")),
+                                Measurement.from_dict(data))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{file}:{n}: not a measured case: {str(exc).splitlines()[0]}") from None
+        if case.steady_state or not steady_state_only:
+            out.append(case)
+    return out
+
+
+# -- the matrix ---------------------------------------------------------------------------------------
+
+def _m(family: str, name: str, **kw: Any) -> ModelSpec:
+    return ModelSpec.model_validate({"family": family, "name": name, **kw})
+
+
+def _preset(preset: str, **overrides: Any) -> ModelSpec:
+    from ..presets import get_model
+
+    spec = get_model(preset)
+    if not overrides:
+        return spec
+    data = spec.model_dump()
+    data.update(overrides)
+    return ModelSpec.model_validate(data)
+
+
+#: Small shapes of every family (tiny and "small" widths, GQA and not, tied and untied, biases).
+def _small_shapes() -> list[ModelSpec]:
+    return [
+        _m("llama", "llama-tiny-gqa", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=176, vocab=512),
+        _m("llama", "llama-small-mha-tied", n_layers=4, hidden=256, n_heads=8, ffn=688, vocab=2048, tie_embeddings=True),
+        _m("llama", "llama-small-bias", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1024,
+           qkv_bias=True, out_bias=True, mlp_bias=True),
+        _m("mistral", "mistral-tiny-window", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+           sliding_window=64),
+        _m("mistral", "mistral-small", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=768, vocab=2048),
+        _m("qwen2", "qwen2-tiny", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1024),
+        _m("qwen2", "qwen2-small-tied", n_layers=4, hidden=256, n_heads=8, n_kv_heads=2, ffn=704, vocab=4096,
+           tie_embeddings=True),
+        _m("gemma", "gemma-tiny-mqa", n_layers=2, hidden=128, n_heads=4, n_kv_heads=1, head_dim=64, ffn=512, vocab=1024),
+        _m("gemma", "gemma-small", n_layers=4, hidden=256, n_heads=4, n_kv_heads=4, head_dim=64, ffn=1024, vocab=4096),
+        _m("phi3", "phi3-tiny", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=1024),
+        _m("phi3", "phi3-small-gqa", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=640, vocab=2048),
+        _m("mixtral", "mixtral-tiny", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=512,
+           n_experts=4, experts_top_k=2),
+        _m("mixtral", "mixtral-small", n_layers=3, hidden=256, n_heads=8, n_kv_heads=2, ffn=512, vocab=2048,
+           n_experts=8, experts_top_k=2),
+        _m("gpt2", "gpt2-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512, max_positions=1024),
+        _m("gpt2", "gpt2-small-untied", n_layers=4, hidden=256, n_heads=8, ffn=1024, vocab=4096, max_positions=1024,
+           tie_embeddings=False),
+        _m("gpt_neox", "neox-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
+        _m("gpt_neox", "neox-small-serial", n_layers=4, hidden=256, n_heads=8, ffn=1024, vocab=4096,
+           parallel_residual=False),
+        _m("opt", "opt-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512, max_positions=1024),
+        _m("opt", "opt-small-postnorm-proj", n_layers=4, hidden=256, n_heads=8, ffn=1024, vocab=4096,
+           max_positions=1024, pre_norm=False, word_embed_proj_dim=128),
+        _m("bert", "bert-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
+        _m("bert", "bert-small", n_layers=4, hidden=256, n_heads=4, ffn=1024, vocab=4096),
+    ]
+
+
+#: Real shapes (presets), tiny to 7B class, measured in fake mode.
+_LARGE = ["gpt2", "gpt2-medium", "gpt2-xl", "tinyllama-1.1b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b",
+          "mistral-7b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2b", "gemma-7b", "phi-3-mini", "pythia-160m",
+          "pythia-1.4b", "pythia-6.9b", "opt-125m", "opt-350m", "opt-1.3b", "opt-6.7b", "bert-base", "bert-large"]
+
+#: Real widths with fewer layers: option sweeps run fast but keep realistic ratios of h, ffn and vocab.
+_SWEEP_MODELS = {
+    "llama": ("llama-2-7b", {"n_layers": 2, "name": "llama-2-7b-2L"}),
+    "qwen2": ("qwen2.5-0.5b", {"n_layers": 4, "name": "qwen2.5-0.5b-4L"}),
+    "gpt2": ("gpt2", {"n_layers": 4, "name": "gpt2-4L"}),
+    "gpt_neox": ("pythia-410m", {"n_layers": 4, "name": "pythia-410m-4L"}),
+    "bert": ("bert-base", {"n_layers": 4, "name": "bert-base-4L"}),
+    "mixtral": ("mixtral-8x7b", {"n_layers": 1, "name": "mixtral-8x7b-1L"}),
+}
+
+
+def _t(**kw: Any) -> TrainingSpec:
+    base: dict[str, Any] = {"device": "cpu", "dropout": 0.0, "precision": "fp32", "optimizer": "adamw",
+                            "optimizer_impl": "foreach"}
+    base.update(kw)
+    if base["optimizer"] == "none":
+        base["optimizer_impl"] = None
+    return TrainingSpec.model_validate(base)
+
+
+def _case_id(group: str, m: ModelSpec, t: TrainingSpec, mode: str) -> str:
+    parts = [t.precision.value, t.optimizer.value]
+    if t.optimizer.value != "none":
+        parts.append(t.resolved_optimizer_impl.value)
+    if t.checkpointing.value != "none":
+        parts.append(f"ckpt-{t.checkpointing.value}")
+    if t.attention.value != "sdpa":
+        parts.append(t.attention.value)
+    if t.dropout:
+        parts.append(f"drop{t.dropout:g}")
+    if t.method.value != "full":
+        parts.append(f"lora{t.lora_rank}-{t.lora_targets.replace(',', '+')}"
+                     + (f"-ld{t.lora_dropout:g}" if t.lora_dropout else ""))
+    return f"{group}/{m.name}/{'-'.join(parts)}/b{t.micro_batch}s{t.seq_len}/{mode}"
+
+
+def _cases(group: str, models: Iterable[ModelSpec], trainings: Iterable[TrainingSpec], mode: str = "fake") -> list[CaseSpec]:
+    trainings = list(trainings)
+    return [CaseSpec(_case_id(group, m, t, mode), group, m, t, mode) for m in models for t in trainings]
+
+
+def _sweep_options() -> list[TrainingSpec]:
+    """Options around a bf16-mixed AdamW baseline: one thing changed at a time, and a few combinations."""
+    b = {"micro_batch": 2, "seq_len": 256, "precision": "bf16-mixed"}
+    return [
+        _t(**b),
+        _t(**{**b, "precision": "fp32"}),
+        _t(**{**b, "precision": "bf16-true"}),
+        _t(**{**b, "precision": "fp16-mixed"}),
+        _t(**{**b, "optimizer_impl": "fused"}),
+        _t(**{**b, "optimizer_impl": "for-loop"}),
+        _t(**{**b, "optimizer": "adam"}),
+        _t(**{**b, "optimizer": "sgd"}),
+        _t(**{**b, "optimizer": "sgd-momentum"}),
+        _t(**{**b, "optimizer": "adafactor"}),
+        _t(**{**b, "optimizer": "none"}),
+        _t(**{**b, "checkpointing": "full"}),
+        _t(**{**b, "checkpointing": "selective"}),
+        _t(**{**b, "attention": "eager"}),
+        _t(**{**b, "dropout": 0.1}),
+        _t(**{**b, "attention": "eager", "dropout": 0.1}),
+        _t(**{**b, "method": "lora", "lora_rank": 16, "lora_alpha": 32, "lora_targets": "qv"}),
+        _t(**{**b, "method": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_targets": "all-linear",
+              "precision": "bf16-true"}),
+        _t(**{**b, "method": "lora", "lora_rank": 16, "lora_alpha": 32, "lora_targets": "qv",
+              "checkpointing": "full", "lora_dropout": 0.05}),
+        _t(micro_batch=1, seq_len=1024, precision="bf16-mixed"),
+        _t(micro_batch=8, seq_len=128, precision="bf16-mixed", checkpointing="full"),
+    ]
+
+
+def full_matrix() -> list[CaseSpec]:
+    """Every case of the shipped dataset (harness cases come from ``validation/harness_cases.json``)."""
+    cases: list[CaseSpec] = []
+    small = _small_shapes()
+    small_trainings = [
+        _t(micro_batch=2, seq_len=64),
+        _t(micro_batch=1, seq_len=128, precision="bf16-mixed", optimizer_impl="for-loop", checkpointing="full"),
+        _t(micro_batch=4, seq_len=32, precision="bf16-true", optimizer_impl="fused", attention="eager"),
+        _t(micro_batch=2, seq_len=64, precision="fp32", optimizer="sgd-momentum", checkpointing="selective",
+           dropout=0.1),
+    ]
+    cases += _cases("families", small, small_trainings)
+    big_trainings = [
+        _t(micro_batch=1, seq_len=512, precision="bf16-mixed"),
+        _t(micro_batch=2, seq_len=1024, precision="bf16-true", optimizer_impl="fused", checkpointing="full"),
+    ]
+    for name in _LARGE:
+        m = _preset(name)
+        fitted = [t if t.seq_len <= m.max_positions else _t(**{**t.model_dump(), "seq_len": m.max_positions})
+                  for t in big_trainings]  # learned positions (bert: 512) bound the sequence
+        cases += _cases("presets", [m], fitted)
+    cases += _cases("presets", [_preset("mixtral-8x7b", n_layers=4, name="mixtral-8x7b-4L")],
+                    [_t(micro_batch=1, seq_len=256, precision="bf16-mixed")])
+    sweep_models = {fam: _preset(name, **kw) for fam, (name, kw) in _SWEEP_MODELS.items()}
+    cases += _cases("options", [sweep_models["llama"]], _sweep_options())
+    for fam in ("qwen2", "gpt2", "gpt_neox", "bert", "mixtral"):
+        opts = _sweep_options()
+        pick = [0, 1, 2, 4, 7, 9, 11, 12, 13, 14, 16, 17]
+        cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
+    cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
+    cases += harness_matrix()
+    ids = [c.id for c in cases]
+    dupes = sorted({i for i in ids if ids.count(i) > 1})
+    if dupes:
+        raise AssertionError(f"duplicate case ids: {dupes[:3]}")
+    return cases
+
+
+def quick_matrix() -> list[CaseSpec]:
+    """`trainmem validate`'s default: every family tiny and small, a few options, one 7B; a few minutes."""
+    small = _small_shapes()
+    cases = _cases("families", small, [_t(micro_batch=2, seq_len=64)])
+    cases += _cases("families", small[::3], [_t(micro_batch=1, seq_len=128, precision="bf16-mixed",
+                                                   optimizer_impl="for-loop", checkpointing="full")])
+    cases += _cases("presets", [_preset("gpt2"), _preset("tinyllama-1.1b")], [_t(micro_batch=1, seq_len=512,
+                                                                                   precision="bf16-mixed")])
+    cases += _cases("presets", [_preset("llama-2-7b")], [_t(micro_batch=1, seq_len=512, precision="bf16-mixed")])
+    return cases
+
+
+def harness_matrix(path: str | Path | None = None) -> list[CaseSpec]:
+    """The harness's configurations, re-measured by us (in fake mode: fake == real is proven)."""
+    file = Path(path) if path is not None else HARNESS_FILE
+    if not file.exists():
+        return []
+    from .harness import load_harness_cases
+
+    out = []
+    for case in load_harness_cases(file):
+        m = ModelSpec.model_validate(case["model_spec"])
+        t = TrainingSpec.model_validate(case["training"])
+        out.append(CaseSpec(case["id"], "harness", m, t, "fake", bool(case["steady_state"]), case["source"]))
+    return out
+
+
+# -- regeneration -------------------------------------------------------------------------------------
+
+def measure_case(case: CaseSpec) -> dict[str, Any]:
+    """Measure one case; returns its dataset line (a dict), or ``{"id", "error"}`` if it failed."""
+    from .api import measure
+
+    try:
+        r = measure(case.model, case.training, device=case.mode, prime=case.steady_state, check_ram=False)
+    except Exception as exc:  # one failing case must not lose the others; the error is reported
+        return {"id": case.id, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    return {"id": case.id, "group": case.group, "source": case.source, **r.to_dict(timeline=False)}
+
+
+def _run(cases: list[CaseSpec], jobs: int) -> Iterator[dict[str, Any]]:
+    if jobs <= 1:
+        for case in cases:
+            yield measure_case(case)
+        return
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    ctx = multiprocessing.get_context("spawn")
+    # (no max_tasks_per_child: it can hang the pool on Python 3.11, CPython gh-115634)
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+        futures = [pool.submit(measure_case, c) for c in cases]
+        for fut in as_completed(futures):
+            yield fut.result()
+
+
+def _write_jsonl(path: Path, rows: Iterable[dict[str, Any]]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with tmp.open("w") as f:
+        for row in sorted(rows, key=lambda r: r["id"]):
+            f.write(json.dumps(row, sort_keys=True, separators=(",", ":")) + "\n")
+    os.replace(tmp, path)
+
+
+def regenerate(out: Path = CASES_FILE, only: str = "", keep: bool = False, jobs: int = 1,
+               log: Any = sys.stderr) -> tuple[int, list[dict[str, Any]]]:
+    """Measure the full matrix into `out` (JSONL). Returns (cases written, failures).
+
+    `only` keeps ids containing that text; `keep` keeps already-stored lines of other ids (and of
+    matching ids not re-measured). Lines are written as they come (``<out>.partial``), so an
+    interrupted run loses nothing; the final file is sorted by id.
+    """
+    cases = [c for c in full_matrix() if only in c.id]
+    existing: dict[str, dict[str, Any]] = {}
+    if keep and out.exists():
+        for line in out.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                existing[row["id"]] = row
+    done = dict(existing) if keep else {}
+    failures: list[dict[str, Any]] = []
+    partial = out.with_suffix(".partial")
+    t0 = time.perf_counter()
+    with partial.open("a") as f:
+        for n, row in enumerate(_run(cases, jobs), 1):
+            if "error" in row:
+                failures.append(row)
+                print(f"[{n}/{len(cases)}] FAILED {row['id']}: {row['error']}", file=log, flush=True)
+                continue
+            done[row["id"]] = row
+            f.write(json.dumps(row, sort_keys=True, separators=(",", ":")) + "\n")
+            f.flush()
+            wall = row["measured_with"]["timing"].get("wall_s", 0.0)
+            print(f"[{n}/{len(cases)}] {row['id']}  peak {row['peak_allocated_bytes']}  {row['peak_phase']}  "
+                  f"({wall:.1f} s, {time.perf_counter() - t0:.0f} s total)", file=log, flush=True)
+    _write_jsonl(out, done.values())
+    partial.unlink(missing_ok=True)
+    return len(done), failures
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m trainmem_nb.measure.dataset``: regenerate ``validation/`` (see the module docstring)."""
+    ap = argparse.ArgumentParser(prog="python -m trainmem_nb.measure.dataset", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=CASES_FILE, help="JSONL file to write (default validation/cases.jsonl)")
+    ap.add_argument("--only", default="", help="measure only cases whose id contains this text")
+    ap.add_argument("--keep", action="store_true", help="keep stored cases that are not re-measured")
+    ap.add_argument("--jobs", type=int, default=1, help="worker processes (timings are per case either way)")
+    ap.add_argument("--list", action="store_true", help="print the case ids and exit")
+    ap.add_argument("--import-harness", nargs="?", const="", default=None, metavar="RESULTS_DIR",
+                    help="first copy the harness's results into validation/harness_cases.json")
+    ap.add_argument("--no-report", action="store_true", help="skip validation/harness_agreement.md and SUMMARY.md")
+    args = ap.parse_args(argv)
+    if args.import_harness is not None:
+        from .harness import DEFAULT_RESULTS, import_results
+
+        doc = import_results(args.import_harness or DEFAULT_RESULTS)
+        HARNESS_FILE.parent.mkdir(parents=True, exist_ok=True)
+        HARNESS_FILE.write_text(json.dumps(doc, indent=1, sort_keys=False) + "\n")
+        print(f"wrote {doc['n_cases']} harness cases to {HARNESS_FILE}", file=sys.stderr)
+    if args.list:
+        for c in full_matrix():
+            if args.only in c.id:
+                print(c.id)
+        return 0
+    n, failures = regenerate(args.out, args.only, args.keep, args.jobs)
+    print(f"wrote {n} cases to {args.out}; {len(failures)} failed", file=sys.stderr)
+    if not args.no_report:
+        from .report import write_dataset_reports
+
+        for path in write_dataset_reports(args.out):
+            print(f"wrote {path}", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
