@@ -147,14 +147,14 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
 
     g.phase = "backward"
     g.region = "backward"
-    starts = {head_node: "head_bwd_end"}
-    for i, nm in enumerate(node_marks):
-        starts[nm] = f"L{i}_bwd_end"
+    # a region's backward ends when backward reaches the node before the region's first one (regions
+    # without nodes end where the next one does)
+    starts: list[tuple[int, str]] = [(head_node, "head_bwd_end")]
+    starts += [(nm, f"L{i}_bwd_end") for i, nm in reversed(list(enumerate(node_marks)))]
 
     def on_node(index: int) -> None:
-        # node indices fall as backward proceeds; crossing a layer's first node ends that layer
-        for first, name in starts.items():
-            if index == first - 1 and name not in g.marks:
+        for first, name in starts:
+            if index <= first - 1 and name not in g.marks:
                 g.mark(name)
                 if name == "L1_bwd_end" and layer_inputs[1].grad is not None:
                     layer_inputs[1].grad.chain = True  # the gradient handed to the layer below
@@ -163,9 +163,13 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
         assert isinstance(frame, _Frame)
         frame.recompute(g, ctx, recipe)
 
+    if not loss.rg:
+        from .specs import SpecError
+
+        raise SpecError("nothing is trained: no parameter requires a gradient (check method and lora_targets)")
     g.mark("bwd_start")
     g.backward(loss, seed_dt=4, on_node=on_node, on_checkpoint=on_checkpoint)
-    for name in starts.values():
+    for _first, name in starts:
         if name not in g.marks:
             g.mark(name)
     g.mark("bwd_end")
