@@ -37,11 +37,13 @@ class Segment(NamedTuple):
     repeat: int
     events: tuple[tuple[int, int, Sz, str], ...]  # (category index, +k alloc / -k free of k tensors, bytes, label)
     fast: tuple[tuple[int, float, int], ...] = ()  # per event: (monomial index or -1, coefficient, sign)
+    general: tuple[int, ...] = ()  # events whose size has several terms (computed in full)
 
 
 def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...]) -> Segment:
     """A segment with its events' sizes precompiled for `evaluate`."""
-    return Segment(phase, label, repeat, events, tuple((*_terms(sz), sign) for _c, sign, sz, _l in events))
+    fast = tuple((*_terms(sz), sign) for _c, sign, sz, _l in events)
+    return Segment(phase, label, repeat, events, fast, tuple(j for j, f in enumerate(fast) if f[0] < 0))
 
 
 @dataclass(frozen=True)
@@ -331,12 +333,9 @@ def _terms(sz: Sz) -> tuple[int, float]:
 
 def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> list[int]:
     """Signed, 512-B-rounded bytes of each event at (b, s)."""
-    fast = seg.fast or tuple((*_terms(sz), sign) for _c, sign, sz, _l in seg.events)
-    out = [k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if i >= 0 else 0 for i, c, k in fast]
-    if any(i < 0 for i, _c, _k in fast):
-        for j, (i, _c, k) in enumerate(fast):
-            if i < 0:
-                out[j] = k * _round(seg.events[j][2].at(b, s))
+    out = [k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for i, c, k in seg.fast]
+    for j in seg.general:
+        out[j] = seg.fast[j][2] * _round(seg.events[j][2].at(b, s))
     return out
 
 
@@ -344,9 +343,8 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     """The peak of `prog` for one batch shape, with its category breakdown and phase."""
     b, s = micro_batch, seq_len
     mono = (1, b, s, b * s, s * s, b * s * s)
-    total = 0
-    for _cat, sz, count in prog.init:
-        total += _round(sz.at(b, s)) * count
+    init = _init_bytes(prog, b, s)
+    total = sum(init)
     best, best_where = total, (-1, 0, 0)  # (segment index, event index, repetitions before)
     phase_peaks: dict[str, int] = {}
     all_sizes: list[list[int]] = []
@@ -366,7 +364,7 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
             if cand > best:
                 best, best_where = cand, (si, run.index(pmax), reps_before)
         total += net * n
-    detail = _breakdown_at(prog, b, s, all_sizes, *best_where)
+    detail = _breakdown_at(prog, init, all_sizes, *best_where)
     si, ei, reps = best_where
     if si < 0:
         phase, where = "forward", "start of step"
@@ -377,12 +375,18 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     return Evaluation(int(best), phase, where, detail, {k: int(v) for k, v in phase_peaks.items()})
 
 
-def _breakdown_at(prog: Program, b: int, s: int, all_sizes: list[list[int]], si: int, ei: int,
-                  reps: int) -> dict[str, int]:
-    """Bytes per detailed category just after event `ei` of segment `si` (repeated `reps` times before)."""
+def _init_bytes(prog: Program, b: int, s: int) -> list[int]:
+    """Bytes per detailed category alive before the step."""
     cats = [0] * len(DETAIL_KEYS)
     for cat, sz, count in prog.init:
-        cats[cat] += _round(sz.at(b, s)) * count
+        cats[cat] += (_round(sz.c0) if sz.c0 == sz.at(b, s) else _round(sz.at(b, s))) * count
+    return cats
+
+
+def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[int]], si: int, ei: int,
+                  reps: int) -> dict[str, int]:
+    """Bytes per detailed category just after event `ei` of segment `si` (repeated `reps` times before)."""
+    cats = list(init)
     for j, seg in enumerate(prog.segments):
         if si < 0 or j > si:
             break

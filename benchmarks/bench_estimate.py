@@ -1,0 +1,57 @@
+"""How fast is an estimate? Prints the median time of one `estimate()` (goal <= 0.2 ms) and of 10,000
+estimates in a sweep (goal <= 1 s), warm (the step program compiled once per model and options) and
+cold (compiling included).
+
+Run: python benchmarks/bench_estimate.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+
+import trainmem_nb as tm
+from trainmem_nb.presets import get_model
+from trainmem_nb.simulate import compile_step
+
+
+def _median_ms(fn, n: int) -> float:  # type: ignore[no-untyped-def]
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    m = get_model("llama-3-8b")
+    tm.estimate(m, micro_batch=2, seq_len=2048)  # compile once
+    warm = _median_ms(lambda i: tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048), 2000)
+    print(f"estimate() warm, llama-3-8b:            median {warm:.3f} ms   (goal <= 0.2 ms)")
+
+    def cold(i: int) -> None:
+        compile_step.cache_clear()
+        tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048, checkpointing=("none", "full")[i % 2])
+
+    print(f"estimate() cold (program compiled):     median {_median_ms(cold, 50):.2f} ms")
+
+    grid = list(itertools.product(range(1, 26), (256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+                                  ("bf16-mixed", "bf16-true"), ("none", "full"), ("adamw", "sgd"),
+                                  ("sdpa", "eager", "flash"), ("cuda",), (1, 2, 4, 8, 16, 32, 64)))[:10_000]
+    compile_step.cache_clear()
+    t0 = time.perf_counter()
+    for b, s, prec, ckpt, opt, attn, dev, ga in grid:
+        tm.estimate(m, micro_batch=b, seq_len=s, precision=prec, checkpointing=ckpt, optimizer=opt,
+                    attention=attn, device=dev, grad_accum=ga)
+    total = time.perf_counter() - t0
+    print(f"10,000 estimates in a sweep (cold cache): {total:.2f} s        (goal <= 1 s)")
+    for name in ("gpt2", "mixtral-8x7b", "llama-3.1-405b"):
+        mm = get_model(name)
+        tm.estimate(mm, micro_batch=1, seq_len=1024)
+        print(f"estimate() warm, {name:<22} median {_median_ms(lambda i: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=1024), 500):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
