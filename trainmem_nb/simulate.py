@@ -24,7 +24,10 @@ from .params import buffer_inventory, weight_tensors
 from .specs import Checkpointing, Device, Method, ModelSpec, TrainingSpec
 from .tape import Graph, Sz, T, const, per_token
 
-__all__ = ["Program", "Segment", "TimelinePoint", "compile_step", "evaluate", "simulate", "timeline"]
+__all__ = [
+    "Program", "Segment", "TimelinePoint", "compile_step", "evaluate", "program_key", "reserved_and_total", "simulate",
+    "timeline",
+]
 
 CAT_INDEX = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -401,32 +404,42 @@ def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[int]], si
     return {DETAIL_KEYS[i]: int(v) for i, v in enumerate(cats) if v}
 
 
+def program_key(t: TrainingSpec) -> TrainingSpec:
+    """The part of `t` that shapes the step program: the batch shape stays symbolic, except whether
+    there is one sequence or several; gradient accumulation only matters as "more than one step"."""
+    # model_copy skips validation: the values come from a validated spec
+    return t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": 1,
+                                "grad_accum": min(t.grad_accum, 2)})
+
+
+def reserved_and_total(t: TrainingSpec, peak: int, churn: int, calibration: Calibration | None) -> tuple[int, int]:
+    """The caching allocator's reserved bytes and the device total (nvidia-smi) for an allocated peak.
+
+    ``churn`` is the activation and temporary bytes at the peak: memory that is freed and reused within
+    a step, where cached blocks and fragmentation come from. CPU: both equal the peak."""
+    if t.device is not Device.CUDA:
+        return peak, peak
+    from .device import CUDA_CONTEXT_BYTES, LARGE_SEGMENT_BYTES, RESERVED_CHURN_FRACTION
+
+    frac = calibration.reserved_churn_fraction if calibration else RESERVED_CHURN_FRACTION
+    context = calibration.cuda_context_bytes if calibration else CUDA_CONTEXT_BYTES
+    reserved = -(-int(peak + frac * churn) // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES
+    return reserved, reserved + context
+
+
 def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None) -> object:
     """`estimate()`'s engine: compile (cached), evaluate, add the device's reserved and context bytes."""
     from .estimate import MemoryEstimate
 
-    # the program is symbolic in the batch shape; only "one sequence or several" changes its structure
-    # (model_copy skips validation: the values come from a validated spec)
-    key = t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": 1,
-                               "grad_accum": min(t.grad_accum, 2)})
-    prog = compile_step(m, key)
+    prog = compile_step(m, program_key(t))
     ev = evaluate(prog, t.micro_batch, t.seq_len)
     tops = dict.fromkeys(TOP_KEYS, 0)
     for k, v in ev.detail.items():
         tops[k.split("/")[0]] += v
-    overhead: dict[str, int] = {}
+    reserved, total = reserved_and_total(t, ev.peak, tops["activations"] + tops["transient"], calibration)
+    overhead = {}
     if t.device is Device.CUDA:
-        from .device import CUDA_CONTEXT_BYTES, LARGE_SEGMENT_BYTES, RESERVED_CHURN_FRACTION
-
-        frac = calibration.reserved_churn_fraction if calibration else RESERVED_CHURN_FRACTION
-        ctx_bytes = calibration.cuda_context_bytes if calibration else CUDA_CONTEXT_BYTES
-        churn = tops["activations"] + tops["transient"]
-        reserved = -(-int(ev.peak + frac * churn) // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES
-        overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": ctx_bytes}
-        total = reserved + ctx_bytes
-    else:
-        reserved = ev.peak
-        total = ev.peak
+        overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved}
     return MemoryEstimate(
         model=m, training=t, n_params=prog.n_params, n_trainable_params=prog.n_trainable,
         peak_allocated_bytes=ev.peak, peak_reserved_bytes=reserved, device_total_bytes=total,

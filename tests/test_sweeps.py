@@ -1,0 +1,44 @@
+"""Sweeps: one tidy row per combination, numbers identical to `estimate()` for each row."""
+
+from __future__ import annotations
+
+import pytest
+
+pd = pytest.importorskip("pandas")
+
+import trainmem_nb as tm  # noqa: E402
+from trainmem_nb import SpecError  # noqa: E402
+from trainmem_nb.breakdown import TOP_KEYS  # noqa: E402
+
+
+@pytest.mark.parametrize("opts", [
+    dict(precision="bf16-mixed", checkpointing="none", attention="sdpa", device="cuda"),
+    dict(precision="fp32", checkpointing="full", attention="eager", dropout=0.1, device="cpu"),
+    dict(precision="bf16-true", checkpointing="selective", method="lora", optimizer="sgd", device="cuda"),
+])
+def test_every_row_equals_the_single_estimate(opts: dict) -> None:
+    df = tm.sweep("tinyllama-1.1b", micro_batch=[1, 2, 5], seq_len=[1, 33, 512], **opts)
+    assert len(df) == 9
+    for row in df.itertuples(index=False):
+        e = tm.estimate("tinyllama-1.1b", micro_batch=row.micro_batch, seq_len=row.seq_len, **opts)
+        assert row.peak_allocated_bytes == e.peak_allocated_bytes
+        assert row.peak_reserved_bytes == e.peak_reserved_bytes
+        assert row.device_total_bytes == e.device_total_bytes
+        assert row.peak_phase == e.peak_phase
+        assert row.saved_activations_bytes == e.saved_activations_bytes
+        for key in TOP_KEYS:
+            assert getattr(row, f"{key}_bytes") == e.breakdown_bytes[key]
+
+
+def test_columns_are_the_options_then_the_figures_and_lists_of_models_sweep() -> None:
+    df = tm.sweep(["gpt2", "tinyllama-1.1b"], micro_batch=[1, 2], seq_len=256, precision=["fp32", "bf16-mixed"])
+    assert list(df.columns[:5]) == ["model", "micro_batch", "seq_len", "precision", "peak_allocated_bytes"]
+    assert len(df) == 8 and set(df["model"]) == {"gpt2", "tinyllama-1.1b"}
+    assert df.attrs["swept"] == ["model", "micro_batch", "precision"]
+
+
+def test_a_bad_swept_value_is_reported_before_any_work() -> None:
+    with pytest.raises(SpecError, match=r"micro_batch=0"):
+        tm.sweep("gpt2", micro_batch=[1, 0], seq_len=128)
+    with pytest.raises(SpecError, match="empty list"):
+        tm.sweep("gpt2", micro_batch=[], seq_len=128)
