@@ -143,8 +143,11 @@ class LlamaRecipe(Recipe):
         out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"), g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")))
 
         def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
-            return [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
-                    g.alloc(vc.n, vc.dt, "sdpa grad v")]
+            grads = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+                     g.alloc(vc.n, vc.dt, "sdpa grad v")]
+            if ctx.cuda:
+                g.drop(*flash_backward_scratch(g, m, qc.dt))
+            return grads
 
         # the node releases its saved tensors in the order key, query, value, logsumexp, output
         g.record("sdpa", [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
@@ -273,3 +276,16 @@ class LlamaRecipe(Recipe):
         w = p.get("lm_head.weight") or p["embed_tokens.weight"]
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
         return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
+
+
+def flash_backward_scratch(g: Graph, m: object, dt: int) -> list[T]:
+    """FlashAttention-2's backward scratch on CUDA, allocated through PyTorch's caching allocator
+    (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, ``mha_bwd``): ``softmax_d``
+    (b, heads, s) fp32, ``dq_accum`` (b, s, heads, head_dim) fp32, and for grouped-query attention
+    ``dk_expanded``/``dv_expanded`` (b, s, heads, head_dim) before they are summed per kv head.
+    FA2 rounds s up to 128 and head_dim to 32; those few rows are left out (at most 127 tokens)."""
+    heads, head_dim, kv = m.n_heads, m.head_dim, m.n_kv_heads  # type: ignore[attr-defined]
+    out = [g.alloc(tok(heads), F32, "flash softmax_d"), g.alloc(tok(heads * head_dim), F32, "flash dq_accum")]
+    if kv != heads:
+        out += [g.alloc(tok(heads * head_dim), dt, "flash dk_expanded"), g.alloc(tok(heads * head_dim), dt, "flash dv_expanded")]
+    return out
