@@ -13,7 +13,10 @@ from typing import Any
 
 from .specs import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision, SpecError
 
-__all__ = ["add_model_options", "add_training_options", "main", "model_from_args", "training_options_from_args"]
+__all__ = [
+    "add_model_options", "add_training_options", "main", "model_from_args", "parallel_options_from_args",
+    "training_options_from_args",
+]
 
 
 def _choices(enum: Any) -> list[str]:
@@ -42,6 +45,20 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     g.add_argument("--attention", default="sdpa", metavar="|".join(_choices(Attention)))
     g.add_argument("--dropout", type=float, default=None, help="every dropout rate (default: the config's)")
     g.add_argument("--device", default=device_choices[0], choices=list(device_choices))
+    p = parser.add_argument_group("parallel layout")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs in total (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
+    p.add_argument("--engine", default="ddp", metavar="ddp|fsdp|deepspeed|megatron")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (fsdp: 2 shard-grad-op, 3 full-shard)")
+    p.add_argument("--hybrid-shard", action="store_true", help="FSDP HYBRID_SHARD: shard within a node only")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--pp-schedule", default="1f1b", metavar="1f1b|interleaved|gpipe")
+    p.add_argument("--virtual-stages", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE)")
+    p.add_argument("--offload", default="none", metavar="none|optimizer|optimizer+params")
     f = parser.add_argument_group("fine-tuning")
     f.add_argument("--method", default="full", metavar="|".join(_choices(Method)))
     f.add_argument("--lora-rank", type=int, default=16)
@@ -73,10 +90,21 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
     }
 
 
+def parallel_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword options for `ParallelSpec` from parsed arguments."""
+    return {
+        "gpus": args.gpus, "nodes": args.nodes, "engine": args.engine, "zero": args.zero,
+        "hybrid_shard": args.hybrid_shard, "tp": args.tp, "sp": args.sp, "pp": args.pp,
+        "pp_schedule": args.pp_schedule, "virtual_stages": args.virtual_stages, "cp": args.cp, "ep": args.ep,
+        "offload": args.offload,
+    }
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate
 
-    est = estimate(model_from_args(args), calibration=args.calibration, **training_options_from_args(args))
+    est = estimate(model_from_args(args), calibration=args.calibration, **training_options_from_args(args),
+                   **parallel_options_from_args(args))
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:

@@ -16,6 +16,7 @@ from typing import Any
 
 from .breakdown import TOP_KEYS, roll_up
 from .device import Calibration, load_calibration
+from .parallelism import ParallelSpec, build_parallel, check_layout
 from .presets import resolve_model
 from .specs import ModelSpec, SpecError, TrainingSpec, build_training
 from .units import format_bytes, format_count
@@ -58,6 +59,9 @@ class MemoryEstimate:
     overhead_bytes: dict[str, int] = field(default_factory=dict)
     calibration: Calibration | None = None
     program: Any = field(default=None, repr=False, compare=False)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    per_rank: tuple[Any, ...] = ()
+    host_bytes: int = 0
 
     @property
     def breakdown_bytes(self) -> dict[str, int]:
@@ -96,6 +100,9 @@ class MemoryEstimate:
             "saved_activations_bytes": self.saved_activations_bytes,
             "overhead_bytes": dict(self.overhead_bytes),
             "calibration": self.calibration.model_dump() if self.calibration else None,
+            "host_bytes": self.host_bytes,
+            "parallel": self.parallel.model_dump(mode="json"),
+            "per_rank": [r.to_dict() for r in self.per_rank],
             "training": self.training.model_dump(mode="json"),
             "model_spec": self.model.model_dump(mode="json"),
         }
@@ -155,6 +162,7 @@ def estimate(
     model: str | ModelSpec | Mapping[str, Any] | int | float | None = None,
     training: TrainingSpec | Mapping[str, Any] | None = None,
     *,
+    parallel: ParallelSpec | Mapping[str, Any] | None = None,
     hf_config: str | Path | Mapping[str, Any] | None = None,
     params: int | float | None = None,
     calibration: Calibration | Mapping[str, Any] | str | Path | None = None,
@@ -164,17 +172,22 @@ def estimate(
 
     `model` is a preset name or Hugging Face repo id, a `ModelSpec`, a config dict or a parameter
     count (or pass ``hf_config=`` a path/dict, or ``params=`` a count); `options` are `TrainingSpec`
-    fields: micro_batch, seq_len, grad_accum, precision, optimizer, optimizer_impl, checkpointing,
-    attention, dropout, device, method, lora_*. `calibration` (from ``trainmem measure --device cuda``)
-    replaces the modelled CUDA context and allocator constants with your GPU's.
+    fields (micro_batch, seq_len, grad_accum, precision, optimizer, optimizer_impl, checkpointing,
+    attention, dropout, device, method, lora_*) and `ParallelSpec` fields (gpus, nodes, engine, zero,
+    tp, sp, pp, pp_schedule, virtual_stages, cp, ep, offload). With a parallel layout the headline
+    numbers are the worst rank's and ``per_rank`` holds every distinct rank. `calibration` (from
+    ``trainmem measure --device cuda``) replaces the modelled CUDA context and allocator constants.
     """
     m = _resolve(model, hf_config, params)
+    par_opts = {k: options.pop(k) for k in list(options) if k in ParallelSpec.model_fields}
     t = build_training(training, **options)
+    p = build_parallel(parallel, **par_opts)
     _check_fits_model(m, t)
+    check_layout(m, p)
     cal = load_calibration(calibration)
     from .simulate import simulate
 
-    return simulate(m, t, cal)  # type: ignore[return-value]
+    return simulate(m, t, cal, p)  # type: ignore[return-value]
 
 
 def _resolve(model: Any, hf_config: Any, params: Any) -> ModelSpec:

@@ -20,6 +20,7 @@ from .activations import recipe_for
 from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .device import CUBLAS_WORKSPACE_BYTES, CUDA_BLOCK_BYTES, Calibration
 from .optimizers import optimizer_program, state_bytes
+from .parallelism import ParallelSpec
 from .params import buffer_inventory, weight_tensors
 from .specs import Checkpointing, Device, Method, ModelSpec, TrainingSpec
 from .tape import Graph, Sz, T, const, per_token
@@ -404,11 +405,15 @@ def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[int]], si
     return {DETAIL_KEYS[i]: int(v) for i, v in enumerate(cats) if v}
 
 
-def program_key(t: TrainingSpec) -> TrainingSpec:
+def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     """The part of `t` that shapes the step program: the batch shape stays symbolic, except whether
-    there is one sequence or several; gradient accumulation only matters as "more than one step"."""
+    there is one sequence or several; gradient accumulation only matters as "more than one step";
+    and, for a model `m` with a sliding attention window, whether ``seq_len >= sliding_window`` (then
+    transformers gives SDPA an explicit mask: `trainmem_nb.families.mistral`)."""
+    window = m.sliding_window if m is not None else 0
+    seq = window if window and t.seq_len >= window else 1
     # model_copy skips validation: the values come from a validated spec
-    return t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": 1,
+    return t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq,
                                 "grad_accum": min(t.grad_accum, 2)})
 
 
@@ -427,11 +432,17 @@ def reserved_and_total(t: TrainingSpec, peak: int, churn: int, calibration: Cali
     return reserved, reserved + context
 
 
-def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None) -> object:
+def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None,
+             parallel: ParallelSpec | None = None) -> object:
     """`estimate()`'s engine: compile (cached), evaluate, add the device's reserved and context bytes."""
     from .estimate import MemoryEstimate
 
-    prog = compile_step(m, program_key(t))
+    if parallel is not None and not parallel.single_device:
+        from .distributed import simulate_parallel
+
+        return simulate_parallel(m, t, parallel, calibration)
+
+    prog = compile_step(m, program_key(t, m))
     ev = evaluate(prog, t.micro_batch, t.seq_len)
     tops = dict.fromkeys(TOP_KEYS, 0)
     for k, v in ev.detail.items():
@@ -445,6 +456,7 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         peak_allocated_bytes=ev.peak, peak_reserved_bytes=reserved, device_total_bytes=total,
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
         phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
+        parallel=parallel or ParallelSpec(),
     )
 
 

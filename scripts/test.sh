@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Install everything the tests need and run the whole suite: unit and property tests, measurement
+# tests (torch, CPU), notebooks against their committed outputs (nbval), and real-browser tests.
+# This is exactly what CI runs (.ci/run). Exits non-zero on the first failing stage.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export MPLBACKEND=Agg PYTHONDONTWRITEBYTECODE=1
+# Browser tests drive Debian's chromium; install it when missing and possible (root, apt).
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[test] installing chromium (apt) for the browser tests"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null) \
+    || echo "[test] chromium could not be installed: browser tests will be skipped"
+fi
+bash scripts/setup_env.sh notebook,app,test,browser,measure,dev
+# shellcheck disable=SC1091
+. .venv/bin/activate
+echo "[test] ruff"
+ruff check trainmem_nb tests benchmarks scripts
+echo "[test] unit, property and measurement tests"
+timeout 3600 python -m pytest tests -q -p no:cacheprovider
+if ls notebooks/*.ipynb >/dev/null 2>&1; then
+  echo "[test] notebooks: every code cell executed, in order"
+  python scripts/check_notebooks.py notebooks/*.ipynb
+  echo "[test] notebooks against their committed outputs (nbval)"
+  timeout 1800 python -m pytest -q -p no:cacheprovider --nbval --nbval-current-env --nbval-cell-timeout=300 \
+    --nbval-sanitize-with notebooks/nbval_sanitize.cfg notebooks/
+fi
+echo "[test] all stages passed"

@@ -1,0 +1,193 @@
+"""How a step is split over GPUs: data parallel with ZeRO/FSDP sharding, tensor (+ sequence) parallel,
+pipeline parallel, context parallel, expert parallel, CPU offload.
+
+`ParallelSpec` validates a layout against a model (``tp * pp * cp * dp == gpus``, heads divisible by
+tp...) with messages that say what would work instead. The memory of each rank is simulated in
+`trainmem_nb.simulate`; this module holds the layout and the engines' recipes (bucket sizes and what
+each engine keeps), each with its source.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .specs import ModelSpec, SpecError, _Choice, did_you_mean
+
+__all__ = ["Engine", "Offload", "ParallelSpec", "PipelineSchedule", "build_parallel", "check_layout"]
+
+
+class Engine(_Choice):
+    """Which framework shards and communicates (their memory recipes differ)."""
+
+    DDP = "ddp"  #: torch DistributedDataParallel (+ ZeroRedundancyOptimizer for zero=1)
+    FSDP = "fsdp"  #: torch FSDP2: zero=3 full shard, zero=2 shard-grad-op, hybrid shard across nodes
+    DEEPSPEED = "deepspeed"  #: DeepSpeed ZeRO stages 0-3 with its bf16/fp16 optimizer
+    MEGATRON = "megatron"  #: Megatron-LM (tensor/sequence/pipeline parallel, distributed optimizer)
+
+
+class Offload(_Choice):
+    """What lives in host memory instead of the GPU (DeepSpeed ZeRO-Offload / FSDP CPU offload)."""
+
+    NONE = "none"
+    OPTIMIZER = "optimizer"  #: optimizer states (and the update) on the CPU
+    OPTIMIZER_PARAMS = "optimizer+params"  #: also the (sharded) parameters, gathered per layer
+
+
+class PipelineSchedule(_Choice):
+    """Pipeline schedules: how many micro-batches a stage keeps in flight."""
+
+    ONE_F_ONE_B = "1f1b"  #: stage i keeps pp - i micro-batches of activations (Narayanan et al. 2021)
+    INTERLEAVED = "interleaved"  #: 1F1B with virtual stages: a bit more in flight on the first stage
+    GPIPE = "gpipe"  #: all grad_accum micro-batches in flight
+
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+
+class ParallelSpec(BaseModel):
+    """A parallel layout over ``gpus`` GPUs on ``nodes`` nodes.
+
+    >>> p = ParallelSpec(gpus=8, zero=3, engine="deepspeed")
+    >>> p.dp, p.gpus_per_node
+    (8, 8)
+    """
+
+    model_config = _FROZEN
+
+    gpus: int = Field(default=1, ge=1, le=1 << 20)
+    nodes: int = Field(default=1, ge=1, le=1 << 16)
+    engine: Engine = Engine.DDP
+    zero: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer states, 2 +grads, 3 +params")
+    hybrid_shard: bool = Field(default=False, description="FSDP HYBRID_SHARD: shard within a node, replicate across")
+    tp: int = Field(default=1, ge=1, le=1024, description="tensor parallel degree")
+    sp: bool = Field(default=False, description="sequence parallel with tensor parallel (Korthikanti et al. 2022)")
+    pp: int = Field(default=1, ge=1, le=4096, description="pipeline parallel stages")
+    pp_schedule: PipelineSchedule = PipelineSchedule.ONE_F_ONE_B
+    virtual_stages: int = Field(default=1, ge=1, le=128, description="model chunks per stage (interleaved)")
+    cp: int = Field(default=1, ge=1, le=1024, description="context (sequence) parallel degree")
+    ep: int = Field(default=1, ge=1, le=4096, description="expert parallel degree (MoE)")
+    offload: Offload = Offload.NONE
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for key, enum in (("engine", Engine), ("offload", Offload), ("pp_schedule", PipelineSchedule)):
+            if key in data and data[key] is not None:
+                data[key] = enum.parse(data[key], key)
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelSpec:
+        if self.gpus % self.nodes:
+            raise SpecError(f"gpus={self.gpus} is not divisible by nodes={self.nodes}; "
+                            f"use gpus={self.nodes * max(1, self.gpus // self.nodes)} or nodes that divide {self.gpus}")
+        model_par = self.tp * self.pp * self.cp
+        if self.gpus % model_par:
+            raise SpecError(
+                f"tp*pp*cp = {self.tp}*{self.pp}*{self.cp} = {model_par} does not divide gpus={self.gpus}; "
+                f"tp*pp*cp*dp must equal gpus (e.g. gpus={model_par * max(1, self.gpus // model_par)})"
+            )
+        if self.tp > self.gpus_per_node:
+            raise SpecError(f"tp={self.tp} exceeds the {self.gpus_per_node} GPUs of a node; tensor parallelism needs "
+                            f"a fast interconnect: use tp <= {self.gpus_per_node} and pp or dp across nodes")
+        if self.sp and self.tp == 1:
+            raise SpecError("sp=True (sequence parallel) needs tp > 1: it splits the tensor-parallel region's activations")
+        if self.zero and self.engine is Engine.DDP and self.zero > 1:
+            raise SpecError(f"engine='ddp' supports zero=0 or 1 (ZeroRedundancyOptimizer); for zero={self.zero} "
+                            f"use engine='deepspeed' or engine='fsdp'")
+        if self.engine is Engine.FSDP and self.zero == 1:
+            raise SpecError("engine='fsdp' shards gradients with the optimizer states: use zero=2 (SHARD_GRAD_OP) or "
+                            "zero=3 (FULL_SHARD), or zero=0 (NO_SHARD)")
+        if self.engine is Engine.MEGATRON and self.zero > 1:
+            raise SpecError(f"engine='megatron' shards optimizer states only (distributed optimizer, zero=1); "
+                            f"zero={self.zero} needs engine='deepspeed' or 'fsdp'")
+        if self.hybrid_shard and self.engine is not Engine.FSDP:
+            raise SpecError("hybrid_shard=True is FSDP's HYBRID_SHARD: use engine='fsdp'")
+        if self.offload is not Offload.NONE:
+            if self.engine not in (Engine.DEEPSPEED, Engine.FSDP):
+                raise SpecError(f"offload={self.offload.value!r} needs engine='deepspeed' (ZeRO-Offload) or "
+                                f"engine='fsdp' (CPUOffload); engine={self.engine.value!r} cannot offload")
+            if self.offload is Offload.OPTIMIZER_PARAMS and self.zero < 3:
+                raise SpecError(f"offload='optimizer+params' offloads sharded parameters: it needs zero=3 (got zero={self.zero})")
+            if self.offload is Offload.OPTIMIZER and self.zero == 0:
+                raise SpecError("offload='optimizer' offloads the ZeRO-partitioned optimizer: use zero >= 1")
+        if self.pp_schedule is PipelineSchedule.INTERLEAVED and self.virtual_stages < 2:
+            raise SpecError("pp_schedule='interleaved' needs virtual_stages >= 2")
+        return self
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: gpus / (tp * pp * cp)."""
+        return self.gpus // (self.tp * self.pp * self.cp)
+
+    @property
+    def gpus_per_node(self) -> int:
+        """GPUs in one node."""
+        return self.gpus // self.nodes
+
+    @property
+    def shard_degree(self) -> int:
+        """Over how many ranks ZeRO/FSDP shards model states (the node for hybrid sharding)."""
+        if self.zero == 0:
+            return 1
+        if self.hybrid_shard:
+            return max(1, min(self.dp, self.gpus_per_node // (self.tp * self.cp)))
+        return self.dp
+
+    @property
+    def single_device(self) -> bool:
+        """True for one GPU with nothing offloaded (data parallelism adds gradient buckets)."""
+        return self.gpus == 1 and self.offload is Offload.NONE
+
+
+_PARALLEL_FIELDS = frozenset(ParallelSpec.model_fields)
+
+
+def build_parallel(parallel: ParallelSpec | Mapping[str, Any] | None = None, **options: Any) -> ParallelSpec:
+    """A validated `ParallelSpec` from a spec, a dict and/or keyword options (keywords win)."""
+    from .specs import _validate
+
+    if isinstance(parallel, ParallelSpec) and not options:
+        return parallel
+    data: dict[str, Any] = {}
+    if isinstance(parallel, ParallelSpec):
+        data.update(parallel.model_dump(exclude_defaults=True))
+    elif isinstance(parallel, Mapping):
+        data.update(parallel)
+    elif parallel is not None:
+        raise SpecError(f"parallel must be a ParallelSpec or a dict, got {type(parallel).__name__}")
+    data.update({k: v for k, v in options.items() if v is not None})
+    unknown = sorted(set(data) - _PARALLEL_FIELDS)
+    if unknown:
+        raise SpecError(f"unknown parallel option {unknown[0]!r}{did_you_mean(unknown[0], sorted(_PARALLEL_FIELDS))}")
+    return _validate(ParallelSpec, data)
+
+
+def check_layout(m: ModelSpec, p: ParallelSpec) -> None:
+    """Layout constraints that depend on the model, with what would work instead."""
+    if m.n_heads % p.tp:
+        ok = [d for d in range(1, min(m.n_heads, p.gpus_per_node) + 1) if m.n_heads % d == 0 and m.n_kv_heads % d == 0]
+        raise SpecError(f"tp={p.tp} does not divide {m.name}'s n_heads={m.n_heads}; use tp in {ok}")
+    if m.n_kv_heads % p.tp and p.tp % m.n_kv_heads:
+        raise SpecError(f"tp={p.tp} and n_kv_heads={m.n_kv_heads} must divide one another (kv heads are split or "
+                        f"replicated across tensor-parallel ranks)")
+    if p.pp > m.n_layers:
+        raise SpecError(f"pp={p.pp} exceeds {m.name}'s n_layers={m.n_layers}; use pp <= {m.n_layers}")
+    if p.pp * p.virtual_stages > m.n_layers:
+        raise SpecError(f"pp*virtual_stages = {p.pp * p.virtual_stages} exceeds n_layers={m.n_layers}")
+    if p.ep > 1:
+        if not m.is_moe:
+            raise SpecError(f"ep={p.ep} needs a mixture-of-experts model; {m.name} has no experts (use ep=1)")
+        if m.n_experts % p.ep:
+            raise SpecError(f"ep={p.ep} does not divide n_experts={m.n_experts}")
+        if p.dp % p.ep:
+            raise SpecError(f"ep={p.ep} must divide the data-parallel degree dp={p.dp}")
+
+
+Layout = Literal["single", "dp", "model-parallel"]
