@@ -54,7 +54,9 @@ def main() -> None:
             continue
         print(f"{i:5d} {'+' if sign > 0 else '-'} {r.phase[:3]} L{'' if r.layer_index is None else r.layer_index:<2} "
               f"{r.category:26s} {r.op:38s} {r.module:40s} {str(r.shape):22s} {r.dtype:8s} {r.nbytes / sbh:8.3f} live={live}")
-    print(summarize(trace))
+    summary = summarize(trace)
+    summary.pop("timeline")  # the downsampled live-bytes curve: the events above already show it
+    print(summary)
 
 
 if __name__ == "__main__":

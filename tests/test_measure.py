@@ -186,7 +186,9 @@ def test_first_step_creates_optimizer_state_inside_the_step() -> None:
     steady = measure(tiny("llama"), training(), device="fake")
     first = measure(tiny("llama"), training(), device="fake", prime=False)
     assert first.live_at_start_bytes < steady.live_at_start_bytes
-    assert first.measured_with["steady_state"] is False
+    assert first.measured_with["steady_state"] is False and first.training.first_step
+    by_spec = measure(tiny("llama"), training(first_step=True), device="fake")
+    assert by_spec.detail_bytes == first.detail_bytes and by_spec.phase_peaks_bytes == first.phase_peaks_bytes
 
 
 def _harness_cases() -> dict[str, dict[str, Any]]:
@@ -205,7 +207,7 @@ def test_agrees_with_the_independent_harness_within_one_percent(case_id: str) ->
     case = _harness_cases()[case_id]
     m = ModelSpec.model_validate(case["model_spec"])
     t = TrainingSpec.model_validate(case["training"])
-    r = measure(m, t, device="fake", prime=case["steady_state"])
+    r = measure(m, t, device="fake")
     c = compare(r.to_dict(), case)
     assert abs(c["peak_rel_err"]) <= 0.01
     assert c["phase_ours"] == c["phase_harness"]

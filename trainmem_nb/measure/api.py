@@ -117,7 +117,7 @@ def measure(
     *,
     hf_config: str | Path | Mapping[str, Any] | None = None,
     params: int | float | None = None,
-    prime: bool = True,
+    prime: bool | None = None,
     check_ram: bool = True,
     **options: Any,
 ) -> Measurement:
@@ -126,8 +126,8 @@ def measure(
     `model` and `options` are what `trainmem_nb.estimate` takes (a preset name, `ModelSpec`, HF config
     dict or parameter count; `TrainingSpec` fields as keywords). `device` is ``fake`` (FakeTensorMode:
     any size, no memory, CPU kernels), ``cpu`` (real tensors) or ``cuda`` (a GPU's allocator). For
-    ``fake`` and ``cpu`` the training spec's device is ``cpu`` (the kernels that ran). ``prime=False``
-    measures a first step (optimizer state created inside it) instead of a steady-state step.
+    ``fake`` and ``cpu`` the training spec's device is ``cpu`` (the kernels that ran). A first step (``first_step=True``, or
+    ``prime=False``) is measured without priming: the optimizer state is created inside the step.
 
     >>> r = measure("gpt2", micro_batch=1, seq_len=128, precision="fp32", dropout=0.0)  # doctest: +SKIP
     >>> r.peak_phase, r.breakdown_bytes["weights"]  # doctest: +SKIP
@@ -139,7 +139,10 @@ def measure(
         raise SpecError(f"device={device!r} cannot be measured; valid values: {', '.join(DEVICES)}")
     m = _resolve(model, hf_config, params)
     options = {k: v for k, v in options.items() if k != "device"}
+    if prime is False:
+        options["first_step"] = True
     t = build_training(training, device="cuda" if dev == "cuda" else "cpu", **options)
+    prime = not t.first_step
     from .step import check_measurable, run_step, summarize
 
     check_measurable(m, t, dev)

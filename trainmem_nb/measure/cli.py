@@ -34,8 +34,9 @@ def add_subcommands(sub: Any) -> None:
     p.add_argument("--save-calibration", metavar="PATH",
                    help="write what only the GPU shows (context, workspaces, reserved churn) as a calibration "
                         "JSON for `trainmem estimate --calibration` (--device cuda only)")
-    p.add_argument("--first-step", action="store_true",
-                   help="measure the first step (optimizer state created inside it) instead of a steady-state step")
+    if "--first-step" not in p._option_string_actions:  # unless the shared training options already have it
+        p.add_argument("--first-step", action="store_true",
+                       help="measure the first step (optimizer state created inside it), not a steady-state step")
     p.set_defaults(func=_cmd_measure)
 
     v = sub.add_parser(
@@ -71,7 +72,8 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     from .api import measure
 
     try:
-        result = measure(model, device=args.device, prime=not args.first_step, **options)
+        first = bool(getattr(args, "first_step", False))
+        result = measure(model, device=args.device, prime=False if first else None, **options)
     except (SpecError, ValueError, RuntimeError, OSError):
         raise
     except MemoryError:

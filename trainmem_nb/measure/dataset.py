@@ -46,8 +46,12 @@ class CaseSpec:
     model: ModelSpec
     training: TrainingSpec
     mode: str = "fake"
-    steady_state: bool = True
     source: str = "trainmem_nb.measure.dataset"
+
+    @property
+    def steady_state(self) -> bool:
+        """False for a first step (``training.first_step``)."""
+        return not self.training.first_step
 
 
 @dataclass(frozen=True)
@@ -76,11 +80,11 @@ class MeasuredCase:
 
     @property
     def steady_state(self) -> bool:
-        """False for a first step (optimizer state created inside it), which the estimator does not model."""
-        return bool(self.measurement.measured_with.get("steady_state", True))
+        """False for a first step (``training.first_step``: optimizer state created inside it)."""
+        return not self.measurement.training.first_step
 
 
-def load_cases(path: str | Path | None = None, steady_state_only: bool = True) -> list[MeasuredCase]:
+def load_cases(path: str | Path | None = None, steady_state_only: bool = False) -> list[MeasuredCase]:
     """The measured cases of ``validation/cases.jsonl`` (or `path`), without importing torch.
 
     >>> cases = load_cases()  # doctest: +SKIP
@@ -293,7 +297,7 @@ def harness_matrix(path: str | Path | None = None) -> list[CaseSpec]:
     for case in load_harness_cases(file):
         m = ModelSpec.model_validate(case["model_spec"])
         t = TrainingSpec.model_validate(case["training"])
-        out.append(CaseSpec(case["id"], "harness", m, t, "fake", bool(case["steady_state"]), case["source"]))
+        out.append(CaseSpec(case["id"], "harness", m, t, "fake", case["source"]))
     return out
 
 
@@ -304,7 +308,7 @@ def measure_case(case: CaseSpec) -> dict[str, Any]:
     from .api import measure
 
     try:
-        r = measure(case.model, case.training, device=case.mode, prime=case.steady_state, check_ram=False)
+        r = measure(case.model, case.training, device=case.mode, check_ram=False)
     except Exception as exc:  # one failing case must not lose the others; the error is reported
         return {"id": case.id, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
     return {"id": case.id, "group": case.group, "source": case.source, **r.to_dict(timeline=False)}

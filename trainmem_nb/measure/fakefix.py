@@ -30,11 +30,11 @@ def _unpacked_sequences() -> Iterator[None]:
     from transformers import masking_utils
 
     original = masking_utils.find_packed_sequence_indices
-    masking_utils.find_packed_sequence_indices = lambda *a, **k: None  # type: ignore[assignment]
+    masking_utils.find_packed_sequence_indices = lambda *a, **k: None
     try:
         yield
     finally:
-        masking_utils.find_packed_sequence_indices = original  # type: ignore[assignment]
+        masking_utils.find_packed_sequence_indices = original
 
 
 def _convert_module_params(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> None:
@@ -166,7 +166,7 @@ def fake_scalar_reads(value: float = 1.0) -> Iterator[None]:
     """
     from torch._subclasses.fake_tensor import FakeTensor
 
-    FakeTensor.item = lambda self: value  # type: ignore[method-assign,assignment]
+    FakeTensor.item = lambda self: value  # type: ignore[method-assign]
     try:
         yield
     finally:

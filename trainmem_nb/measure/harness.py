@@ -74,6 +74,7 @@ def harness_specs(config: Mapping[str, Any]) -> tuple[ModelSpec, TrainingSpec, s
         "optimizer": _OPTIM[config["optim"]], "optimizer_impl": _IMPL[config.get("optim_impl", "foreach")],
         "checkpointing": "full" if config.get("grad_ckpt") else "none", "attention": config.get("attn", "sdpa"),
         "dropout": float(config.get("dropout", 0.0)), "device": "cpu",
+        "first_step": not config.get("prime_optimizer", True),
     }
     if config["optim"] == "none":
         training["optimizer_impl"] = None

@@ -63,9 +63,10 @@ def apply_lora(model: Any, model_spec: ModelSpec, training_spec: TrainingSpec) -
     except ImportError:
         raise RuntimeError('method=\'lora\' needs peft: pip install "trainmem_nb[measure]"') from None
     modules = lora_target_modules(model_spec, training_spec.lora_targets)
+    alpha: Any = training_spec.lora_alpha  # peft annotates an int; it only divides by the rank
     config = LoraConfig(
         r=training_spec.lora_rank,
-        lora_alpha=training_spec.lora_alpha,
+        lora_alpha=alpha,
         lora_dropout=training_spec.lora_dropout,
         target_modules=modules,
         bias="none",

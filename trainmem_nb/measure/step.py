@@ -372,11 +372,14 @@ def traced_step(setup: _Setup, device_type: str | None = None,
     return tracker
 
 
-def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake", prime: bool = True) -> StepTrace:
+def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake", prime: bool | None = None) -> StepTrace:
     """Build, prime and measure one training step; ``device`` is ``fake``, ``cpu`` or ``cuda``.
 
-    ``prime=False`` measures the very first step instead (optimizer state is created inside it).
+    A first step (``t.first_step``, or ``prime=False``) is measured unprimed: the optimizer state is
+    created inside it.
     """
+    if prime is None:
+        prime = not t.first_step
     check_measurable(m, t, device)
     if device == "cuda":
         from .cuda import require_cuda

@@ -82,24 +82,29 @@ def _fmt_err(x: Any) -> str:
 
 
 def plot_errors(rows: Sequence[dict[str, Any]], tolerance: float, ax: Any = None) -> list[Any]:
-    """Horizontal bars of each case's peak error (%) with the ±tolerance band; returns the artists."""
+    """Horizontal bars of each case's peak error (%) with the ±tolerance band; returns the artists.
+
+    Green bars are within the tolerance, red ones past it; a case the estimator could not run is
+    labelled in grey at zero.
+    """
     if ax is None:
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(9, max(3.0, 0.18 * len(rows) + 1.2)))
+        fig = Figure(figsize=(9, max(3.0, 0.14 * len(rows) + 1.2)))
         ax = fig.add_subplot()
-    ok_rows = [r for r in rows if r["peak_err"] != ""]
-    errs = [max(-1.0, min(1.0, float(r["peak_err"]))) * 100 for r in ok_rows]
-    colors = ["tab:green" if r["within_tolerance"] else "tab:red" for r in ok_rows]
-    artists: list[Any] = []
-    bars = ax.barh(range(len(ok_rows)), errs, color=colors)
-    artists.append(bars)
+    errs = [0.0 if r["peak_err"] == "" else max(-1.0, min(1.0, float(r["peak_err"]))) * 100 for r in rows]
+    colors = ["tab:green" if r["within_tolerance"] else "tab:red" for r in rows]
+    artists: list[Any] = [ax.barh(range(len(rows)), errs, color=colors)]
+    for i, r in enumerate(rows):
+        if r["error"]:
+            artists.append(ax.text(0, i, " estimator error", color="grey", va="center", fontsize=5))
     artists.append(ax.axvline(100 * tolerance, color="grey", linestyle="--", linewidth=0.8))
     artists.append(ax.axvline(-100 * tolerance, color="grey", linestyle="--", linewidth=0.8))
-    ax.set_yticks(range(len(ok_rows)), [r["id"] for r in ok_rows], fontsize=5)
-    ax.invert_yaxis()
+    ax.set_yticks(range(len(rows)), [r["id"] for r in rows], fontsize=5)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
     ax.set_xlabel("estimated peak vs measured (%), clipped to ±100 %")
-    ax.set_title(f"estimate vs measure: {sum(r['within_tolerance'] for r in rows)}/{len(rows)} within ±{100 * tolerance:g} %")
+    ax.set_title(f"estimate vs measure: {sum(bool(r['within_tolerance']) for r in rows)}/{len(rows)} "
+                 f"within ±{100 * tolerance:g} %")
     return artists
 
 
@@ -161,13 +166,13 @@ def _figure(rows: Sequence[dict[str, Any]], tolerance: float) -> Any:
     """A standalone matplotlib Figure (no pyplot, no global backend) with `plot_errors` drawn on it."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(9, max(3.0, 0.14 * len(rows) + 1.2)))
+    fig = Figure(figsize=(9, max(3.0, 0.12 * len(rows) + 1.2)))
     plot_errors(rows, tolerance, ax=fig.add_subplot())
     return fig
 
 
 def measured_from_dataset(path: Path | None, only: str = "") -> list[tuple[str, Measurement]]:
-    """``(id, Measurement)`` of the stored steady-state cases whose id contains `only`."""
+    """``(id, Measurement)`` of the stored cases whose id contains `only`."""
     from .dataset import load_cases
 
     return [(c.id, c.measurement) for c in load_cases(path) if only in c.id]
@@ -182,7 +187,7 @@ def measured_live(only: str = "", full: bool = False, log: Any = None) -> list[t
     from .dataset import full_matrix, quick_matrix
 
     out = []
-    cases = [c for c in (full_matrix() if full else quick_matrix()) if only in c.id and c.steady_state]
+    cases = [c for c in (full_matrix() if full else quick_matrix()) if only in c.id]
     for n, case in enumerate(cases, 1):
         t0 = time.perf_counter()
         r = measure(case.model, case.training, device=case.mode, check_ram=False)
