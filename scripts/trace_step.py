@@ -53,7 +53,7 @@ def main() -> None:
         if r.nbytes < a.min_bytes or (a.phase and r.phase != a.phase and sign > 0):
             continue
         print(f"{i:5d} {'+' if sign > 0 else '-'} {r.phase[:3]} L{'' if r.layer_index is None else r.layer_index:<2} "
-              f"{r.category:26s} {r.op:38s} {r.module:40s} {str(r.shape):22s} {r.dtype:8s} {r.nbytes / sbh:8.3f} live={live}")
+              f"{r.category:26s} {r.op:38s} {r.module:40s} {r.shape!s:22s} {r.dtype:8s} {r.nbytes / sbh:8.3f} live={live}")
     summary = summarize(trace)
     summary.pop("timeline")  # the downsampled live-bytes curve: the events above already show it
     print(summary)
