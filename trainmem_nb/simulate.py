@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from . import ops
 from .activations import recipe_for
@@ -61,7 +61,7 @@ class Program:
 
 
 def _round(nbytes: float) -> int:
-    n = int(round(nbytes))
+    n = round(nbytes)
     return -(-n // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if n > 0 else 0
 
 
@@ -83,32 +83,71 @@ def _category(t: T, fwd_end: int) -> str:
     return "transient/forward"
 
 
+class EngineHooks:
+    """What a parallel engine adds around the single-device step (see `trainmem_nb.distributed`).
+
+    The driver calls these at unit boundaries (the root module and each transformer layer), in
+    forward and backward; the default does nothing (one GPU)."""
+
+    autocast: bool = True  # does the recipe run under autocast (FSDP's mixed precision does not)
+
+    def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
+        """Bytes per element of the weights the layers compute with."""
+        return dt
+
+    def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]] | None:
+        """Replace what is alive before the step for weights, states and gradients (None: unchanged)."""
+        return None
+
+    def unit_forward_begin(self, g: Graph, unit: str) -> None: ...
+    def unit_forward_end(self, g: Graph, unit: str) -> None: ...
+    def unit_backward_begin(self, g: Graph, unit: str) -> None: ...
+    def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None: ...
+
+    def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment] | None:
+        """Replace the optimizer and zero_grad segments (None: the single-device ones)."""
+        return None
+
+
+_SINGLE = EngineHooks()
+
+
 @lru_cache(maxsize=1024)
-def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
-    """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic)."""
-    ctx = ops.Ctx(autocast=2 if t.mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
+def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) -> Program:
+    """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic);
+    `hooks` adds a parallel engine's buffers and sharding (hashable: part of the cache key)."""
+    mixed = t.mixed and hooks.autocast
+    ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
     g = Graph()
     weights = weight_tensors(m, t)
-    layer_params: list[dict[str, T]] = [{}, {}]
+    # simulate the first layer, a generic middle one (repeated n_layers - 2 times) and the last: every
+    # tensor passed between layers (outputs, gradients, an engine's lingering buffers) then has a
+    # predecessor and a successor in the repeated layer, in forward and in backward
+    n_layers = m.n_layers
+    n_sim = min(n_layers, 3)
+    layer_params: list[dict[str, T]] = [{} for _ in range(n_sim)]
     other: dict[str, T] = {}
+    unit_params: dict[str, list[T]] = {"root": [], **{f"L{i}": [] for i in range(n_sim)}}
     for p, dt, trainable in weights:
+        dt = hooks.weight_dtype(t, dt)
         if p.in_layer:
             short = p.name[len("layers."):]
-            for i in (0, 1):
+            for i in range(n_sim):
                 layer_params[i][short] = g.param(const(p.numel), dt, f"L{i}.{short}", trainable)
+                unit_params[f"L{i}"].append(layer_params[i][short])
         else:
             other[p.name] = g.param(const(p.numel), dt, p.name, trainable)
+            unit_params["root"].append(other[p.name])
     recipe = recipe_for(m, t, ctx)
     # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
     # start and new gradients are added in place (HF Trainer zeroes them only after optimizer.step())
     g.grads_exist = t.grad_accum > 1
     ids = g.external(per_token(1), 8, "input_ids")
     ids.region = "inputs"
-    n_layers = m.n_layers
-    two = n_layers >= 2
 
     g.phase = "forward"
     g.region = "embeddings"
+    hooks.unit_forward_begin(g, "root")
     embeds, shared = recipe.embed(g, ids, other)
     if t.method is not Method.FULL and t.checkpointing is not Checkpointing.NONE:
         # PEFT wraps a model whose gradient checkpointing is on with `enable_input_require_grads()`: a
@@ -120,10 +159,11 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     layer_inputs: list[T] = []
     layer_outputs: list[T] = []
     checkpointed = t.checkpointing is not Checkpointing.NONE
-    for i in range(2 if two else 1):
+    for i in range(n_sim):
         g.region = "layers"
         g.mark(f"L{i}_fwd_start")
         node_marks.append(len(g.nodes))
+        hooks.unit_forward_begin(g, f"L{i}")
         if checkpointed:
             y = _checkpointed_layer(g, ctx, recipe, x, shared, layer_params[i],
                                     selective=t.checkpointing is Checkpointing.SELECTIVE)
@@ -134,6 +174,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
         layer_outputs.append(y)
         g.drop(x)
         x = y
+        hooks.unit_forward_end(g, f"L{i}")
         g.mark(f"L{i}_fwd_end")
     g.region = "head"
     head_node = len(g.nodes)
@@ -148,6 +189,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     if ctx.autocast is not None:
         ops.end_autocast(g, ctx)
     g.drop(logits)  # the caller keeps only `.loss` of the output
+    hooks.unit_forward_end(g, "root")
     g.mark("fwd_end")
     fwd_end = len(g.events)
 
@@ -158,12 +200,22 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
     starts: list[tuple[int, str]] = [(head_node, "head_bwd_end")]
     starts += [(nm, f"L{i}_bwd_end") for i, nm in reversed(list(enumerate(node_marks)))]
 
+    unit_order = {"head_bwd_end": f"L{n_sim - 1}", **{f"L{i}_bwd_end": (f"L{i - 1}" if i else None) for i in range(n_sim)}}
+    ended = {"head_bwd_end": None, **{f"L{i}_bwd_end": f"L{i}" for i in range(n_sim)}}
+    mid = 1 if n_sim == 3 else None  # the repeated layer
+
     def on_node(index: int) -> None:
         for first, name in starts:
             if index <= first - 1 and name not in g.marks:
+                unit = ended[name]
+                if unit is not None:
+                    hooks.unit_backward_end(g, unit, [p.final_grad for p in unit_params[unit] if p.final_grad])
                 g.mark(name)
-                if name == "L1_bwd_end" and layer_inputs[1].grad is not None:
-                    layer_inputs[1].grad.chain = True  # the gradient handed to the layer below
+                if mid is not None and name == f"L{mid}_bwd_end" and layer_inputs[mid].grad is not None:
+                    layer_inputs[mid].grad.chain = True  # the gradient handed to the layer below
+                nxt = unit_order[name]
+                if nxt is not None:
+                    hooks.unit_backward_begin(g, nxt)
 
     def on_checkpoint(frame: object) -> None:
         assert isinstance(frame, _Frame)
@@ -174,27 +226,28 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
 
         raise SpecError("nothing is trained: no parameter requires a gradient (check method and lora_targets)")
     g.mark("bwd_start")
+    hooks.unit_backward_begin(g, "root")
     g.backward(loss, seed_dt=4, on_node=on_node, on_checkpoint=on_checkpoint)
     for _first, name in starts:
         if name not in g.marks:
-            g.mark(name)
+            on_node(-1)
+    hooks.unit_backward_end(g, "root", [p.final_grad for p in unit_params["root"] if p.final_grad])
     g.mark("bwd_end")
     # the training loop keeps `loss` until after the optimizer step: it is not freed here
 
     g.phase = "optimizer"
-    opt_events = optimizer_program(m, t)
+    opt_events = hooks.optimizer(m, t)
+    if opt_events is None:
+        opt_events = optimizer_program(m, t)
     g.mark("opt_end")
 
     # -- segments ---------------------------------------------------------------------------
     mk = g.marks
+    reps = n_layers - 2
     # a tensor born in the repeated layer but freed elsewhere (e.g. an autocast weight copy freed
-    # when autocast exits) is freed once per repeated layer; a layer's output and its input's
-    # gradient are the exception: each repetition frees its predecessor's, the last one is freed once
-    repeated = [(mk["L1_fwd_start"], mk["L1_fwd_end"]), (mk["head_bwd_end"], mk["L1_bwd_end"])] if two else []
-
-    # every repeated layer's output lives like the first layer's output (the next layer holds it);
-    # only the simulated last one is freed at the end of the forward, so it must not decide
-    chain_cat = {id(y): CAT_INDEX[_category(layer_outputs[0], fwd_end)] for y in layer_outputs[1:]}
+    # when autocast exits) is freed once per repeated layer; what is passed between layers (outputs,
+    # input gradients, lingering buffers: `chain`) is the exception, each layer freeing its predecessor's
+    repeated = [(mk["L1_fwd_start"], mk["L1_fwd_end"]), (mk["L2_bwd_end"], mk["L1_bwd_end"])] if mid else []
 
     def evs(a: int, b: int) -> tuple[tuple[int, int, Sz, str], ...]:
         out = []
@@ -202,42 +255,45 @@ def compile_step(m: ModelSpec, t: TrainingSpec) -> Program:
         for tt, sign in g.events[a:b]:
             k = sign
             if sign < 0 and not inside and not tt.chain and any(lo <= tt.born < hi for lo, hi in repeated):
-                k = -(n_layers - 1)
-            cat = chain_cat.get(id(tt)) if tt.chain else None
-            out.append((CAT_INDEX[_category(tt, fwd_end)] if cat is None else cat, k, tt.bytes, tt.label))
+                k = -reps
+            out.append((CAT_INDEX[_category(tt, fwd_end)], k, tt.bytes, tt.label))
         return tuple(out)
 
     segs: list[Segment] = []
     segs.append(_segment("forward", "embeddings", 1, evs(0, mk["L0_fwd_start"])))
     segs.append(_segment("forward", "layer 0", 1, evs(mk["L0_fwd_start"], mk["L0_fwd_end"])))
-    if two:
-        segs.append(_segment("forward", "layers", n_layers - 1, evs(mk["L1_fwd_start"], mk["L1_fwd_end"])))
-    last = "L1" if two else "L0"
-    segs.append(_segment("forward", "head and loss", 1, evs(mk[f"{last}_fwd_end"], mk["fwd_end"])))
+    if mid:
+        segs.append(_segment("forward", "layers", reps, evs(mk["L1_fwd_start"], mk["L1_fwd_end"])))
+    if n_sim > 1:
+        last = n_sim - 1
+        segs.append(_segment("forward", f"layer {n_layers - 1}", 1, evs(mk[f"L{last}_fwd_start"], mk[f"L{last}_fwd_end"])))
+    segs.append(_segment("forward", "head and loss", 1, evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
     segs.append(_segment("backward", "loss and head", 1, evs(mk["bwd_start"], mk["head_bwd_end"])))
-    if two:
-        segs.append(_segment("backward", "layers", n_layers - 1, evs(mk["head_bwd_end"], mk["L1_bwd_end"])))
-        segs.append(_segment("backward", "layer 0", 1, evs(mk["L1_bwd_end"], mk["L0_bwd_end"])))
-    else:
-        segs.append(_segment("backward", "layer 0", 1, evs(mk["head_bwd_end"], mk["L0_bwd_end"])))
+    prev = "head_bwd_end"
+    for i in reversed(range(n_sim)):
+        label = "layers" if i == mid else f"layer {0 if i == 0 else n_layers - 1}"
+        segs.append(_segment("backward", label, reps if i == mid else 1, evs(mk[prev], mk[f"L{i}_bwd_end"])))
+        prev = f"L{i}_bwd_end"
     segs.append(_segment("backward", "embeddings", 1, evs(mk["L0_bwd_end"], mk["bwd_end"])))
-    # gradients of the real model: every layer's grads, once per layer (the events above hold them
-    # for two layers; the repeat counts make them n_layers)
     segs.extend(opt_events)
 
     # -- what is alive before the step --------------------------------------------------------
     init: list[tuple[int, Sz, int]] = []
-    for p, dt, _ in weights:
-        init.append((CAT_INDEX["weights/params"], const(p.numel * dt), p.count))
+    engine_init = hooks.init(m, t, weights)
+    if engine_init is None:
+        for p, dt, _ in weights:
+            init.append((CAT_INDEX["weights/params"], const(p.numel * dt), p.count))
+        if not t.first_step:
+            for nbytes, count in state_bytes(m, t):
+                init.append((CAT_INDEX["optimizer_states"], nbytes, count))
+        if t.grad_accum > 1:
+            for p, dt, trainable in weights:
+                if trainable:
+                    init.append((CAT_INDEX["gradients"], const(p.numel * dt), p.count))
+    else:
+        init += [(CAT_INDEX[cat], sz, count) for cat, sz, count in engine_init]
     for _name, nbytes, count in buffer_inventory(m):
         init.append((CAT_INDEX["weights/buffers"], const(nbytes), count))
-    if not t.first_step:
-        for nbytes, count in state_bytes(m, t):
-            init.append((CAT_INDEX["optimizer_states"], nbytes, count))
-    if t.grad_accum > 1:
-        for p, dt, trainable in weights:
-            if trainable:
-                init.append((CAT_INDEX["gradients"], const(p.numel * dt), p.count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
     if t.device is Device.CUDA:
         init.append((CAT_INDEX["overhead/workspaces"], const(CUBLAS_WORKSPACE_BYTES["default"]), 1))
@@ -397,10 +453,10 @@ def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[int]], si
         sizes = all_sizes[j]
         times = seg.repeat if j < si else reps
         if times:
-            for (cat, _, _, _), d in zip(seg.events, sizes):
+            for (cat, _, _, _), d in zip(seg.events, sizes, strict=True):
                 cats[cat] += d * times
         if j == si:
-            for (cat, _, _, _), d in zip(seg.events[: ei + 1], sizes[: ei + 1]):
+            for (cat, _, _, _), d in zip(seg.events[: ei + 1], sizes[: ei + 1], strict=True):
                 cats[cat] += d
     return {DETAIL_KEYS[i]: int(v) for i, v in enumerate(cats) if v}
 
@@ -514,7 +570,7 @@ def activations_at_forward_end(prog: Program, micro_batch: int, seq_len: int) ->
     for seg in prog.segments:
         if seg.phase != "forward":
             break
-        for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono)):
+        for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True):
             if cat in acts:
                 total += d * seg.repeat
     return int(total)

@@ -75,8 +75,8 @@ def per_token_sq(n: float) -> Sz:
 class T:
     """A symbolic tensor: element count, bytes per element, reference count and provenance."""
 
-    __slots__ = ("base", "born", "chain", "dt", "freed", "grad", "is_grad", "is_param", "label", "n", "phase",
-                 "refs", "region", "rg", "uses", "wcopy")
+    __slots__ = ("base", "born", "chain", "dt", "final_grad", "freed", "grad", "is_grad", "is_param", "label", "n",
+                 "phase", "refs", "region", "rg", "uses", "wcopy")
 
     def __init__(self, n: Sz, dt: int, label: str, rg: bool, region: str, phase: str) -> None:
         self.n = n
@@ -95,6 +95,7 @@ class T:
         self.freed = -1
         self.base: T | None = None  # a view shares its base's storage and keeps it alive
         self.chain = False  # a layer's output (or its input's gradient): passed to the next layer
+        self.final_grad: T | None = None  # a parameter's .grad once backward has produced it
 
     @property
     def bytes(self) -> Sz:
@@ -111,7 +112,7 @@ Backward = Callable[["Graph", Sequence["T | None"]], Sequence["T | None"]]
 class Node:
     """One autograd node: its inputs, outputs, saved tensors and backward rule."""
 
-    __slots__ = ("backward", "ins", "label", "n_saved", "outs", "region", "saved", "checkpoint")
+    __slots__ = ("backward", "checkpoint", "ins", "label", "n_saved", "outs", "region", "saved")
 
     def __init__(self, label: str, ins: Sequence[T], outs: Sequence[T], saved: Sequence[T], backward: Backward,
                  region: str) -> None:
@@ -290,7 +291,7 @@ class Graph:
                 self.drop(*node.saved)
                 node.saved = ()
             # the engine reduces broadcast gradients to their input's shape (validate_outputs)
-            for i, (inp, g) in enumerate(zip(node.ins, grads_in)):
+            for i, (inp, g) in enumerate(zip(node.ins, grads_in, strict=True)):
                 if g is not None and inp.rg and g.n.key() > inp.n.key():
                     reduced = self.alloc(inp.n, inp.dt, f"sum_to {inp.label}")
                     self.drop(g)
@@ -301,7 +302,7 @@ class Graph:
             frame = node.checkpoint
             if frame is not None and getattr(frame, "first_node", None) is node:
                 frame.release(self)  # type: ignore[attr-defined]
-            for inp, g in zip(node.ins, grads_in):
+            for inp, g in zip(node.ins, grads_in, strict=True):
                 if g is None:
                     continue
                 if not inp.rg:
@@ -332,6 +333,7 @@ class Graph:
                 else:
                     inp.grad.is_grad = True
                     inp.grad.label = f"grad {inp.label}"
+                    inp.final_grad = inp.grad
                 inp.grad = None  # now owned by the parameter until zero_grad
 
     # -- leaves --------------------------------------------------------------------------------
