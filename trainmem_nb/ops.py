@@ -630,3 +630,160 @@ def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, caus
         o = o16
     g.drop(qs, mask, q32, k32, v32, pd, attn16, qc, kc, vc)
     return o
+
+
+# -- ops added for gemma/phi3/mixtral ---------------------------------------------------------------
+def slice_view(g: Graph, x: T, n: Sz, label: str = "slice") -> T:
+    """``x[..., a:b]`` that cuts something: a view; backward ``slice_backward`` allocates a zero
+    tensor of x's full size and copies the gradient into the slice (derivatives.yaml ``slice.Tensor``)."""
+    v = g.view(x, label, n=n)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(x.n, x.dt, f"{label} slice_backward")]
+
+    g.record(label, [x], [v], [], bwd)
+    return v
+
+
+def alias_view(g: Graph, x: T, label: str = "alias") -> T:
+    """``x[..., :n]`` with n == x.shape[-1]: Python indexing returns ``at::alias(x)`` when nothing is
+    cut (torch/csrc/autograd/python_variable_indexing.cpp); its backward passes the gradient on."""
+    v = g.view(x, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        (grad,) = go
+        assert grad is not None
+        return [g.hold(grad)]
+
+    g.record(label, [x], [v], [], bwd)
+    return v
+
+
+def cat2(g: Graph, a: T, b: T, label: str = "cat") -> T:
+    """``torch.cat([a, b], -1)`` of same-dtype tensors: a new tensor; backward hands each input a
+    narrow view of the gradient (derivatives.yaml ``cat``: ``cat_tensors_backward``, no allocation)."""
+    out = g.alloc(a.n + b.n, a.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        (grad,) = go
+        assert grad is not None
+        return [g.view(grad, f"{label} grad part", n=a.n), g.view(grad, f"{label} grad part", n=b.n)]
+
+    g.record(label, [a, b], [out], [], bwd)
+    return out
+
+
+def topk(g: Graph, x: T, out_n: Sz, label: str = "topk") -> tuple[T, T]:
+    """``torch.topk(x, k)``: values (x's dtype) and int64 indices; saves the indices; backward
+    ``value_selecting_reduction_backward`` = ``zeros(x.shape).scatter(dim, indices, grad)`` (a zero
+    tensor, then the out-of-place scatter's result; the zeros die at once)."""
+    vals = g.alloc(out_n, x.dt, f"{label} values")
+    idx = g.alloc(out_n, I64, f"{label} indices")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        zeros = g.alloc(x.n, x.dt, f"{label} backward zeros")
+        out = g.alloc(x.n, x.dt, f"{label} backward scatter")
+        g.drop(zeros)
+        return [out]
+
+    g.record(label, [x], [vals, idx], [idx], bwd)
+    return vals, idx
+
+
+def sum_keepdim(g: Graph, x: T, out_n: Sz, label: str = "sum") -> T:
+    """``x.sum(dim, keepdim)`` (or without keepdim): saves nothing; backward ``sum_backward`` expands
+    the gradient to x's shape (a view, no allocation)."""
+    out = g.alloc(out_n, x.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        (grad,) = go
+        assert grad is not None
+        return [g.view(grad, f"{label} backward expand", n=x.n)]
+
+    g.record(label, [x], [out], [], bwd)
+    return out
+
+
+def div_(g: Graph, a: T, b: T, label: str = "div_") -> T:
+    """``a /= b`` (b broadcast): in place, so autograd saves a copy of the original ``a``
+    (``original_self.clone()``, needed by ``div_tensor_other_backward``) and ``b``. Returns the result
+    (a view of a's storage). Backward: ``b``'s gradient ``-grad * ((self / other) / other)`` (three
+    temporaries, freed in reverse), then ``a``'s ``grad / other``; the engine reduces ``b``'s to its
+    shape."""
+    # the clone is made only when b's gradient will need the original a
+    orig = g.alloc(a.n, a.dt, f"{label} original self") if b.rg else None
+    out = g.view(a, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        gb = None
+        if b.rg:
+            t1 = g.alloc(a.n, a.dt, f"{label} self / other")
+            t2 = g.alloc(a.n, a.dt, f"{label} / other")
+            neg = g.alloc(a.n, a.dt, f"{label} -grad")
+            gb = g.alloc(a.n, b.dt, f"{label} grad other")
+            g.drop(neg, t2, t1)
+        ga = g.alloc(a.n, a.dt, f"{label} grad self") if a.rg else None
+        return [ga, gb]
+
+    g.record(label, [a, b], [out], [b, orig], bwd)
+    g.drop(orig)
+    return out
+
+
+def index_rows(g: Graph, x: T, idx: T, out_n: Sz, label: str = "index") -> T:
+    """``x[idx]`` with an int64 index tensor (advanced indexing on the first dim): a new tensor; saves
+    the indices; backward ``index_backward`` = ``zeros(x.shape).index_put(indices, grad, True)``
+    (zeros, then the out-of-place index_put's result; the zeros die at once)."""
+    out = g.alloc(out_n, x.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        zeros = g.alloc(x.n, x.dt, f"{label} backward zeros")
+        res = g.alloc(x.n, x.dt, f"{label} backward index_put")
+        g.drop(zeros)
+        return [res, None]
+
+    g.record(label, [x, idx], [out], [idx], bwd)
+    return out
+
+
+def grouped_mm(g: Graph, a: T, w: T, offs: T, out_n: Sz, label: str = "grouped_mm") -> T:
+    """``F.grouped_mm(a, w, offs)`` (``aten._grouped_mm``) of (rows, k) activations with a 3-D
+    (experts, k, n) weight (a transposed view of the parameter): (rows, n) in a's dtype; not an
+    autocast op. Saves the weight, the offsets and the input (released in that order); backward
+    computes the weight's gradient (in the parameter's layout) before the input's. On CUDA the bf16
+    CUTLASS kernel or ``_grouped_mm_fallback`` (a loop of ``mm_out`` into the output) allocate
+    nothing else (aten/src/ATen/native/cuda/GroupedBlas.cpp)."""
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),))
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        gw = g.alloc(w.n, w.dt, f"{label} grad w") if w.rg else None
+        ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
+        return [ga, gw, None]
+
+    g.record(label, [a, w, offs], [out], [w if a.rg else None, offs, a if w.rg else None], bwd)
+    return out
+
+
+def mul_both_grads(g: Graph, a: T, b: T, label: str = "mul") -> T:
+    """``a * b`` where both inputs need gradients and dtypes or shapes differ (routing weights times
+    expert outputs). ``MulBackward0`` computes both products in the promoted dtype first; then the
+    engine's ``validate_outputs`` (torch/csrc/autograd/engine.cpp) fixes each input's gradient in
+    turn: a cast to the input's dtype, or a reduction to its shape (the latter done by
+    `Graph.backward`). An input that needs a cast must not be broadcast."""
+    out = g.alloc(_bigger(a, b), _promote(a, b), label)
+    n_out, odt = out.n, out.dt
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        prods = [g.alloc(n_out, odt, f"{label} grad {name}") if x.rg else None for name, x in (("a", a), ("b", b))]
+        res: list[T | None] = []
+        for x, pr in zip((a, b), prods, strict=True):
+            if pr is not None and x.dt != odt:
+                assert x.n.key() == n_out.key(), "a broadcast input that needs a cast"
+                c = g.alloc(n_out, x.dt, f"{label} grad cast")
+                g.drop(pr)
+                pr = c
+            res.append(pr)
+        return res
+
+    g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
+    return out

@@ -161,7 +161,7 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
                     raise SpecError(f"seq_len={t.seq_len} exceeds {m.name}'s max_positions={m.max_positions}")
                 values = {**dict(zip(other_keys, other)), **update}
                 rows.append({"model": m.name, **{k: _plain(values[k]) for k in keys}})
-                groups.setdefault((m, program_key(t)), []).append((len(rows) - 1, t))
+                groups.setdefault((m, program_key(t, m)), []).append((len(rows) - 1, t))
     for (m, key), members in groups.items():
         prog = compile_step(m, key)
         res = evaluate_many(prog, [t.micro_batch for _, t in members], [t.seq_len for _, t in members])

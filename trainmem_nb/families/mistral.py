@@ -1,0 +1,215 @@
+"""Mistral as Hugging Face implements it (modeling_mistral.py, transformers 5.x): llama with a sliding
+attention window.
+
+The window changes memory only through the attention mask. ``MistralModel.forward`` builds it with
+``create_sliding_window_causal_mask`` (masking_utils.py):
+
+* eager attention always gets a (b, 1, s, s) additive mask, built from the intersection of the
+  sliding-window and causal patterns (``and_masks``: a few more (s, s) boolean temporaries than
+  llama's causal mask);
+* SDPA gets no mask while ``s < sliding_window`` (``_ignore_causal_mask_sdpa``: ``is_causal`` is
+  enough), so the step is llama's; from ``s >= sliding_window`` on it gets the boolean (1, 1, s, s)
+  pattern, expanded to (b, 1, s, s). Then ``sdpa_attention_forward`` cannot use ``enable_gqa``
+  (``use_gqa_in_sdpa`` wants no mask): grouped k/v are repeated with ``repeat_kv``, and SDPA turns the
+  boolean mask into an additive one in the query's dtype, which its kernel saves for backward.
+
+Whether ``s >= sliding_window`` is a structural switch of the compiled program (see ``masked``).
+The same switch serves mixtral and phi3 (``MixtralModel``/``Phi3Model`` pick the sliding mask when
+the config has a window).
+"""
+
+from __future__ import annotations
+
+from .. import ops
+from ..activations import Shared, causal_mask, tok
+from ..ops import BOOL, F32, I64
+from ..specs import Attention
+from ..tape import Graph, Sz, T, const, per_seq, per_token_sq
+from .llama import LlamaRecipe
+
+__all__ = ["MistralRecipe", "sliding_window_mask"]
+
+
+def sliding_window_mask(g: Graph, eager_dt: int | None) -> T:
+    """``sdpa_mask``/``eager_mask`` with ``sliding_window_causal_mask_function`` (masking_utils.py):
+    the index aranges, then ``and_masks`` starts from a 0-d ``new_ones`` and ANDs in
+    ``kv_idx > q_idx - window`` and ``kv_idx <= q_idx``, each a (1, 1, s, s) boolean. With
+    `eager_dt` the pattern becomes ``torch.where(mask, zeros(()), min)``: a (b, 1, s, s) additive
+    mask in that dtype; else the boolean pattern is returned (SDPA expands it to (b, 1, s, s))."""
+    a1 = g.alloc(Sz(b_=1), I64, "batch arange")
+    a2 = g.alloc(const(1), I64, "head arange")
+    qa = g.alloc(per_seq(1), I64, "q arange")
+    qi = g.alloc(per_seq(1), I64, "q idx")
+    g.drop(qa)
+    ka = g.alloc(per_seq(1), I64, "kv arange")
+    ki = g.alloc(per_seq(1), I64, "kv idx")
+    g.drop(ka)
+    ones = g.alloc(const(1), BOOL, "and_masks new_ones")
+    sub = g.alloc(per_seq(1), I64, "q_idx - sliding_window")
+    gt = g.alloc(Sz(ss=1), BOOL, "kv_idx > q_idx - window")
+    g.drop(sub)
+    and1 = g.alloc(Sz(ss=1), BOOL, "and_masks & window")
+    g.drop(gt, ones)
+    le = g.alloc(Sz(ss=1), BOOL, "kv_idx <= q_idx")
+    and2 = g.alloc(Sz(ss=1), BOOL, "and_masks & causal")
+    g.drop(le, and1)
+    g.drop(a1, a2, qi, ki)
+    if eager_dt is None:
+        return and2
+    z = g.alloc(const(1), F32, "zero")
+    mn = g.alloc(const(1), F32, "min")
+    mask = g.alloc(Sz(bss=1), eager_dt, "sliding window mask")
+    g.drop(mn, z, and2)
+    return mask
+
+
+class MistralRecipe(LlamaRecipe):
+    """mistral (and the attention of mixtral and phi3): llama with a sliding attention window."""
+
+    @property
+    def masked(self) -> bool:
+        """True when SDPA gets an explicit mask: a window is set and ``seq_len >= sliding_window``
+        (``_ignore_causal_mask_sdpa`` returns False once ``kv_length >= local_attention_size``).
+
+        The compiled program is symbolic in the sequence length, so this switch must be part of its
+        cache key: `trainmem_nb.simulate.simulate` passes ``seq_len = sliding_window`` (masked) or 1."""
+        w = self.m.sliding_window
+        return bool(w) and self.t.attention is Attention.SDPA and self.t.seq_len >= w
+
+    def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
+        """MistralModel.forward up to the layers: embeddings, positions, then the mask of
+        ``create_sliding_window_causal_mask`` (when the config has a window) and rotary cos/sin."""
+        m = self.m
+        x = ops.embedding(g, ids, p["embed_tokens.weight"], tok(m.hidden), "embed_tokens")
+        sh = Shared()
+        ar = g.alloc(per_seq(1), I64, "arange")
+        pos = g.alloc(per_seq(1), I64, "cache_position")
+        g.drop(ar)
+        sh.extra.append(pos)
+        if self.t.attention is Attention.EAGER:
+            sh.mask = sliding_window_mask(g, x.dt) if m.sliding_window else causal_mask(g, x.dt)
+        elif self.masked:
+            sh.mask = sliding_window_mask(g, None)
+        sh.cos, sh.sin = self.rotary(g, x.dt)
+        return x, sh
+
+    def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T]) -> T:
+        """MistralAttention.forward: llama's, except for the value's view. Its gradient comes back in
+        the projection's layout from SDPA's kernel, but contiguous in (b, heads, s, d) from eager
+        attention's matmuls, SDPA's math kernel or ``repeat_kv``'s backward (a sum), and then the
+        view copies it."""
+        m = self.m
+        q = self.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
+        qv = ops.heads_view(g, q, "q view")
+        g.drop(q)
+        k = self.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
+        kv = ops.heads_view(g, k, "k view")
+        g.drop(k)
+        v = self.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
+        vv = ops.heads_view(g, v, "v view", clone_grad=self.value_grad_contiguous)
+        g.drop(v)
+        assert sh.cos is not None and sh.sin is not None
+        qr = self.apply_rotary(g, qv, sh.cos, sh.sin, "q")
+        kr = self.apply_rotary(g, kv, sh.cos, sh.sin, "k")
+        g.drop(qv, kv)
+        if self.t.attention is Attention.EAGER:
+            o = self.eager(g, qr, kr, vv, sh.mask)
+        elif self.sdpa_falls_back_to_math:
+            o = self.sdpa_math(g, qr, kr, vv)
+        else:
+            o = self.sdpa(g, qr, kr, vv)
+        out = self.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
+        g.drop(o)
+        g.drop(qr, kr, vv)  # locals query_states, key_states, value_states die when forward returns
+        return out
+
+    @property
+    def value_grad_contiguous(self) -> bool:
+        """The value's gradient reaches its (b, s, kv, d) -> (b, kv, s, d) view contiguous in the
+        latter layout (so the view's backward copies it): from eager attention, SDPA's math kernel, or
+        ``repeat_kv``'s backward when a mask keeps SDPA from grouped-query attention."""
+        return (self.t.attention is Attention.EAGER or self.sdpa_falls_back_to_math
+                or (self.masked and self.m.n_heads > self.m.n_kv_heads))
+
+    def sdpa(self, g: Graph, q: T, k: T, v: T) -> T:
+        """``sdpa_attention_forward``: without a mask, llama's (``enable_gqa``, ``is_causal``). With
+        one, k and v are first repeated for grouped-query attention (``repeat_kv``: the repeated
+        key/value are the function's locals until it returns), then SDPA casts its inputs (autocast:
+        key, query, value), converts the boolean mask (``convert_boolean_attn_mask``: ``where`` of two
+        0-d scalars into a (b, 1, s, s) tensor in the query's dtype) and runs the CPU flash kernel,
+        which saves the converted mask with q, k, v, its output and logsumexp."""
+        if not self.masked:
+            return super().sdpa(g, q, k, v)
+        m, ctx = self.m, self.ctx
+        n_rep = m.n_heads // m.n_kv_heads
+        kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
+        vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+        cd = ctx.autocast
+        kc = ops.cast(g, kx, cd, "sdpa k cast") if cd else g.hold(kx)
+        qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
+        vc = ops.cast(g, vx, cd, "sdpa v cast") if cd else g.hold(vx)
+        mask = self.sdpa_additive_mask(g, qc.dt)
+        out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"),
+                                          g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")))
+
+        def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
+            return [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+                    g.alloc(vc.n, vc.dt, "sdpa grad v")]
+
+        # the node releases its saved tensors in the order mask, key, query, value, logsumexp, output
+        g.record("sdpa", [qc, kc, vc], [out, lse], [mask, kc, qc, vc, lse, out], bwd)
+        g.drop(lse, mask, qc, kc, vc)
+        g.drop(kx, vx)  # sdpa_attention_forward's locals (the repeated key and value)
+        return out
+
+    def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
+        """SDPA's math kernel (CPU with attention dropout). Without a mask, llama's. With one, k and v
+        come repeated by ``repeat_kv``, the boolean mask is converted as for the flash kernel, and
+        ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp) adds
+        it to the scores instead of building its own causal mask; then HF copies the output to
+        (b, s, heads, d)."""
+        if not self.masked:
+            return super().sdpa_math(g, q, k, v)
+        m, ctx = self.m, self.ctx
+        n_rep = m.n_heads // m.n_kv_heads
+        kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
+        vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+        cd = ctx.autocast
+        kc = ops.cast(g, kx, cd, "sdpa k cast") if cd else g.hold(kx)
+        qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
+        vc = ops.cast(g, vx, cd, "sdpa v cast") if cd else g.hold(vx)
+        mask = self.sdpa_additive_mask(g, qc.dt)
+        reduced = qc.dt != F32
+        q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
+        qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
+        kt = ops.scalar_op(g, k32, "k^T * sqrt(scale)")
+        q2 = ops.clone(g, qs, "query contiguous")
+        scores = ops.bmm(g, ctx, q2, kt, per_token_sq(m.n_heads), "q @ k^T")
+        g.drop(q2, kt)
+        sm = ops.add(g, scores, mask, "+ attn_mask")
+        g.drop(scores)
+        probs = ops.softmax(g, sm, None, "_safe_softmax")
+        g.drop(sm)
+        pd = ops.dropout(g, ctx, probs, self.dropout_attn, "attn dropout")
+        g.drop(probs)
+        attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
+        o3 = ops.bmm(g, ctx, pd, v32, q.n, "probs @ v")
+        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
+        g.drop(o3)
+        if reduced:
+            o16 = ops.cast(g, o, qc.dt, "output to input dtype")
+            g.drop(o)
+            o = o16
+        g.drop(qs, mask, k32, v32, q32, pd, attn16, qc, kc, vc)
+        out = ops.clone(g, o, "attn_output transpose contiguous")
+        g.drop(o, kx, vx)
+        return out
+
+    def sdpa_additive_mask(self, g: Graph, dt: int) -> T:
+        """``convert_boolean_attn_mask`` (aten/src/ATen/native/transformers/attention.cpp): ``where``
+        of the expanded boolean mask with two 0-d scalars: a (b, 1, s, s) tensor in `dt`."""
+        zero = g.alloc(const(1), dt, "mask 0")
+        neg = g.alloc(const(1), dt, "mask -inf")
+        mask = g.alloc(per_token_sq(1), dt, "sdpa additive mask")
+        g.drop(neg, zero)
+        return mask

@@ -1,0 +1,105 @@
+"""Mixtral as Hugging Face implements it (modeling_mixtral.py and integrations/moe.py, transformers 5.x).
+
+Mistral's attention with a top-k routed mixture-of-experts MLP (``MixtralSparseMoeBlock``): a router
+(``MixtralTopKRouter``: linear → fp32 softmax → top-k → renormalized in place) and the experts, stored
+as 3-D parameters ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f).
+
+transformers picks the experts' forward by ``config._experts_implementation``; unless asked otherwise
+it is ``grouped_mm`` (``PreTrainedModel.get_correct_experts_implementation``), and training on CPU
+(torch >= 2.10) or CUDA (compute capability >= 8.0) runs ``grouped_mm_experts_forward``: the
+(token, expert) pairs are sorted by expert and each projection is one ``torch.nn.functional.grouped_mm``
+over all ``tokens * top_k`` rows. Routing is data-dependent but no shape is: every token goes to
+``top_k`` experts, so every tensor of the step has a size fixed by (b, s). Only how the rows split
+between experts (the offsets) depends on the data, and that changes the kernels' work, not memory.
+(The per-expert loop of ``experts_implementation="eager"``, whose slices do have data-dependent
+sizes, is not what a default model runs.) The router's auxiliary loss exists only with
+``output_router_logits`` (off by default); router jitter noise is 0 by default.
+"""
+
+from __future__ import annotations
+
+from .. import ops
+from ..activations import tok
+from ..ops import F32, I64
+from ..tape import Graph, T, const
+from .mistral import MistralRecipe
+
+__all__ = ["MixtralRecipe"]
+
+I32 = 4
+
+
+class MixtralRecipe(MistralRecipe):
+    """mixtral: mistral attention, sparse mixture-of-experts MLP (grouped_mm experts)."""
+
+    def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
+        """MixtralSparseMoeBlock.forward: ``hidden_states.view(-1, h)`` (a view), the router, the
+        experts, ``reshape`` back (a view). ``_`` (the router logits) and ``top_k_weights`` are its
+        locals until it returns; ``top_k_index`` is saved by ``topk``."""
+        logits, weights, index = self.router(g, x, p)
+        out = self.experts(g, x, index, weights, p)
+        g.drop(logits, weights, index)
+        return out
+
+    def router(self, g: Graph, x: T, p: dict[str, T]) -> tuple[T, T, T]:
+        """MixtralTopKRouter.forward: ``hidden_states.reshape(-1, h)`` (already 2-D: a view node of
+        its own, whose backward runs after the weight cast's), ``router_logits = F.linear(h, weight)``
+        (autocast: 16-bit),
+        ``softmax(router_logits.float())`` (the fp32 copy is a temporary), ``topk``, then
+        ``router_top_value /= router_top_value.sum(-1, keepdim=True)`` in place (autograd keeps a
+        clone of the unnormalized values). Returns (logits, renormalized weights, indices)."""
+        m = self.m
+        k, E = m.experts_top_k, m.n_experts
+        flat = ops.alias_view(g, x, "reshape(-1, h)")  # a view node of its own
+        logits = self.linear(g, flat, p, "mlp.gate", m.hidden, E)
+        g.drop(flat)
+        lf = ops.cast(g, logits, F32, "router_logits.float()")
+        probs = ops.softmax(g, lf, None, "router softmax")
+        g.drop(lf)
+        vals, index = ops.topk(g, probs, tok(k), "router topk")
+        total = ops.sum_keepdim(g, vals, tok(1), "router_top_value.sum")
+        weights = ops.div_(g, vals, total, "router_top_value /= sum")
+        g.drop(total, vals)  # the sum is a temporary; `/=` rebinds the name to the same tensor
+        g.drop(probs)  # router_probs (saved by softmax) goes when the router returns
+        return logits, weights, index
+
+    def experts(self, g: Graph, x: T, index: T, weights: T, p: dict[str, T]) -> T:
+        """``grouped_mm_experts_forward`` (integrations/moe.py) over S = tokens * top_k rows:
+        ``sort`` of the expert ids (values and permutation), ``hidden_states[perm // top_k]``,
+        ``sample_weights[perm]``, ``histc`` of the sorted ids (fp32 copy on CPU, int32 on CUDA: 4 bytes
+        either way) and int32 ``cumsum`` offsets; ``grouped_mm`` with ``gate_up_proj`` (its transposed
+        view), ``act(gate) * up`` on the chunked result, ``grouped_mm`` with ``down_proj``, times the
+        routing weights (fp32: the product is promoted), un-permuted with ``weighted_out[inv_perm]``,
+        ``view(tokens, top_k, h).sum(1)`` and cast back to the input's dtype."""
+        m = self.m
+        k, h, f, E = m.experts_top_k, m.hidden, m.ffn, m.n_experts
+        ids_sorted = g.alloc(tok(k), I64, "sort values (expert_ids_g)")
+        perm = g.alloc(tok(k), I64, "sort indices (perm)")
+        rows = g.alloc(tok(k), I64, "perm // top_k")
+        sel = ops.index_rows(g, x, rows, tok(k * h), "hidden_states[perm // top_k]")
+        g.drop(rows)
+        sw = ops.index_rows(g, weights, perm, tok(k), "sample_weights[perm]")
+        hist_in = g.alloc(tok(k), 4, "histc input")
+        tpe = g.alloc(const(E), F32, "tokens_per_expert (histc)")
+        offs = g.alloc(const(E), I32, "offsets (cumsum)")
+        gu = ops.grouped_mm(g, sel, p["mlp.experts.gate_up_proj"], offs, tok(k * 2 * f), "grouped_mm gate_up_proj")
+        gate, up = ops.split(g, gu, (0.5, 0.5), "chunk gate, up")
+        g.drop(gu)
+        a = self.act(g, gate)
+        gated = ops.mul(g, a, up, "act(gate) * up")
+        g.drop(a, gate, up)
+        down = ops.grouped_mm(g, gated, p["mlp.experts.down_proj"], offs, tok(k * h), "grouped_mm down_proj")
+        g.drop(gated)
+        weighted = ops.mul_both_grads(g, down, sw, "proj_out * sample_weights_g")
+        inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
+        ar = g.alloc(tok(k), I64, "arange")
+        g.drop(ar)
+        unperm = ops.index_rows(g, weighted, inv, tok(k * h), "weighted_out[inv_perm]")
+        g.drop(weighted)
+        v3 = ops.heads_view(g, unperm, "view(tokens, top_k, h)", clone_grad=True)
+        summed = ops.sum_keepdim(g, v3, tok(h), "sum over top_k")
+        g.drop(v3)
+        out = ops.cast(g, summed, x.dt, "to(hidden_states.dtype)")
+        # the function's locals go on return, in order (the unsaved ones are freed)
+        g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, down, unperm, inv, summed)
+        return out

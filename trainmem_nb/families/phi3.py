@@ -1,0 +1,202 @@
+"""Phi-3 as Hugging Face implements it (modeling_phi3.py, transformers 5.x).
+
+Llama's layout with fused projections: ``qkv_proj`` is sliced into the query, key and value (views
+of one (tokens, q + 2 kv) output, so each slice's backward allocates a full-width gradient), and
+``gate_up_proj`` is chunked into gate and up. ``apply_rotary_pos_emb`` splits each head into a rotary
+and a pass-through part and concatenates them back (even when the pass-through part is empty), so
+the rotary outputs are contiguous in (b, heads, s, d): SDPA's output then needs a copy to go back to
+(b, s, heads, d), and eager attention's matmuls need no copy of q or k. Residual dropout
+(``resid_pdrop``) follows attention and MLP; the v5 model has no embedding dropout (``embd_pdrop``
+is in the config but unused). A config ``sliding_window`` acts as in mistral.
+"""
+
+from __future__ import annotations
+
+from .. import ops
+from ..activations import Shared
+from ..ops import BOOL, F32
+from ..specs import Attention
+from ..tape import Graph, Sz, T, const, per_token_sq
+from .mistral import MistralRecipe
+
+__all__ = ["Phi3Recipe"]
+
+
+class Phi3Recipe(MistralRecipe):
+    """phi3: fused qkv and gate_up projections, concatenating rotary, residual dropout."""
+
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+        """Phi3DecoderLayer.forward: ``residual + self.resid_attn_dropout(hidden_states)`` (the
+        dropout's output is a temporary of the sum), likewise after the MLP; the attention weights are
+        bound to ``self_attn_weights`` until the layer returns."""
+        self.attn_weights: list[T] = []
+        residual = g.hold(x)
+        h = self.rmsnorm(g, x, p["input_layernorm.weight"], "input_layernorm")
+        a = self.attention(g, h, sh, p)
+        g.drop(h)
+        ad = ops.dropout(g, self.ctx, a, self.dropout_hidden, "resid_attn_dropout")
+        h1 = ops.add(g, residual, ad, "residual add (attn)")
+        g.drop(ad, a, residual)
+        residual = g.hold(h1)
+        h2 = self.rmsnorm(g, h1, p["post_attention_layernorm.weight"], "post_attention_layernorm")
+        g.drop(h1)
+        mo = self.mlp(g, h2, p)
+        g.drop(h2)
+        md = ops.dropout(g, self.ctx, mo, self.dropout_hidden, "resid_mlp_dropout")
+        out = ops.add(g, residual, md, "residual add (mlp)")
+        g.drop(md, mo, residual, *self.attn_weights)
+        return out
+
+    def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T]) -> T:
+        """Phi3Attention.forward: ``qkv = self.qkv_proj(h)`` (a local until return), three slices of
+        it viewed as heads (no copies), rotary, attention, ``o_proj``."""
+        m = self.m
+        qkv = self.linear(g, h, p, "self_attn.qkv_proj", m.hidden, m.q_dim + 2 * m.kv_dim)
+        width = m.q_dim + 2 * m.kv_dim
+        parts = []
+        for name, dim in (("query", m.q_dim), ("key", m.kv_dim), ("value", m.kv_dim)):
+            parts.append(ops.slice_view(g, qkv, qkv.n * (dim / width), f"qkv[..., {name}]"))
+        qs, ks, vs = parts
+        qv = ops.heads_view(g, qs, "q view")
+        kv = ops.heads_view(g, ks, "k view")
+        vv = ops.heads_view(g, vs, "v view", clone_grad=self.value_grad_contiguous)
+        g.drop(qs, ks, vs)
+        assert sh.cos is not None and sh.sin is not None
+        qr, kr = self.apply_rotary_pair(g, qv, kv, sh.cos, sh.sin)
+        g.drop(qv, kv)
+        if self.t.attention is Attention.EAGER:
+            o = self.eager(g, qr, kr, vv, sh.mask)
+        elif self.sdpa_falls_back_to_math:
+            o = self.sdpa_math(g, qr, kr, vv)
+        else:
+            o = self.sdpa(g, qr, kr, vv)
+        out = self.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
+        g.drop(o)
+        g.drop(qkv, qr, kr, vv)  # locals qkv, query_states, key_states, value_states
+        return out
+
+    def apply_rotary_pair(self, g: Graph, q: T, k: T, cos: T, sin: T) -> tuple[T, T]:
+        """Phi3's ``apply_rotary_pos_emb``: ``q_rot, q_pass = q[..., :rot], q[..., rot:]`` (a full
+        slice is ``alias(q)``: Python indexing returns an alias when nothing is cut), the same for k,
+        then ``cat([(x_rot * cos) + (rotate_half(x_rot) * sin), x_pass])`` for q, then k. Under
+        autocast ``cat`` promotes the 16-bit pass-through part to the fp32 rotary part's dtype."""
+        frac = self.m.rotary_dims / self.m.head_dim
+        split = {}
+        for name, x in (("q", q), ("k", k)):
+            rot = ops.alias_view(g, x, f"{name}_rot") if frac == 1.0 else ops.slice_view(g, x, x.n * frac, f"{name}_rot")
+            split[name] = (rot, ops.slice_view(g, x, x.n * (1.0 - frac), f"{name}_pass"))
+        out = []
+        for name in ("q", "k"):
+            rot, pas = split[name]
+            a = ops.mul(g, rot, cos, f"{name} * cos")
+            rh = ops.rotate_half(g, rot, 1.0, f"{name} rotate_half")
+            b = ops.mul(g, rh, sin, f"{name} rotate_half * sin")
+            g.drop(rh)
+            c = ops.add(g, a, b, f"{name} rotary add")
+            g.drop(a, b)
+            pc = ops.cast(g, pas, c.dt, f"{name}_pass cat promote")
+            out.append(ops.cat2(g, c, pc, f"{name} cat rot, pass"))
+            g.drop(pc, c)
+        for rot, pas in split.values():
+            g.drop(rot, pas)
+        return out[0], out[1]
+
+    def sdpa(self, g: Graph, q: T, k: T, v: T) -> T:
+        """``sdpa_attention_forward`` (llama's or, with a window mask, mistral's); the kernel's output
+        takes the query's (b, heads, s, d)-contiguous layout, so ``transpose(1, 2).contiguous()``
+        copies it."""
+        o = super().sdpa(g, q, k, v)
+        out = ops.clone(g, o, "attn_output transpose contiguous")
+        g.drop(o)
+        return out
+
+    def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
+        """HF ``eager_attention_forward`` as llama's, but q and k are contiguous (b, heads, s, d)
+        tensors (from ``cat``): ``matmul`` uses them as batched matrices without copies."""
+        m, ctx = self.m, self.ctx
+        n_rep = m.n_heads // m.n_kv_heads
+        kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
+        vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+        kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
+        qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
+        scores = ops.bmm(g, ctx, qc, kc, per_token_sq(m.n_heads), "q @ k^T")
+        g.drop(qc, kc)
+        w = ops.scalar_op(g, scores, "* scaling")
+        g.drop(scores)
+        if mask is not None:
+            w2 = ops.add(g, w, mask, "+ mask")
+            g.drop(w)
+            w = w2
+        probs = ops.softmax(g, w, F32, "softmax")
+        pq = ops.cast(g, probs, q.dt, "probs to q dtype")
+        g.drop(probs, w)
+        pd = ops.dropout(g, ctx, pq, self.dropout_attn, "attn dropout")
+        g.drop(pq)
+        pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
+        vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
+        o3 = ops.bmm(g, ctx, pc, vc, q.n, "probs @ v")
+        g.drop(pc, vc)
+        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
+        g.drop(o3)
+        out = ops.clone(g, o, "attn_output transpose contiguous")
+        g.drop(o, kx, vx)
+        self.attn_weights.append(pd)
+        return out
+
+    def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
+        """llama's ``_scaled_dot_product_attention_math`` without the query's copy (the scaled query
+        is already a contiguous batch of matrices)."""
+        m, ctx = self.m, self.ctx
+        cd = ctx.autocast
+        kc = ops.cast(g, k, cd, "sdpa k cast") if cd else g.hold(k)
+        qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
+        vc = ops.cast(g, v, cd, "sdpa v cast") if cd else g.hold(v)
+        reduced = qc.dt != F32
+        q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
+        n_rep = m.n_heads // m.n_kv_heads
+        qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
+        ones = g.alloc(Sz(ss=1), BOOL, "causal ones")
+        tril = g.alloc(Sz(ss=1), BOOL, "causal tril")
+        g.drop(ones)
+        zero, neg = g.alloc(const(1), F32, "0"), g.alloc(const(1), F32, "-inf")
+        mask = g.alloc(Sz(ss=1), F32, "causal mask")
+        g.drop(zero, neg, tril)
+        kx = ops.repeat_kv(g, k32, n_rep, "key expanded")
+        vx = ops.repeat_kv(g, v32, n_rep, "value expanded")
+        kt = ops.scalar_op(g, kx, "k^T * sqrt(scale)")
+        scores = ops.bmm(g, ctx, qs, kt, per_token_sq(m.n_heads), "q @ k^T")
+        g.drop(kt)
+        sm = ops.add(g, scores, mask, "+ mask")
+        g.drop(scores)
+        probs = ops.softmax(g, sm, None, "_safe_softmax")
+        g.drop(sm)
+        pd = ops.dropout(g, ctx, probs, self.dropout_attn, "attn dropout")
+        g.drop(probs)
+        attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
+        o3 = ops.bmm(g, ctx, pd, vx, q.n, "probs @ v")
+        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
+        g.drop(o3)
+        if reduced:
+            o16 = ops.cast(g, o, qc.dt, "output to input dtype")
+            g.drop(o)
+            o = o16
+        g.drop(kx, qs, mask, k32, v32, q32, pd, vx, attn16, qc, kc, vc)
+        out = ops.clone(g, o, "attn_output transpose contiguous")
+        g.drop(o)
+        return out
+
+    def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
+        """Phi3MLP.forward: ``gate, up_states = self.gate_up_proj(x).chunk(2, -1)`` (views; their
+        backward concatenates), ``up_states * self.activation_fn(gate)``, ``down_proj``."""
+        m = self.m
+        gu = self.linear(g, x, p, "mlp.gate_up_proj", m.hidden, 2 * m.ffn)
+        gate, up = ops.split(g, gu, (0.5, 0.5), "chunk gate, up")
+        g.drop(gu)
+        a = self.act(g, gate)
+        pr = ops.mul(g, up, a, "up * act(gate)")
+        g.drop(a, up)
+        out = self.linear(g, pr, p, "mlp.down_proj", m.ffn, m.hidden)
+        g.drop(pr, gate)
+        return out
+
+
