@@ -11,9 +11,15 @@ from trainmem_nb.measure.step import run_step, summarize
 from trainmem_nb.specs import ModelSpec, TrainingSpec
 
 
+#: Families without grouped-query attention (n_kv_heads must equal n_heads).
+NO_GQA = ("gpt2", "opt", "bert", "gpt_neox")
+
+
 def cases(family: str):
     shapes = [dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=768, vocab=1000),
               dict(n_layers=2, hidden=192, n_heads=3, n_kv_heads=3, ffn=512, vocab=3000, tie_embeddings=True)]
+    if family in NO_GQA:  # no grouped-query attention; the first shape unties the head instead
+        shapes[0].update(n_kv_heads=0, tie_embeddings=False)
     opts = [dict(precision=p, optimizer=o, optimizer_impl=i, checkpointing=c, attention=a, dropout=d)
             for p, (o, i), c, a, d in itertools.product(
                 ["fp32", "bf16-mixed", "bf16-true"],
