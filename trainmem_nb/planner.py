@@ -750,9 +750,7 @@ class Plan:
         """A terminal report: the honest scale, the best options and the caveats."""
         lines = [f"{self.model.name}: {format_count(self.model.n_params)} parameters"]
         if self.estimate is not None:
-            lines.append(f"as given: {self.estimate.training.precision.value}, micro-batch "
-                         f"{self.estimate.training.micro_batch} x {self.estimate.training.seq_len}, "
-                         f"{_label(self.estimate.parallel)}: {format_bytes(needed_bytes(self.estimate))} per GPU")
+            lines.extend(_breakdown_lines(self.estimate))
         lines.extend(self.notes)
         if not self.rows:
             lines.append("no option fits: see `rejected` for the closest misses")
@@ -782,6 +780,24 @@ class Plan:
         import html
 
         return f"<pre>{html.escape(self.summary())}</pre>"
+
+
+def _breakdown_lines(est: MemoryEstimate) -> list[str]:
+    """The step as given: its per-device breakdown (worst rank) and, with several kinds of rank, each one."""
+    t = est.training
+    head = (f"as given: {t.precision.value}, micro-batch {t.micro_batch} x {t.seq_len}, grad_accum {t.grad_accum}, "
+            f"checkpointing {t.checkpointing.value}, {_label(est.parallel)} on {est.parallel.gpus} GPU(s): "
+            f"{format_bytes(needed_bytes(est))} per GPU (nvidia-smi), peak in {est.peak_phase}")
+    parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.breakdown_bytes.items() if v)
+    lines = [head, f"  per device: {parts}"]
+    if len(est.per_rank) > 1:
+        for r in est.per_rank:
+            d = r.to_dict() if hasattr(r, "to_dict") else {}
+            who = str(d.get("ranks") or f"stage {d.get('stage')}")
+            lines.append(f"  {who}: {format_bytes(int(getattr(r, 'device_total_bytes', 0)))}")
+    if est.host_bytes:
+        lines.append(f"  host memory (offload): {format_bytes(est.host_bytes)}")
+    return lines
 
 
 _GROUPED = (
@@ -926,7 +942,7 @@ def plan(
     _mark_pareto(rows)
     rows.sort(key=lambda r: (not r["fits"], r["cost_usd_on_demand"] if r["cost_usd_on_demand"] is not None else math.inf,
                              r["time_hours"] if r["time_hours"] is not None else math.inf, r["n_gpus"]))
-    notes = _plan_notes(m, rows, rejected, gpu_types, tokens, price_rows)
+    notes = _plan_notes(m, rows, gpu_types, tokens, price_rows, fixed.get("gpus"))
     assumptions = {
         "headroom": headroom, "target_global_batch": target_global_batch, "tokens": tokens,
         "mfu": {g.name: _mfu_for(g, mfu)[0] for g in gpu_types},
@@ -1081,7 +1097,8 @@ def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec) 
         "checkpoint_bytes": ck, "checkpoint_write_s": write_s, "storage_bytes": ck * max(1, ctx.keep),
         "steps": None, "time_hours": None, "gpu_hours": None,
         "cost_usd_on_demand": None, "cost_usd_spot": None, "spot_time_hours": None,
-        "spot_expected_interruptions": None, "checkpoint_interval_hours": None,
+        "spot_expected_interruptions": None, "checkpoint_interval_hours": None, "spot_checkpoint_interval_hours": None,
+        "lost_hours_on_demand": None, "spot_lost_hours": None,
         "price_on_demand_usd_per_gpu_hour": None, "price_spot_usd_per_gpu_hour": None,
         "price_provider": None, "price_instance": None, "price_date_seen": None,
         "spot_provider": None, "spot_date_seen": None, "billing_granularity_s": None,
@@ -1114,6 +1131,7 @@ def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec) 
                   gpus_per_instance=sp_price.gpus_per_instance if sp_price else 1)
     out.update(steps=steps, time_hours=od.wall_hours, gpu_hours=od.wall_hours * p.gpus,
                cost_usd_on_demand=od.usd, checkpoint_interval_hours=od.checkpoint_interval_hours,
+               lost_hours_on_demand=od.lost_hours, spot_lost_hours=sp.lost_hours if sp.feasible else None,
                spot_time_hours=sp.wall_hours if sp.feasible else None,
                spot_expected_interruptions=sp.expected_interruptions if sp.feasible else None,
                cost_usd_spot=sp.usd, spot_checkpoint_interval_hours=sp.checkpoint_interval_hours)
@@ -1153,21 +1171,26 @@ def _mark_pareto(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def _plan_notes(m: ModelSpec, rows: list[dict[str, Any]], rejected: list[dict[str, Any]], gpu_types: list[GPU],
-                tokens: float | None, prices: list[Price]) -> list[str]:
+def _plan_notes(m: ModelSpec, rows: list[dict[str, Any]], gpu_types: list[GPU], tokens: float | None,
+                prices: list[Price], given_gpus: int | None) -> list[str]:
     """The honest answer first: the smallest scale anything fits at, and on which GPUs."""
     notes = []
     ok = [r for r in rows if r["fits"]]
-    order = ("single GPU", "one NVLink node", "one PCIe node", "multi-node")
-    for scale in order:
-        at = [r for r in ok if r["scale"] == scale]
-        if at:
-            names = sorted({r["gpu"] for r in at}, key=lambda n: min(x["n_gpus"] for x in at if x["gpu"] == n))
-            fewest = {n: min(x["n_gpus"] for x in at if x["gpu"] == n) for n in names}
-            listed = ", ".join(f"{fewest[n]}x {n}" for n in names[:8]) + (" ..." if len(names) > 8 else "")
-            notes.append(f"smallest scale that fits: {scale} ({listed})")
-            break
-    else:
+    if given_gpus is not None and ok:
+        notes.append(f"fits {given_gpus} GPUs as given on: {', '.join(dict.fromkeys(r['gpu'] for r in ok))}")
+    if given_gpus is None:  # per GPU type, the fewest GPUs that fit; grouped by the scale that needs
+        fewest: dict[str, dict[str, Any]] = {}
+        for r in ok:
+            if r["gpu"] not in fewest or r["n_gpus"] < fewest[r["gpu"]]["n_gpus"]:
+                fewest[r["gpu"]] = r
+        first = True
+        for scale in ("single GPU", "one NVLink node", "one PCIe node", "multi-node"):
+            at = sorted((r for r in fewest.values() if r["scale"] == scale), key=lambda r: (r["n_gpus"], r["gpu"]))
+            if at:
+                listed = ", ".join(f"{r['n_gpus']}x {r['gpu']}" for r in at[:8]) + (" ..." if len(at) > 8 else "")
+                notes.append(f"{'smallest scale that fits' if first else 'then'}: {scale} ({listed})")
+                first = False
+    if not ok:
         notes.append(f"{m.name} fits none of the {len(gpu_types)} GPU types tried with the headroom")
     bigger = {r["gpu"] for r in ok}
     if ok and len(bigger) < len(gpu_types):
@@ -1186,7 +1209,8 @@ def _plan_notes(m: ModelSpec, rows: list[dict[str, Any]], rejected: list[dict[st
 
 
 def plot_options(plan: Plan, ax: Any = None, *, spot: bool = False) -> dict[str, Any]:
-    """Cost vs wall time of every option that fits, one colour per GPU type, with the Pareto front.
+    """Cost vs wall time of every option that fits, one colour per GPU type (marker size grows with the
+    GPU count), with the Pareto front: the options no other beats on both time and cost.
 
     Returns the artists: ``{"points": [PathCollection per GPU], "front": Line2D | None}``. Follows the
     ``ax=None`` convention (a new figure when None) and never calls ``plt.show()``.
@@ -1207,8 +1231,13 @@ def plot_options(plan: Plan, ax: Any = None, *, spot: bool = False) -> dict[str,
     if front:
         (artists["front"],) = ax.step([x for x, _ in front], [y for _, y in front], where="post", color="k",
                                       lw=1, ls="--", label="Pareto front")
+    from matplotlib.ticker import FuncFormatter
+
     ax.set_xscale("log")
     ax.set_yscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"${v:,.0f}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"${v:,.0f}" if str(round(v))[0] in "25" else ""))
     ax.set_xlabel("wall time (hours)")
     ax.set_ylabel(f"cost, {'spot' if spot else 'on-demand'} (USD)")
     title = f"{plan.model.name}: cost vs time"
