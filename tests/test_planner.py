@@ -377,8 +377,12 @@ def test_the_json_contract_has_an_estimate_and_options_with_nulls_for_unknown_pr
         assert keys <= set(o)
     t4 = next(o for o in d["options"] if o["gpu"] == "T4 16GB")
     assert t4["cost_usd_on_demand"] is None  # no T4 price in the snapshot
-    h100 = next(o for o in d["options"] if o["gpu"] == "H100 SXM 80GB")
+    h100 = next(o for o in d["options"] if o["gpu"] == "H100 SXM 80GB" and o["n_gpus"] == 1)
     assert h100["cost_usd_on_demand"] > 0 and h100["price_date_seen"]
+    assert h100["checkpoint_bytes"] > 0 and h100["storage_bytes"] >= h100["checkpoint_bytes"]
+    assert h100["checkpoint_write_s"] > 0 and h100["billing_granularity_s"] is not None
+    assert h100["cost_usd_spot"] > 0 and h100["spot_expected_interruptions"] > 0 and h100["spot_lost_hours"] > 0
+    assert h100["spot_time_hours"] > h100["time_hours"]
 
 
 def test_pareto_options_are_not_beaten_on_both_time_and_cost(fake_parallel: None) -> None:

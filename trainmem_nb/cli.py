@@ -182,7 +182,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         print(result.summary(max_rows=args.top))
     if args.export:
-        best = result.best(args.best)
+        best = result.best(args.best) or result.best("time") or result.best("gpus")  # unpriced: fastest, smallest
         if best is None:
             raise SpecError("--export: no option fits, nothing to export")
         paths = write_launch_files({**best, "family": result.model.family.value}, args.export)

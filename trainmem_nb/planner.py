@@ -270,8 +270,8 @@ def fewest_gpus(model: Any, gpu: str | GPU, headroom: float = DEFAULT_HEADROOM, 
     full sharding (``engine='fsdp', zero=3``) is used, the layout whose memory falls as GPUs are added.
     Nodes hold ``gpu.gpus_per_node`` GPUs.
 
-    >>> fewest_gpus("llama-2-7b", "A100 40GB", seq_len=2048).gpus
-    4
+    >>> fewest_gpus("gpt2", "T4", seq_len=512).gpus
+    1
     """
     headroom = _check_headroom(headroom)
     g = get_gpu(gpu)
