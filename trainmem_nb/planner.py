@@ -330,11 +330,15 @@ class _Evaluator:
                 hit = needed_bytes(estimate(self.m, self.training(over), parallel=p))
             except (SpecError, ImportError, NotImplementedError) as exc:
                 hit = exc
+            except Exception as exc:  # a layout the per-rank simulation fails on: rejected with its reason,
+                if p.gpus == 1:        # the search goes on; one GPU is the core path and must not fail
+                    raise
+                hit = exc
             self.cache[key] = hit
         if isinstance(hit, Exception):
             if isinstance(hit, SpecError):
                 raise hit
-            raise SpecError(f"cannot estimate this layout yet: {hit}") from hit
+            raise SpecError(f"cannot estimate this layout: {type(hit).__name__}: {hit}") from hit
         return hit
 
     def max_micro_batch(self, p: ParallelSpec, over: Mapping[str, Any], limit_bytes: float,
