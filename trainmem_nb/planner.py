@@ -15,7 +15,6 @@ interruptions and billing granularity. Every number from the world is a named co
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -929,9 +928,15 @@ def plan(
         probe.setdefault("gpus", _model_parallel(fixed))
         build_parallel(None, **probe)
     base_training = build_training(None, **given)
-    as_given = None
-    with contextlib.suppress(SpecError, ImportError, NotImplementedError):  # e.g. fixed tp without gpus
+    as_given, as_given_error = None, ""
+    try:
         as_given = estimate(m, base_training, parallel=build_parallel(None, **fixed))
+    except SpecError as exc:  # e.g. tp given without a GPU count: the search sets one
+        as_given_error = str(exc)
+    except Exception as exc:
+        if int(fixed.get("gpus", 1)) == 1:
+            raise
+        as_given_error = f"{type(exc).__name__}: {exc}"
     ev = _Evaluator(m, given)
     ctx = _PlanContext(m=m, ev=ev, given=given, fixed=fixed, target=target_global_batch, tokens=tokens,
                        prices=price_rows, mfu=mfu, headroom=headroom, provider=provider,
@@ -947,6 +952,8 @@ def plan(
     rows.sort(key=lambda r: (not r["fits"], r["cost_usd_on_demand"] if r["cost_usd_on_demand"] is not None else math.inf,
                              r["time_hours"] if r["time_hours"] is not None else math.inf, r["n_gpus"]))
     notes = _plan_notes(m, rows, gpu_types, tokens, price_rows, fixed.get("gpus"))
+    if as_given is None and "gpus" in fixed:
+        notes.insert(0, f"the step as given could not be estimated: {as_given_error}")
     assumptions = {
         "headroom": headroom, "target_global_batch": target_global_batch, "tokens": tokens,
         "mfu": {g.name: _mfu_for(g, mfu)[0] for g in gpu_types},
