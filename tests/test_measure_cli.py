@@ -100,6 +100,7 @@ BAD_INPUT: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "qlora": (["--model", "gpt2", "--method", "qlora"], ("bitsandbytes",)),
     "calibration without cuda": (["--model", "gpt2", "--save-calibration", "x.json"], ("--device cuda",)),
     "unknown precision": (["--model", "gpt2", "--precision", "bf17"], ("precision",)),
+    "a parallel layout": (["--model", "gpt2", "--gpus", "8", "--tp", "2"], ("one device", "--gpus", "--tp")),
 }
 
 

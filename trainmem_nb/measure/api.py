@@ -15,7 +15,7 @@ from ..units import format_bytes
 from . import require_torch
 from .result import Measurement
 
-__all__ = ["DEVICES", "available_ram_bytes", "check_fits_in_ram", "measure", "versions"]
+__all__ = ["DEVICES", "available_ram_bytes", "check_fits_in_ram", "measure", "measurement_from_trace", "versions"]
 
 #: Where a step can be measured: fake tensors (CPU kernels, no memory), real CPU tensors, a CUDA GPU.
 DEVICES = ("fake", "cpu", "cuda")
@@ -143,21 +143,35 @@ def measure(
         options["first_step"] = True
     t = build_training(training, device="cuda" if dev == "cuda" else "cpu", **options)
     prime = not t.first_step
-    from .step import check_measurable, run_step, summarize
+    from .step import check_measurable, run_step
 
     check_measurable(m, t, dev)
     if dev == "cpu" and check_ram:
         check_fits_in_ram(m, t)
     started = datetime.datetime.now(datetime.timezone.utc)
     trace = run_step(m, t, dev, prime=prime)
-    rounded = summarize(trace)
-    exact = summarize(trace, rounding=False, timeline_points=1)
+    return measurement_from_trace(trace, started)
+
+
+def measurement_from_trace(trace: Any, started: datetime.datetime | None = None) -> Measurement:
+    """Turn a traced step (`trainmem_nb.measure.step.StepTrace`) into a `Measurement`.
+
+    On ``cuda`` the peak is the allocator's ``max_memory_allocated``: the tracked tensors at their
+    peak plus ``overhead/workspaces`` (what the allocator counted beyond them, e.g. cuBLAS
+    workspaces); reserved is ``max_memory_reserved`` and the device total adds the CUDA context.
+    """
     import torch
 
+    from .step import summarize
+
+    dev = trace.device
+    rounded = summarize(trace)
+    exact = summarize(trace, rounding=False, timeline_points=1)
+    started = started or datetime.datetime.now(datetime.timezone.utc)
     measured_with: dict[str, Any] = {
         "device": dev, "kernels": "cuda" if dev == "cuda" else "cpu", **versions(),
         "threads": torch.get_num_threads(), "platform": platform.platform(terse=True),
-        "date": started.isoformat(timespec="seconds"), "steady_state": prime,
+        "date": started.isoformat(timespec="seconds"), "steady_state": not trace.training.first_step,
         "rounding": "each storage rounded up to 512 B (CUDA caching allocator blocks)",
         "timing": {k: round(v, 3) for k, v in trace.timing.items()},
     }
@@ -176,17 +190,19 @@ def measure(
             peak = int(cuda["max_allocated"])
         else:
             note += f"; the allocator's peak ({cuda['max_allocated']} B) is below the tracked tensors' ({peak} B)"
-        phase_peaks = {k: v + cuda["workspace_at_start"] for k, v in phase_peaks.items()}
+        phase_peaks = {k: min(peak, v + cuda["workspace_at_start"]) for k, v in phase_peaks.items()}
+        phase_peaks[str(rounded["peak_phase"])] = peak
         reserved = max(int(cuda["max_reserved"]), peak)
         total = reserved + int(cuda["context"])
         overhead = {"cuda_context_bytes": int(cuda["context"]), "reserved_minus_allocated_bytes": reserved - peak,
                     "workspace_at_start_bytes": int(cuda["workspace_at_start"])}
         measured_with["cuda"] = cuda
     return Measurement(
-        model=m, training=t, mode=dev, n_params=trace.n_params, n_trainable_params=trace.n_trainable,
-        peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
-        peak_phase=str(rounded["peak_phase"]), peak_at=str(rounded["peak_at"]), detail_bytes=detail,
-        phase_peaks_bytes=phase_peaks, overhead_bytes=overhead, peak_live_bytes=int(exact["peak"]),
-        live_at_start_bytes=int(rounded["live_at_start"]), timeline=rounded["timeline"],
-        measured_with=measured_with, note=note,
+        model=trace.model, training=trace.training, mode=dev, n_params=trace.n_params,
+        n_trainable_params=trace.n_trainable, peak_allocated_bytes=peak, peak_reserved_bytes=reserved,
+        device_total_bytes=total, peak_phase=str(rounded["peak_phase"]), peak_at=str(rounded["peak_at"]),
+        detail_bytes=detail, phase_peaks_bytes=phase_peaks, overhead_bytes=overhead,
+        peak_live_bytes=int(exact["peak"]), live_at_start_bytes=int(rounded["live_at_start"]),
+        timeline=rounded["timeline"], measured_with=measured_with, note=note,
+        saved_activations_bytes=int(rounded["saved_activations"]),
     )

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..specs import SpecError
+
 __all__ = ["add_subcommands"]
 
 
@@ -59,13 +61,13 @@ def add_subcommands(sub: Any) -> None:
 
 def _cmd_measure(args: argparse.Namespace) -> int:
     from ..cli import model_from_args, training_options_from_args
-    from ..specs import SpecError
     from . import require_torch
 
     require_torch()
     if args.save_calibration and args.device != "cuda":
         raise SpecError(f"--save-calibration needs --device cuda (got --device {args.device}): only a GPU shows "
                         f"its context and allocator overheads")
+    _refuse_parallel_layout(args)
     model = model_from_args(args)
     options = training_options_from_args(args)
     options.pop("device")  # the kernels follow --device: cuda for cuda, cpu for fake and cpu
@@ -96,6 +98,22 @@ def _cmd_measure(args: argparse.Namespace) -> int:
         if args.save_calibration:
             print(f"calibration written to {args.save_calibration}")
     return 0
+
+
+def _refuse_parallel_layout(args: argparse.Namespace) -> None:
+    """`trainmem measure` runs one device: a parallel layout given with the shared flags is refused."""
+    try:
+        from ..cli import parallel_options_from_args
+        from ..parallelism import ParallelSpec, build_parallel
+    except ImportError:  # an estimator without parallel layouts: nothing to refuse
+        return
+    layout = build_parallel(**parallel_options_from_args(args))
+    if layout != ParallelSpec():
+        changed = sorted(k for k, v in layout.model_dump().items() if v != getattr(ParallelSpec(), k))
+        raise SpecError(
+            f"trainmem measure runs one training process on one device; the parallel layout "
+            f"({', '.join('--' + k.replace('_', '-') for k in changed)}) is modelled by `trainmem estimate` only"
+        )
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

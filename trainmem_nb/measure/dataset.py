@@ -173,6 +173,10 @@ _SWEEP_MODELS = {
     "gpt_neox": ("pythia-410m", {"n_layers": 4, "name": "pythia-410m-4L"}),
     "bert": ("bert-base", {"n_layers": 4, "name": "bert-base-4L"}),
     "mixtral": ("mixtral-8x7b", {"n_layers": 1, "name": "mixtral-8x7b-1L"}),
+    "mistral": ("mistral-7b", {"n_layers": 2, "name": "mistral-7b-2L"}),
+    "gemma": ("gemma-2b", {"n_layers": 2, "name": "gemma-2b-2L"}),
+    "phi3": ("phi-3-mini", {"n_layers": 2, "name": "phi-3-mini-2L"}),
+    "opt": ("opt-1.3b", {"n_layers": 3, "name": "opt-1.3b-3L"}),
 }
 
 
@@ -265,6 +269,10 @@ def full_matrix() -> list[CaseSpec]:
         opts = _sweep_options()
         pick = [0, 1, 2, 4, 7, 9, 11, 12, 13, 14, 16, 17]
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
+    for fam in ("mistral", "gemma", "phi3", "opt"):
+        opts = _sweep_options()
+        pick = [0, 2, 5, 8, 10, 11, 12, 15, 16, 20]
+        cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     cases += harness_matrix()
     ids = [c.id for c in cases]
@@ -275,14 +283,19 @@ def full_matrix() -> list[CaseSpec]:
 
 
 def quick_matrix() -> list[CaseSpec]:
-    """`trainmem validate`'s default: every family tiny and small, a few options, one 7B; a few minutes."""
+    """`trainmem validate`'s default (about 100 cases, 2-4 minutes on 2 cores): every family's small
+    shapes, the option sweep on a Llama-2-7B-wide model, one real shape per family up to 7B-class, and
+    a few real-tensor steps."""
     small = _small_shapes()
-    cases = _cases("families", small, [_t(micro_batch=2, seq_len=64)])
-    cases += _cases("families", small[::3], [_t(micro_batch=1, seq_len=128, precision="bf16-mixed",
-                                                   optimizer_impl="for-loop", checkpointing="full")])
-    cases += _cases("presets", [_preset("gpt2"), _preset("tinyllama-1.1b")], [_t(micro_batch=1, seq_len=512,
-                                                                                   precision="bf16-mixed")])
-    cases += _cases("presets", [_preset("llama-2-7b")], [_t(micro_batch=1, seq_len=512, precision="bf16-mixed")])
+    cases = _cases("families", small, [_t(micro_batch=2, seq_len=64),
+                                       _t(micro_batch=1, seq_len=128, precision="bf16-mixed", optimizer_impl="for-loop",
+                                          checkpointing="full")])
+    name, kw = _SWEEP_MODELS["llama"]
+    cases += _cases("options", [_preset(name, **kw)], _sweep_options())
+    for preset in ("gpt2", "tinyllama-1.1b", "llama-2-7b", "mistral-7b", "qwen2.5-7b", "gemma-7b", "phi-3-mini",
+                   "pythia-6.9b", "opt-6.7b", "bert-large"):
+        cases += _cases("presets", [_preset(preset)], [_t(micro_batch=1, seq_len=512, precision="bf16-mixed")])
+    cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     return cases
 
 

@@ -21,8 +21,18 @@ __all__ = ["CONTRACT_KEYS", "Measurement"]
 CONTRACT_KEYS: tuple[str, ...] = (
     "model", "family", "device", "n_params", "n_trainable_params", "peak_allocated_bytes",
     "peak_reserved_bytes", "device_total_bytes", "peak_phase", "peak_at", "breakdown_bytes", "detail_bytes",
-    "phase_peaks_bytes", "overhead_bytes", "calibration", "training", "model_spec",
+    "phase_peaks_bytes", "saved_activations_bytes", "overhead_bytes", "calibration", "host_bytes", "parallel",
+    "per_rank", "training", "model_spec",
 )
+
+
+def _single_device_layout() -> dict[str, Any]:
+    """The parallel layout of a measured step: one device, no sharding (the estimator's default)."""
+    try:
+        from ..parallelism import ParallelSpec
+    except ImportError:  # an estimator without parallel layouts
+        return {"gpus": 1}
+    return ParallelSpec().model_dump(mode="json")
 
 
 @dataclass(frozen=True)
@@ -54,6 +64,8 @@ class Measurement:
     timeline: list[list[Any]] = field(default_factory=list)  #: ``[event, live bytes, phase]`` samples
     measured_with: dict[str, Any] = field(default_factory=dict)
     note: str = ""
+    saved_activations_bytes: int = 0  #: activations (inputs included) alive when forward ends
+    host_bytes: int = 0  #: host memory the step keeps off the device (none: nothing is offloaded)
 
     @property
     def breakdown_bytes(self) -> dict[str, int]:
@@ -76,8 +88,12 @@ class Measurement:
             "breakdown_bytes": self.breakdown_bytes,
             "detail_bytes": dict(self.detail_bytes),
             "phase_peaks_bytes": dict(self.phase_peaks_bytes),
+            "saved_activations_bytes": self.saved_activations_bytes,
             "overhead_bytes": dict(self.overhead_bytes),
             "calibration": self.calibration().model_dump(mode="json") if self.mode == "cuda" else None,
+            "host_bytes": self.host_bytes,
+            "parallel": _single_device_layout(),
+            "per_rank": [],
             "training": self.training.model_dump(mode="json"),
             "model_spec": self.model.model_dump(mode="json"),
             "peak_live_bytes": self.peak_live_bytes,
@@ -115,6 +131,8 @@ class Measurement:
             timeline=[list(p) for p in data.get("timeline", [])],
             measured_with=dict(data.get("measured_with", {})),
             note=str(data.get("note", "")),
+            saved_activations_bytes=int(data.get("saved_activations_bytes", 0)),
+            host_bytes=int(data.get("host_bytes", 0)),
         )
 
     def calibration(self) -> Any:

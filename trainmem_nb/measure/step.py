@@ -478,8 +478,9 @@ def summarize(trace: StepTrace, rounding: bool = True, timeline_points: int = 25
     With `rounding` every storage counts as the CUDA caching allocator would (512-B blocks). Keys:
     ``peak``, ``peak_phase``, ``peak_op``, ``peak_module``, ``peak_at``, ``detail`` (every
     `DETAIL_KEYS` entry), ``phase_peaks`` (forward / backward / optimizer: the most live bytes while
-    the phase ran), ``live_at_start`` and ``timeline`` (``[event, live bytes, phase]``, at most
-    `timeline_points` points, each the maximum of its bucket).
+    the phase ran), ``live_at_start``, ``saved_activations`` (activations, inputs included, alive
+    when forward ends) and ``timeline`` (``[event, live bytes, phase]``, at most `timeline_points`
+    points, each the maximum of its bucket).
     """
     tr = trace.tracker
     rnd = cuda_round if rounding else (lambda n: n)
@@ -511,13 +512,18 @@ def summarize(trace: StepTrace, rounding: bool = True, timeline_points: int = 25
     for idx in tr.alive_at(at):
         rec = tr.records[idx]
         detail[rec.category] += rnd(rec.nbytes)
+    # Activations alive when forward ends (kept for backward, inputs included): the estimator's
+    # ``saved_activations_bytes``.
+    bwd_start = next((i for name, i in starts if name == "backward"), len(tr.events))
+    saved = sum(rnd(tr.records[idx].nbytes) for idx in tr.alive_at(bwd_start - 1)
+                if tr.records[idx].category.startswith("activations/"))
     peak_rec = tr.records[tr.events[at][0]]
     timeline = _downsample(curve, timeline_points)
     return {
         "peak": max(peak, 0), "peak_phase": peak_rec.phase, "peak_op": peak_rec.op, "peak_module": peak_rec.module,
         "peak_at": _peak_at(peak_rec), "detail": detail,
         "phase_peaks": {p: v for p, v in phase_peaks.items() if p in PEAK_PHASES},
-        "live_at_start": live_at_start or 0, "timeline": timeline,
+        "live_at_start": live_at_start or 0, "saved_activations": saved, "timeline": timeline,
     }
 
 
