@@ -109,9 +109,12 @@ class Measurement:
     def from_dict(cls, data: Mapping[str, Any]) -> Measurement:
         """Rebuild a measurement from `to_dict` output (a dataset line); validates both specs."""
         detail = {k: int(v) for k, v in data["detail_bytes"].items()}
-        unknown = sorted(set(detail) - set(DETAIL_KEYS))
+        unknown = sorted(k for k in set(detail) - set(DETAIL_KEYS) if detail[k])
         if unknown:
             raise ValueError(f"unknown breakdown category {unknown[0]!r}; known: {', '.join(DETAIL_KEYS)}")
+        # Categories this version does not know and that hold nothing are dropped; known ones that the
+        # file predates are zero.
+        detail = {k: detail.get(k, 0) for k in DETAIL_KEYS}
         return cls(
             model=ModelSpec.model_validate(data["model_spec"]),
             training=TrainingSpec.model_validate(data["training"]),
