@@ -105,6 +105,22 @@ def test_fake_equals_cpu_byte_for_byte_across_options(option: str, family: str) 
     assert summaries(m, t, "fake") == summaries(m, t, "cpu")
 
 
+MOE_OPTIONS = {
+    # peft wraps the 3-D expert weights for all-linear (and refuses lora_dropout there)
+    "lora-all-linear-bf16": {"method": "lora", "lora_targets": "all-linear", "precision": "bf16-true"},
+    "adafactor": OPTIONS["adafactor"],
+    "selective-ckpt": OPTIONS["selective-ckpt"],
+}
+
+
+@pytest.mark.parametrize("option", sorted(MOE_OPTIONS))
+def test_fake_equals_cpu_byte_for_byte_for_mixture_of_experts(option: str) -> None:
+    # Routing is data-dependent, but every token goes to top_k experts: grouped matmuls see
+    # tokens * top_k rows whatever the router picks.
+    m, t = tiny("mixtral"), training(**MOE_OPTIONS[option])
+    assert summaries(m, t, "fake") == summaries(m, t, "cpu")
+
+
 def test_breakdown_sums_to_the_peak_with_the_estimators_keys() -> None:
     from trainmem_nb.estimate import estimate
 
