@@ -137,7 +137,14 @@ class MistralRecipe(LlamaRecipe):
         key/value are the function's locals until it returns), then SDPA casts its inputs (autocast:
         key, query, value), converts the boolean mask (``convert_boolean_attn_mask``: ``where`` of two
         0-d scalars into a (b, 1, s, s) tensor in the query's dtype) and runs the CPU flash kernel,
-        which saves the converted mask with q, k, v, its output and logsumexp."""
+        which saves the converted mask with q, k, v, its output and logsumexp.
+
+        CUDA (unmeasured here, from the source): flash attention takes no mask, so SDPA runs the
+        memory-efficient kernel (``_scaled_dot_product_efficient_attention``, attention.cpp); the
+        converted mask is only expanded (``preprocess_mask``: a view when s is a multiple of 16, else
+        a padded copy, not modelled) and saved like the CPU kernel's; its logsumexp has s rounded up
+        to 32 rows (not modelled: at most 31 * b * heads floats); its backward allocates scratch
+        (`mem_efficient_backward_scratch`)."""
         if not self.masked:
             return super().sdpa(g, q, k, v)
         m, ctx = self.m, self.ctx
@@ -153,8 +160,11 @@ class MistralRecipe(LlamaRecipe):
                                           g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")))
 
         def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
-            return [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
-                    g.alloc(vc.n, vc.dt, "sdpa grad v")]
+            grads = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+                     g.alloc(vc.n, vc.dt, "sdpa grad v")]
+            if ctx.cuda:
+                g.drop(*mem_efficient_backward_scratch(g, m))
+            return grads
 
         # the node releases its saved tensors in the order mask, key, query, value, logsumexp, output
         g.record("sdpa", [qc, kc, vc], [out, lse], [mask, kc, qc, vc, lse, out], bwd)
@@ -213,3 +223,15 @@ class MistralRecipe(LlamaRecipe):
         mask = g.alloc(per_token_sq(1), dt, "sdpa additive mask")
         g.drop(neg, zero)
         return mask
+
+
+def mem_efficient_backward_scratch(g: Graph, m: object) -> list[T]:
+    """The memory-efficient attention backward's scratch on CUDA
+    (aten/src/ATen/native/transformers/cuda/attention_backward.cu, ``_efficient_attention_backward``):
+    ``delta`` (b, heads, s) fp32, then the kernel workspace, which for sm80+ kernels (split keys:
+    ``kNeedsAccumGradQ``) holds an fp32 accumulator of the query gradient, (b, heads, s, head_dim)
+    up to block rounding (mem_eff_attention/kernel_backward.h ``workspace_size``); the key/value
+    accumulators (only when head_dim exceeds the kernel's block) are left out."""
+    heads, head_dim = m.n_heads, m.head_dim  # type: ignore[attr-defined]
+    return [g.alloc(tok(heads), F32, "mem-efficient delta"),
+            g.alloc(tok(heads * head_dim), F32, "mem-efficient workspace (grad q accumulator)")]

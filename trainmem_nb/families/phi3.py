@@ -42,7 +42,7 @@ class Phi3Recipe(MistralRecipe):
         g.drop(h1)
         mo = self.mlp(g, h2, p)
         g.drop(h2)
-        md = ops.dropout(g, self.ctx, mo, self.dropout_hidden, "resid_mlp_dropout")
+        md = ops.dropout_last(g, self.ctx, mo, self.dropout_hidden, "resid_mlp_dropout")
         out = ops.add(g, residual, md, "residual add (mlp)")
         g.drop(md, mo, residual, *self.attn_weights)
         return out
@@ -110,9 +110,17 @@ class Phi3Recipe(MistralRecipe):
         g.drop(o)
         return out
 
+    @property
+    def value_needs_copy(self) -> bool:
+        """``matmul(probs, value)`` folds (b, heads) into one batch dim with ``reshape``: the value
+        is a strided view of ``qkv`` unless ``repeat_kv`` copied it (grouped-query attention), so the
+        reshape copies it, except with one sequence (b == 1 folds as a view)."""
+        return self.m.n_heads == self.m.n_kv_heads and not self.ctx.batch1
+
     def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
         """HF ``eager_attention_forward`` as llama's, but q and k are contiguous (b, heads, s, d)
-        tensors (from ``cat``): ``matmul`` uses them as batched matrices without copies."""
+        tensors (from ``cat``): ``matmul`` uses them as batched matrices without copies; the value
+        may need one (`value_needs_copy`), and with b == 1 the output's gradient needs none."""
         m, ctx = self.m, self.ctx
         n_rep = m.n_heads // m.n_kv_heads
         kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
@@ -134,9 +142,10 @@ class Phi3Recipe(MistralRecipe):
         g.drop(pq)
         pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
         vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
-        o3 = ops.bmm(g, ctx, pc, vc, q.n, "probs @ v")
-        g.drop(pc, vc)
-        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
+        v2 = ops.clone(g, vc, "value contiguous") if self.value_needs_copy else g.hold(vc)
+        o3 = ops.bmm(g, ctx, pc, v2, q.n, "probs @ v")
+        g.drop(v2, pc, vc)
+        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not ctx.batch1)
         g.drop(o3)
         out = ops.clone(g, o, "attn_output transpose contiguous")
         g.drop(o, kx, vx)
@@ -173,8 +182,10 @@ class Phi3Recipe(MistralRecipe):
         pd = ops.dropout(g, ctx, probs, self.dropout_attn, "attn dropout")
         g.drop(probs)
         attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
-        o3 = ops.bmm(g, ctx, pd, vx, q.n, "probs @ v")
-        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
+        v2 = ops.clone(g, vx, "value contiguous") if self.value_needs_copy else g.hold(vx)
+        o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v")
+        g.drop(v2)
+        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not ctx.batch1)
         g.drop(o3)
         if reduced:
             o16 = ops.cast(g, o, qc.dt, "output to input dtype")
