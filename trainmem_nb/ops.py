@@ -467,7 +467,9 @@ def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: 
     """transformers ``Conv1D``: ``torch.addmm(bias, x.view(-1, nx), weight)`` with a (in, out) weight.
 
     Memory as `linear` with a bias (saves the input and the weight; backward: input gradient, weight
-    gradient, then the bias gradient as the engine's reduction of the output gradient). Autocast's
+    gradient; the bias gradient is the output gradient itself (``maybe_multiply(grad, beta)``), which
+    the engine then reduces to the bias's shape, after the node's saved tensors are unpacked and
+    released when they were recomputed). Autocast's
     wrapper casts its arguments right to left (GCC evaluates the ``cached_cast(args)...`` pack from
     the last argument): the weight (cached), the input, then the bias (cached)."""
     if ctx.autocast is None:
@@ -484,7 +486,7 @@ def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         gx = g.alloc(xc.n, xc.dt, f"{label} grad x") if xc.rg else None
         gw = g.alloc(wc.n, wc.dt, f"{label} grad w") if wc.rg else None
-        gb = g.alloc(bc.n, bc.dt, f"{label} grad b") if bc.rg else None
+        gb = g.hold(go[0]) if bc.rg and go[0] is not None else None
         return [gx, gw, gb]
 
     g.record(label, ins, [out], saved, bwd)
@@ -499,7 +501,7 @@ def split(g: Graph, x: T, parts: Sequence[float], label: str = "split") -> list[
     views = [g.view(x, f"{label} part", n=x.n * f) for f in parts]
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        zeros = [g.alloc(x.n * f, x.dt, f"{label} zeros") for f, gr in zip(parts, go) if gr is None]
+        zeros = [g.alloc(x.n * f, x.dt, f"{label} zeros") for f, gr in zip(parts, go, strict=True) if gr is None]
         out = g.alloc(x.n, x.dt, f"{label} backward cat")
         g.drop(*zeros)
         return [out]
@@ -580,13 +582,48 @@ def sdpa_flash(g: Graph, ctx: Ctx, q: T, k: T, v: T, lse_n: Sz, label: str = "sd
     return out
 
 
+def matmul_bmm(g: Graph, ctx: Ctx, a: T, b: T, out_n: Sz, label: str = "bmm") -> T:
+    """``torch.matmul`` of batched matrices as ``bmm``: like `bmm`, but backward allocates the second
+    operand's gradient before the first's (measured: ``BmmBackward0`` computes ``mat2``'s gradient
+    ``self^T.bmm(grad)`` first, then ``self``'s ``grad.bmm(mat2^T)``)."""
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),))
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
+        ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
+        return [ga, gb]
+
+    g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
+    return out
+
+
+def dropout_last(g: Graph, ctx: Ctx, x: T, p: float, label: str = "dropout") -> T:
+    """`dropout` for the last saving op of a checkpointed region: on CPU ``at::dropout`` is
+    ``input * noise`` and the ``mul`` packs its saved input (the noise) before its kernel runs, so a
+    recomputation that ends with it stops before the output exists (`Graph.before_outputs`)."""
+    if p <= 0 or ctx.cuda:
+        return dropout(g, ctx, x, p, label)
+    noise = g.alloc(x.n, x.dt, f"{label} mask")
+    g.before_outputs([x, noise], [noise])
+    out = g.alloc(x.n, x.dt, label)
+
+    def cpu_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(x.n, x.dt, f"{label} backward"), None]
+
+    g.record(label, [x, noise], [out], [noise], cpu_bwd)
+    g.drop(noise)
+    return out
+
+
 def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, causal: bool,
-              copy_k: bool = True, copy_v: bool = True, label: str = "sdpa math") -> T:
+              copy_q: bool = True, copy_k: bool = True, copy_v: bool = True, grad_copy: bool | None = None,
+              label: str = "sdpa math") -> T:
     """``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp), which
     CPU SDPA runs when attention dropout is on: 16-bit inputs are upcast to fp32 on CPU; q and k^T
     scaled by sqrt(scale); with ``is_causal`` an (s, s) additive mask (``ones.tril`` → ``where``);
-    ``matmul`` (it copies strided operands: always the query, the key and value when `copy_k` /
-    `copy_v`), ``_safe_softmax``, dropout, ``matmul``; the results are cast back. Returns the
+    ``matmul`` (it copies operands whose batch dims cannot be folded into one: `copy_q`, `copy_k`,
+    `copy_v`; the output's gradient is copied back unless b == 1: `grad_copy`, default `copy_q`),
+    ``_safe_softmax``, dropout, ``matmul``; the results are cast back. Returns the
     (b, heads, s, d) output (a view of the last matmul's result when no cast back happens)."""
     cd = ctx.autocast
     kc = cast(g, k, cd, f"{label} k cast") if cd else g.hold(k)
@@ -604,9 +641,9 @@ def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, caus
         mask = g.alloc(Sz(ss=1), q32.dt, f"{label} causal mask")
         g.drop(zero, neg, tril)
     kt = scalar_op(g, k32, f"{label} k^T * sqrt(scale)")
-    q2 = clone(g, qs, f"{label} query contiguous")
+    q2 = clone(g, qs, f"{label} query contiguous") if copy_q else g.hold(qs)
     k2 = clone(g, kt, f"{label} key^T contiguous") if copy_k else g.hold(kt)
-    scores = bmm(g, ctx, q2, k2, scores_n, f"{label} q @ k^T")
+    scores = matmul_bmm(g, ctx, q2, k2, scores_n, f"{label} q @ k^T")
     g.drop(q2, k2, kt)
     if mask is not None:
         sm = add(g, scores, mask, f"{label} + mask")
@@ -620,9 +657,11 @@ def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, caus
     # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
     attn16 = cast(g, pd, qc.dt, f"{label} attn to input dtype") if reduced else None
     v2 = clone(g, v32, f"{label} value contiguous") if copy_v else g.hold(v32)
-    o3 = bmm(g, ctx, pd, v2, q.n, f"{label} probs @ v")
+    o3 = matmul_bmm(g, ctx, pd, v2, q.n, f"{label} probs @ v")
     g.drop(v2)
-    o = heads_view(g, o3, f"{label} matmul unsafe_view", clone_grad=True)
+    # matmul returns a view of the bmm result; the gradient reaching it through the transpose is
+    # strided and its reshape copies it, unless (b, heads) fold into one dim (b == 1)
+    o = heads_view(g, o3, f"{label} matmul unsafe_view", clone_grad=copy_q if grad_copy is None else grad_copy)
     g.drop(o3)
     if reduced:
         o16 = cast(g, o, qc.dt, f"{label} output to input dtype")
@@ -630,6 +669,84 @@ def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, caus
         o = o16
     g.drop(qs, mask, q32, k32, v32, pd, attn16, qc, kc, vc)
     return o
+
+
+def eager_attention(g: Graph, ctx: Ctx, q: T, k: T, v: T, mask: T | None, scores_n: Sz, p: float, fold: bool,
+                    softmax_dt: int | None = None, cast_back: bool = True, one_expression: bool = False,
+                    probs_dt: int | None = None, contiguous_qk: bool = False, label: str = "eager") -> tuple[T, T]:
+    """A family's ``eager_attention_forward`` without GQA: ``matmul(q, k^T) * scaling (+ mask)``,
+    ``softmax`` (in `softmax_dt` when the code asks for it), cast back to the value's dtype
+    (`cast_back`, to `probs_dt` when the code names the query's dtype; without it autocast's matmul
+    casts the dropped-out probabilities; with `one_expression`, ``softmax(...).to(dtype)`` rebinds
+    the scores' name only after the cast), dropout,
+    ``matmul(probs, v)``, and the transposed result copied contiguous (by the function or by its
+    caller's ``reshape``). Returns (output, attention weights); the caller keeps the weights alive as
+    the function's second result.
+
+    q, k, v are (b, s, heads, d)-laid-out views (q and k are contiguous (b, heads, s, d) tensors when
+    `contiguous_qk`): ``matmul`` copies strided ones to fold (b, heads) into one batch dim (`fold`; with
+    b == 1 that is a view), and the gradient reaching the result's transpose is strided, so the view's
+    backward copies it (again unless b == 1). Autocast casts right to left (key before query, value
+    before probabilities); CUDA autocast runs a softmax without dtype in fp32."""
+    cd = ctx.autocast
+    kc = cast(g, k, cd, f"{label} matmul key cast") if cd else g.hold(k)
+    qc = cast(g, q, cd, f"{label} matmul query cast") if cd else g.hold(q)
+    copy_qk = fold and not contiguous_qk
+    q2 = clone(g, qc, f"{label} query contiguous") if copy_qk else g.hold(qc)
+    k2 = clone(g, kc, f"{label} key^T contiguous") if copy_qk else g.hold(kc)
+    scores = matmul_bmm(g, ctx, q2, k2, scores_n, f"{label} q @ k^T")
+    g.drop(q2, k2, qc, kc)
+    w = scalar_op(g, scores, f"{label} * scaling")
+    g.drop(scores)
+    if mask is not None:
+        w2 = add(g, w, mask, f"{label} + mask")
+        g.drop(w)
+        w = w2
+    sm_dt = softmax_dt if softmax_dt is not None else (F32 if ctx.cuda and cd and w.dt != F32 else None)
+    probs = softmax(g, w, sm_dt, f"{label} softmax")
+    if not one_expression:
+        g.drop(w)
+    pt = cast(g, probs, probs_dt or v.dt, f"{label} probs cast back") if cast_back else g.hold(probs)
+    g.drop(probs)
+    if one_expression:
+        g.drop(w)
+    pd = dropout(g, ctx, pt, p, f"{label} attn dropout")
+    g.drop(pt)
+    vc = cast(g, v, cd, f"{label} matmul value cast") if cd else g.hold(v)
+    pc = cast(g, pd, cd, f"{label} matmul probs cast") if cd else g.hold(pd)
+    v2 = clone(g, vc, f"{label} value contiguous") if fold else g.hold(vc)
+    o3 = matmul_bmm(g, ctx, pc, v2, v.n, f"{label} probs @ v")
+    g.drop(pc, vc, v2)
+    o = heads_view(g, o3, f"{label} matmul unsafe_view", clone_grad=fold)
+    g.drop(o3)
+    out = clone(g, o, f"{label} attn_output transpose contiguous")
+    g.drop(o)
+    return out, pd
+
+
+def cat_last(g: Graph, ctx: Ctx, parts: Sequence[T], label: str = "cat") -> T:
+    """``torch.cat(parts, dim=-1)``. Mixed dtypes: CPU autocast ``promote``s (casts the narrower parts
+    to the widest dtype first, a temporary each; autocast_mode.cpp ``KERNEL_CPU(cat, promote)``); CUDA
+    autocast has no rule for ``cat``, so the kernel writes the promoted result directly and its
+    backward (``cat_tensors_backward``) casts those parts' gradient slices back. Backward otherwise
+    hands out views of the gradient."""
+    dt = max(x.dt for x in parts)
+    promote = ctx.autocast is not None and not ctx.cuda
+    srcs = [cast(g, x, dt, f"{label} autocast promote") if promote else g.hold(x) for x in parts]
+    n = srcs[0].n
+    for x in srcs[1:]:
+        n = n + x.n
+    out = g.alloc(n, dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        (grad,) = go
+        assert grad is not None
+        return [g.view(grad, f"{label} grad part", n=x.n) if x.dt == dt else g.alloc(x.n, x.dt, f"{label} grad part cast")
+                for x in srcs]
+
+    g.record(label, srcs, [out], [], bwd)
+    g.drop(*srcs)
+    return out
 
 
 # -- ops added for gemma/phi3/mixtral ---------------------------------------------------------------
@@ -733,7 +850,9 @@ def div_(g: Graph, a: T, b: T, label: str = "div_") -> T:
 def index_rows(g: Graph, x: T, idx: T, out_n: Sz, label: str = "index") -> T:
     """``x[idx]`` with an int64 index tensor (advanced indexing on the first dim): a new tensor; saves
     the indices; backward ``index_backward`` = ``zeros(x.shape).index_put(indices, grad, True)``
-    (zeros, then the out-of-place index_put's result; the zeros die at once)."""
+    (zeros, then the out-of-place index_put's result; the zeros die at once). Autograd saves the
+    indices (an input) before the kernel runs."""
+    g.before_outputs([x, idx], [idx])
     out = g.alloc(out_n, x.dt, label)
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
@@ -753,6 +872,8 @@ def grouped_mm(g: Graph, a: T, w: T, offs: T, out_n: Sz, label: str = "grouped_m
     computes the weight's gradient (in the parameter's layout) before the input's. On CUDA the bf16
     CUTLASS kernel or ``_grouped_mm_fallback`` (a loop of ``mm_out`` into the output) allocate
     nothing else (aten/src/ATen/native/cuda/GroupedBlas.cpp)."""
+    saved = [w if a.rg else None, offs, a if w.rg else None]
+    g.before_outputs([a, w, offs], saved)
     (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),))
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
@@ -760,21 +881,30 @@ def grouped_mm(g: Graph, a: T, w: T, offs: T, out_n: Sz, label: str = "grouped_m
         ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
         return [ga, gw, None]
 
-    g.record(label, [a, w, offs], [out], [w if a.rg else None, offs, a if w.rg else None], bwd)
+    g.record(label, [a, w, offs], [out], saved, bwd)
     return out
 
 
 def mul_both_grads(g: Graph, a: T, b: T, label: str = "mul") -> T:
     """``a * b`` where both inputs need gradients and dtypes or shapes differ (routing weights times
-    expert outputs). ``MulBackward0`` computes both products in the promoted dtype first; then the
-    engine's ``validate_outputs`` (torch/csrc/autograd/engine.cpp) fixes each input's gradient in
-    turn: a cast to the input's dtype, or a reduction to its shape (the latter done by
-    `Graph.backward`). An input that needs a cast must not be broadcast."""
+    expert outputs). ``MulBackward0`` computes both products in the promoted dtype; then the engine's
+    ``validate_outputs`` (torch/csrc/autograd/engine.cpp) fixes each input's gradient in turn: a cast
+    to the input's dtype, or a reduction to its shape (done by `Graph.backward`). That runs after the
+    node's apply returned, so under checkpointing the recomputed saved tensors, which die with the
+    apply, are gone before the casts. An input that needs a cast must not be broadcast."""
+    g.before_outputs([a, b], [b if a.rg else None, a if b.rg else None])
     out = g.alloc(_bigger(a, b), _promote(a, b), label)
     n_out, odt = out.n, out.dt
+    n_nodes = len(g.nodes)
+    recorded: list = []  # the autograd node (none when recomputing: the original one is refilled)
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         prods = [g.alloc(n_out, odt, f"{label} grad {name}") if x.rg else None for name, x in (("a", a), ("b", b))]
+        node = recorded[0] if recorded else None
+        casts = any(pr is not None and x.dt != odt for x, pr in zip((a, b), prods, strict=True))
+        if casts and node is not None and node.checkpoint is not None:
+            g.drop(*node.saved)
+            node.saved = ()
         res: list[T | None] = []
         for x, pr in zip((a, b), prods, strict=True):
             if pr is not None and x.dt != odt:
@@ -786,4 +916,5 @@ def mul_both_grads(g: Graph, a: T, b: T, label: str = "mul") -> T:
         return res
 
     g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
+    recorded.extend(g.nodes[n_nodes:n_nodes + 1])
     return out
