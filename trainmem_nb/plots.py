@@ -167,7 +167,7 @@ def _bytes_axis(axis: Any, nbins: int = 6) -> None:
     axis.set_major_formatter(FuncFormatter(_byte_tick))
 
 
-def _segments(est: MemoryEstimate) -> dict[str, int]:
+def _segments(est: Any) -> dict[str, int]:
     """The bar's parts: the six categories (sum = peak allocated), then the allocator cache and the CUDA
     context, so the bar ends at ``device_total_bytes`` (what nvidia-smi would show)."""
     parts = {k: int(est.breakdown_bytes[k]) for k in TOP_KEYS}
@@ -550,14 +550,15 @@ def fit_map(
 
 
 def compare(
-    estimates: Mapping[str, MemoryEstimate],
+    estimates: Mapping[str, Any],
     gpu: str | GPU | None = None,
     *,
     headroom: tuple[float, float] = HEADROOM_BAND,
     ax: Axes | None = None,
 ) -> CompareArtists:
-    """Stacked bars side by side, one per labelled estimate (ZeRO stages, precisions, methods…),
-    against a GPU's usable memory. Each bar ends at ``device_total_bytes``."""
+    """Stacked bars side by side, one per labelled estimate (ZeRO stages, precisions, methods…) or per
+    rank (the entries of ``est.per_rank``), against a GPU's usable memory. Each bar ends at
+    ``device_total_bytes``."""
     ax = _axes(ax, (7.0, 3.5))
     g = resolve_gpu(gpu)
     labels = list(estimates)
@@ -607,7 +608,8 @@ def compare_gpus(
     from matplotlib.patches import Patch
 
     present = [v for v in VERDICT_COLORS if v in verdicts.values()]
-    ax.legend(handles=[Patch(color=VERDICT_COLORS[v], label=v) for v in present], loc="lower right", fontsize=8)
+    ax.legend(handles=[Patch(color=VERDICT_COLORS[v], label=v) for v in present], loc="upper left",
+              bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return GPUBarsArtists(bars, line, verdicts)
 
 
