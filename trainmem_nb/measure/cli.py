@@ -45,7 +45,7 @@ def add_subcommands(sub: Any) -> None:
         "validate", help="estimate vs measure over a matrix; writes a table, a CSV and a chart",
         description="Compare the estimator with measured steps. By default measures a quick matrix now (every "
                     "family, mostly fake mode, a few minutes on 2 cores); --from-dataset uses the stored dataset "
-                    "(no torch needed); --remeasure regenerates the dataset first (about an hour).",
+                    "(no torch needed); --remeasure regenerates the dataset first (10-15 minutes).",
     )
     src = v.add_mutually_exclusive_group()
     src.add_argument("--from-dataset", nargs="?", const="", default=None, metavar="PATH",

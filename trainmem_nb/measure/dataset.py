@@ -6,7 +6,7 @@ torch, transformers, peft and python versions, threads, date, timing). Device se
 kernels: compare a case with ``estimate(case.model, case.training)``, whose ``training.device`` is
 ``cpu``.
 
-Regenerate everything (about an hour on 2 cores)::
+Regenerate everything (299 cases, 10-15 minutes on 2 cores)::
 
     python -m trainmem_nb.measure.dataset            # or: trainmem validate --remeasure
     python -m trainmem_nb.measure.dataset --only gemma --keep   # re-measure a subset, keep the rest
