@@ -124,6 +124,9 @@ def _cmd_validate(args: argparse.Namespace) -> int:
         from .dataset import CASES_FILE, regenerate
 
         _n, failures = regenerate(CASES_FILE, only=args.only, keep=bool(args.only), jobs=args.jobs)
+        from .report import write_dataset_reports
+
+        write_dataset_reports(CASES_FILE)
         if failures:
             raise RuntimeError(f"{len(failures)} cases failed to measure, first: {failures[0]['id']}: {failures[0]['error']}")
         measured = measured_from_dataset(CASES_FILE, args.only)
