@@ -463,8 +463,12 @@ def layer_norm(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, stats_n: Sz, label: 
     return out
 
 
-def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: int, label: str = "addmm") -> T:
-    """transformers ``Conv1D``: ``torch.addmm(bias, x.view(-1, nx), weight)`` with a (in, out) weight.
+def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: int, label: str = "addmm",
+          linear_casts: bool = False) -> T:
+    """transformers ``Conv1D``: ``torch.addmm(bias, x.view(-1, nx), weight)`` with a (in, out) weight;
+    with `linear_casts`, ``F.linear(x, w, b)`` with a bias, which ``at::linear`` also runs as
+    ``addmm(b, x.view(-1, in), w.t())`` (aten/src/ATen/native/Linear.cpp) but whose autocast wrapper
+    casts bias, weight, input.
 
     Memory as `linear` with a bias (saves the input and the weight; backward: input gradient, weight
     gradient; the bias gradient is the output gradient itself (``maybe_multiply(grad, beta)``), which
@@ -474,6 +478,10 @@ def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: 
     the last argument): the weight (cached), the input, then the bias (cached)."""
     if ctx.autocast is None:
         xc, wc, bc = g.hold(x), g.hold(w), g.hold(b)
+    elif linear_casts:
+        bc = autocast_weight(g, ctx, b)
+        wc = autocast_weight(g, ctx, w)
+        xc = cast(g, x, ctx.autocast, f"{label} input cast")
     else:
         wc = autocast_weight(g, ctx, w)
         xc = cast(g, x, ctx.autocast, f"{label} input cast")
@@ -722,6 +730,59 @@ def eager_attention(g: Graph, ctx: Ctx, q: T, k: T, v: T, mask: T | None, scores
     out = clone(g, o, f"{label} attn_output transpose contiguous")
     g.drop(o)
     return out, pd
+
+
+def lora_addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, a_w: T, b_w: T, in_features: int, out_features: int,
+               rank: int, dropout_p: float, label: str) -> T:
+    """peft ``lora.Linear`` around a transformers ``Conv1D`` (``fan_in_fan_out``): `lora_linear` with
+    the base layer's ``addmm`` (peft/tuners/lora/layer.py)."""
+    result = addmm(g, ctx, x, w, b, in_features, out_features, f"{label}.base_layer")
+    result_dt = result.dt
+    xa = cast(g, x, a_w.dt, f"{label} lora input cast")
+    d = dropout(g, ctx, xa, dropout_p, f"{label}.lora_dropout")
+    a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A")
+    bb = linear(g, ctx, a, b_w, rank, out_features, None, f"{label}.lora_B")
+    g.drop(a, d)
+    sc = scalar_op(g, bb, f"{label} * scaling")
+    g.drop(bb)
+    total = add(g, result, sc, f"{label} + lora")
+    g.drop(result, sc)
+    out = cast(g, total, result_dt, f"{label} to result dtype")
+    g.drop(total, xa)
+    return out
+
+
+def linear_strided_grad(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, in_features: int, out_features: int,
+                        strided: bool, label: str, lora: tuple[T, T, int, float] | None = None) -> T:
+    """A projection whose output gradient comes back strided when `strided` (the key of eager or math
+    attention: its (b, heads, s, d) view's transposes leave the gradient in a layout that the
+    ``view`` of a linear's output cannot take, so each ``F.linear`` output reshape copies it in
+    backward, just before that linear's own backward). With `lora` = (lora_A, lora_B, rank,
+    dropout) the layer is peft's `lora_linear`, whose base and ``lora_B`` outputs both copy."""
+    if lora is None:
+        y = (addmm(g, ctx, x, w, b, in_features, out_features, label, linear_casts=True) if b is not None
+             else linear(g, ctx, x, w, in_features, out_features, None, label))
+        out = heads_view(g, y, f"{label} output reshape", clone_grad=strided)
+        g.drop(y)
+        return out
+    a_w, b_w, rank, dropout_p = lora
+    r0 = linear(g, ctx, x, w, in_features, out_features, b, f"{label}.base_layer")
+    result = heads_view(g, r0, f"{label}.base_layer output reshape", clone_grad=strided)
+    g.drop(r0)
+    result_dt = result.dt
+    xa = cast(g, x, a_w.dt, f"{label} lora input cast")
+    d = dropout(g, ctx, xa, dropout_p, f"{label}.lora_dropout")
+    a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A")
+    b0 = linear(g, ctx, a, b_w, rank, out_features, None, f"{label}.lora_B")
+    bb = heads_view(g, b0, f"{label}.lora_B output reshape", clone_grad=strided)
+    g.drop(b0, a, d)
+    sc = scalar_op(g, bb, f"{label} * scaling")
+    g.drop(bb)
+    total = add(g, result, sc, f"{label} + lora")
+    g.drop(result, sc)
+    out = cast(g, total, result_dt, f"{label} to result dtype")
+    g.drop(total, xa)
+    return out
 
 
 def cat_last(g: Graph, ctx: Ctx, parts: Sequence[T], label: str = "cat") -> T:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from .. import ops
 from ..activations import Recipe, Shared, tok
 from ..ops import F32, I64
-from ..specs import Attention
+from ..specs import Attention, Checkpointing, Method
 from ..tape import Graph, Sz, T, const, per_seq, per_token_sq
 
 __all__ = ["BertRecipe", "masked_lm_loss"]
@@ -56,6 +56,33 @@ def masked_lm_loss(g: Graph, ctx: ops.Ctx, scores: T, labels: T) -> T:
 class BertRecipe(Recipe):
     """bert: ``BertModel`` (no pooler) under ``BertForMaskedLM``."""
 
+    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
+               **kw: object) -> T:
+        """`Recipe.linear`, except that a projection with a bias runs as ``addmm``, whose bias gradient
+        is the engine's reduction of the output gradient (`ops.addmm`)."""
+        b = p.get(f"{module}.bias")
+        if b is None or p.get(f"{module}.lora_A.weight") is not None:
+            return super().linear(g, x, p, module, in_features, out_features, **kw)
+        return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], b, in_features, out_features, module, linear_casts=True)
+
+    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
+        """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
+        forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
+        the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
+        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
+        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
+            inputs_embeds.rg = True
+            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
+
+    def linear_strided_grad(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int,
+                            out_features: int, strided: bool) -> T:
+        """`Recipe.linear` for a projection whose output gradient comes back strided (see
+        `ops.linear_strided_grad`), LoRA-wrapped or not."""
+        a_w = p.get(f"{module}.lora_A.weight")
+        lora = (a_w, p[f"{module}.lora_B.weight"], self.t.lora_rank, self.t.lora_dropout) if a_w is not None else None
+        return ops.linear_strided_grad(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), in_features,
+                                       out_features, strided, module, lora)
+
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """BertEmbeddings.forward: token types gathered from the zero buffer (``gather``, then
         expanded to (b, s)), ``word + token_type``, ``+ position`` (positions are a view of the
@@ -65,12 +92,12 @@ class BertRecipe(Recipe):
         sh = Shared()
         tt_ids = g.alloc(per_seq(1), I64, "token_type_ids gather") if m.type_vocab else None
         words = ops.embedding(g, ids, p["embeddings.word_embeddings.weight"], tok(m.hidden), "word_embeddings")
+        self.input_requires_grad(g, words)
         e = g.hold(words)
         tt = None
         if tt_ids is not None:
             tt = ops.embedding(g, tt_ids, p["embeddings.token_type_embeddings.weight"], tok(m.hidden),
                                "token_type_embeddings")
-            g.drop(tt_ids)  # the embedding keeps the (expanded) ids
             e2 = ops.add(g, e, tt, "inputs_embeds + token_type_embeddings")
             g.drop(e)
             e = e2
@@ -85,7 +112,9 @@ class BertRecipe(Recipe):
         g.drop(e3)
         out = ops.dropout(g, ctx, ln, self.dropout_hidden, "embeddings.dropout")
         g.drop(ln)
-        g.drop(words, tt, pos)  # locals inputs_embeds, token_type_embeddings, position_embeddings
+        # locals token_type_ids (the gathered ids, kept by their embedding when it trains), inputs_embeds,
+        # token_type_embeddings, position_embeddings
+        g.drop(tt_ids, words, tt, pos)
         return out, sh
 
     def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
@@ -98,8 +127,7 @@ class BertRecipe(Recipe):
         a = self.self_attention(g, x, p, attn_weights)
         attention_output = self.add_norm(g, a, x, p, "attention.output", m.hidden)
         g.drop(a)  # BertAttention rebinds `attention_output`
-        i = ops.linear(g, ctx, attention_output, p["intermediate.dense.weight"], m.hidden, m.ffn,
-                       p["intermediate.dense.bias"], "intermediate.dense")
+        i = self.linear(g, attention_output, p, "intermediate.dense", m.hidden, m.ffn)
         act = ops.activation(g, ctx, i, m.activation, "intermediate_act_fn")
         g.drop(i)
         out = self.add_norm(g, act, attention_output, p, "output", m.ffn)
@@ -110,8 +138,7 @@ class BertRecipe(Recipe):
     def add_norm(self, g: Graph, h: T, residual: T, p: dict[str, T], name: str, in_features: int) -> T:
         """BertSelfOutput / BertOutput: ``dense``, ``dropout``, ``LayerNorm(hidden + input_tensor)``."""
         m, ctx = self.m, self.ctx
-        d = ops.linear(g, ctx, h, p[f"{name}.dense.weight"], in_features, m.hidden, p[f"{name}.dense.bias"],
-                       f"{name}.dense")
+        d = self.linear(g, h, p, f"{name}.dense", in_features, m.hidden)
         dd = ops.dropout(g, ctx, d, self.dropout_hidden, f"{name}.dropout")
         g.drop(d)
         s = ops.add(g, dd, residual, f"{name} + input_tensor")
@@ -133,10 +160,12 @@ class BertRecipe(Recipe):
         # return them in the projections' layout
         views = []
         for name in ("query", "key", "value"):
-            clone_grad = eager or math
-            y = ops.linear(g, ctx, h, p[f"attention.self.{name}.weight"], m.hidden, m.hidden,
-                           p[f"attention.self.{name}.bias"], name)
-            views.append(ops.heads_view(g, y, f"{name} view", clone_grad=clone_grad))
+            if name == "key":
+                y = self.linear_strided_grad(g, h, p, f"attention.self.{name}", m.hidden, m.hidden, eager or math)
+                views.append(ops.heads_view(g, y, f"{name} view", clone_grad=False))
+            else:
+                y = self.linear(g, h, p, f"attention.self.{name}", m.hidden, m.hidden)
+                views.append(ops.heads_view(g, y, f"{name} view", clone_grad=eager or math))
             g.drop(y)
         q, k, v = views
         if eager:
@@ -167,15 +196,14 @@ class BertRecipe(Recipe):
         """BertOnlyMLMHead: transform (``dense``, GELU, ``LayerNorm``), ``decoder`` (tied to the word
         embeddings, bias ``cls.predictions.bias``); then the masked-LM loss. Returns (loss, scores)."""
         m, ctx = self.m, self.ctx
-        d = ops.linear(g, ctx, h, p["cls.predictions.transform.dense.weight"], m.hidden, m.hidden,
-                       p["cls.predictions.transform.dense.bias"], "transform.dense")
+        d = self.linear(g, h, p, "cls.predictions.transform.dense", m.hidden, m.hidden)
         a = ops.activation(g, ctx, d, m.activation, "transform_act_fn")
         g.drop(d)
         n = ops.layer_norm(g, ctx, a, p["cls.predictions.transform.LayerNorm.weight"],
                            p["cls.predictions.transform.LayerNorm.bias"], tok(1), "transform.LayerNorm")
         g.drop(a)
         w = p.get("cls.predictions.decoder.weight") or p["embeddings.word_embeddings.weight"]
-        scores = ops.linear(g, ctx, n, w, m.hidden, m.vocab, p["cls.predictions.bias"], "decoder")
+        scores = ops.addmm(g, ctx, n, w, p["cls.predictions.bias"], m.hidden, m.vocab, "decoder", linear_casts=True)
         g.drop(n)
         return masked_lm_loss(g, ctx, scores, ids), scores
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from .. import ops
 from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, tok
 from ..ops import I64
-from ..specs import Attention
+from ..specs import Attention, Checkpointing, Method
 from ..tape import Graph, T, per_seq, per_token_sq
 
 __all__ = ["GPT2Recipe"]
@@ -19,6 +19,25 @@ __all__ = ["GPT2Recipe"]
 
 class GPT2Recipe(Recipe):
     """gpt2: ``GPT2Model`` blocks under ``GPT2LMHeadModel``."""
+
+    def conv1d(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int) -> T:
+        """A ``Conv1D`` layer by its module name in the block: ``addmm``, or peft's LoRA-wrapped
+        forward when an adapter targets it."""
+        a_w = p.get(f"{module}.lora_A.weight")
+        if a_w is not None:
+            return ops.lora_addmm(g, self.ctx, x, p[f"{module}.weight"], p[f"{module}.bias"], a_w,
+                                  p[f"{module}.lora_B.weight"], in_features, out_features, self.t.lora_rank,
+                                  self.t.lora_dropout, module)
+        return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], p[f"{module}.bias"], in_features, out_features, module)
+
+    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
+        """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
+        forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
+        the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
+        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
+        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
+            inputs_embeds.rg = True
+            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
 
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """GPT2Model.forward up to the blocks: ``wte(input_ids)``, ``position_ids = arange(s) + past``,
@@ -28,6 +47,7 @@ class GPT2Recipe(Recipe):
         `final_norm`); ``position_ids`` is passed to every block."""
         m = self.m
         inputs_embeds = ops.embedding(g, ids, p["wte.weight"], tok(m.hidden), "wte")
+        self.input_requires_grad(g, inputs_embeds)
         ar = g.alloc(per_seq(1), I64, "arange")
         pos = g.alloc(per_seq(1), I64, "position_ids")  # arange(s) + past_seen_tokens
         g.drop(ar)
@@ -68,7 +88,7 @@ class GPT2Recipe(Recipe):
         (a copy after eager attention; the SDPA output already has that layout), ``c_proj``,
         ``resid_dropout``."""
         m, ctx = self.m, self.ctx
-        qkv = ops.addmm(g, ctx, h, p["attn.c_attn.weight"], p["attn.c_attn.bias"], m.hidden, 3 * m.hidden, "c_attn")
+        qkv = self.conv1d(g, h, p, "attn.c_attn", m.hidden, 3 * m.hidden)
         q0, k0, v0 = ops.split(g, qkv, (1 / 3, 1 / 3, 1 / 3), "c_attn split")
         g.drop(qkv)
         eager = self.t.attention is Attention.EAGER
@@ -90,7 +110,7 @@ class GPT2Recipe(Recipe):
             g.drop(o4)
         else:
             o = ops.sdpa_flash(g, ctx, q, k, v, tok(m.n_heads), "sdpa")
-        out = ops.addmm(g, ctx, o, p["attn.c_proj.weight"], p["attn.c_proj.bias"], m.hidden, m.hidden, "attn.c_proj")
+        out = self.conv1d(g, o, p, "attn.c_proj", m.hidden, m.hidden)
         g.drop(o)
         od = ops.dropout(g, ctx, out, self.dropout_hidden, "resid_dropout")
         g.drop(out)
@@ -107,10 +127,10 @@ class GPT2Recipe(Recipe):
         """GPT2MLP.forward: ``c_fc``, the activation, ``c_proj``, dropout (each rebinding
         ``hidden_states``)."""
         m, ctx = self.m, self.ctx
-        h = ops.addmm(g, ctx, x, p["mlp.c_fc.weight"], p["mlp.c_fc.bias"], m.hidden, m.ffn, "c_fc")
+        h = self.conv1d(g, x, p, "mlp.c_fc", m.hidden, m.ffn)
         a = ops.activation(g, ctx, h, m.activation, "mlp.act")
         g.drop(h)
-        o = ops.addmm(g, ctx, a, p["mlp.c_proj.weight"], p["mlp.c_proj.bias"], m.ffn, m.hidden, "mlp.c_proj")
+        o = self.conv1d(g, a, p, "mlp.c_proj", m.ffn, m.hidden)
         g.drop(a)
         od = ops.dropout_last(g, ctx, o, self.dropout_hidden, "mlp.dropout")
         g.drop(o)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from .. import ops
 from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, tok
 from ..ops import F32, I64
-from ..specs import Attention
+from ..specs import Attention, Checkpointing, Method
 from ..tape import Graph, T, per_seq, per_token_sq
 
 __all__ = ["GPTNeoXRecipe"]
@@ -23,6 +23,24 @@ __all__ = ["GPTNeoXRecipe"]
 class GPTNeoXRecipe(Recipe):
     """gpt_neox (Pythia): ``GPTNeoXModel`` layers under ``GPTNeoXForCausalLM``."""
 
+    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
+               **kw: object) -> T:
+        """`Recipe.linear`, except that a projection with a bias runs as ``addmm``, whose bias gradient
+        is the engine's reduction of the output gradient (`ops.addmm`)."""
+        b = p.get(f"{module}.bias")
+        if b is None or p.get(f"{module}.lora_A.weight") is not None:
+            return super().linear(g, x, p, module, in_features, out_features, **kw)
+        return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], b, in_features, out_features, module, linear_casts=True)
+
+    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
+        """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
+        forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
+        the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
+        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
+        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
+            inputs_embeds.rg = True
+            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
+
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """GPTNeoXModel.forward up to the layers: ``embed_in``, ``position_ids = arange(s) + past``,
         the eager causal mask, ``emb_dropout``, and the rotary ``cos``/``sin`` shared by every layer.
@@ -30,6 +48,7 @@ class GPTNeoXRecipe(Recipe):
         m, ctx = self.m, self.ctx
         sh = Shared()
         inputs_embeds = ops.embedding(g, ids, p["embed_in.weight"], tok(m.hidden), "embed_in")
+        self.input_requires_grad(g, inputs_embeds)
         ar = g.alloc(per_seq(1), I64, "arange")
         pos = g.alloc(per_seq(1), I64, "position_ids")  # arange(s) + past_seen_tokens
         g.drop(ar)
@@ -98,7 +117,7 @@ class GPTNeoXRecipe(Recipe):
     def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T], attn_weights: list[T]) -> T:
         """GPTNeoXAttention.forward: ``query_key_value(h).view(b, s, heads, 3d).transpose(1, 2)``
         chunked into query/key/value views, partial rotary on query and key, the attention interface,
-        ``reshape(...).contiguous()`` (no copy: the kernels' outputs are already laid out so), ``dense``.
+        ``reshape(...).contiguous()`` (no copy: the attention output is already contiguous), ``dense``.
 
         The rotary outputs are new contiguous (b, heads, s, d) tensors (``cat``); the value stays a
         strided view of the projection, whose view's backward copies the concatenated q/k/v gradient."""
@@ -106,8 +125,7 @@ class GPTNeoXRecipe(Recipe):
         eager = self.t.attention is Attention.EAGER
         math = not eager and self.sdpa_falls_back_to_math
         fold = not ctx.batch1  # (b, heads) fold into one batch dim without a copy only when b == 1
-        y = ops.linear(g, ctx, h, p["attention.query_key_value.weight"], m.hidden, 3 * m.hidden,
-                       p.get("attention.query_key_value.bias"), "query_key_value")
+        y = self.linear(g, h, p, "attention.query_key_value", m.hidden, 3 * m.hidden)
         qkv = ops.heads_view(g, y, "qkv view", clone_grad=True)
         g.drop(y)
         q, k, v = ops.split(g, qkv, (1 / 3, 1 / 3, 1 / 3), "qkv chunk")
@@ -125,9 +143,12 @@ class GPTNeoXRecipe(Recipe):
             o = ops.clone(g, o4, "attn_output transpose contiguous")  # sdpa_attention_forward
             g.drop(o4)
         else:
-            o = ops.sdpa_flash(g, ctx, qe, ke, v, tok(m.n_heads), "sdpa")
-        out = ops.linear(g, ctx, o, p["attention.dense.weight"], m.hidden, m.hidden, p.get("attention.dense.bias"),
-                         "dense")
+            # the flash kernel's output takes the query's contiguous (b, heads, s, d) layout, so
+            # sdpa_attention_forward's `transpose(1, 2).contiguous()` copies it
+            o4 = ops.sdpa_flash(g, ctx, qe, ke, v, tok(m.n_heads), "sdpa")
+            o = ops.clone(g, o4, "attn_output transpose contiguous")
+            g.drop(o4)
+        out = self.linear(g, o, p, "attention.dense", m.hidden, m.hidden)
         g.drop(o)
         g.drop(qkv, q, k, v, qe, ke)  # locals qkv, query_states, key_states, value_states
         return out
@@ -165,12 +186,10 @@ class GPTNeoXRecipe(Recipe):
     def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
         """GPTNeoXMLP.forward: ``dense_h_to_4h``, the activation, ``dense_4h_to_h``."""
         m, ctx = self.m, self.ctx
-        h = ops.linear(g, ctx, x, p["mlp.dense_h_to_4h.weight"], m.hidden, m.ffn, p.get("mlp.dense_h_to_4h.bias"),
-                       "dense_h_to_4h")
+        h = self.linear(g, x, p, "mlp.dense_h_to_4h", m.hidden, m.ffn)
         a = ops.activation(g, ctx, h, m.activation, "mlp.act")
         g.drop(h)
-        o = ops.linear(g, ctx, a, p["mlp.dense_4h_to_h.weight"], m.ffn, m.hidden, p.get("mlp.dense_4h_to_h.bias"),
-                       "dense_4h_to_h")
+        o = self.linear(g, a, p, "mlp.dense_4h_to_h", m.ffn, m.hidden)
         g.drop(a)
         return o
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .. import ops
 from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, tok
 from ..ops import F32, I64
-from ..specs import Attention
+from ..specs import Attention, Checkpointing, Method
 from ..tape import Graph, T, per_token_sq
 
 __all__ = ["OPTRecipe"]
@@ -26,6 +26,33 @@ class OPTRecipe(Recipe):
         """Width of the word embeddings (``word_embed_proj_dim``)."""
         return self.m.word_embed_proj_dim or self.m.hidden
 
+    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
+               **kw: object) -> T:
+        """`Recipe.linear`, except that a projection with a bias runs as ``addmm``, whose bias gradient
+        is the engine's reduction of the output gradient (`ops.addmm`)."""
+        b = p.get(f"{module}.bias")
+        if b is None or p.get(f"{module}.lora_A.weight") is not None:
+            return super().linear(g, x, p, module, in_features, out_features, **kw)
+        return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], b, in_features, out_features, module, linear_casts=True)
+
+    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
+        """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
+        forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
+        the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
+        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
+        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
+            inputs_embeds.rg = True
+            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
+
+    def linear_strided_grad(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int,
+                            out_features: int, strided: bool) -> T:
+        """`Recipe.linear` for a projection whose output gradient comes back strided (see
+        `ops.linear_strided_grad`), LoRA-wrapped or not."""
+        a_w = p.get(f"{module}.lora_A.weight")
+        lora = (a_w, p[f"{module}.lora_B.weight"], self.t.lora_rank, self.t.lora_dropout) if a_w is not None else None
+        return ops.linear_strided_grad(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), in_features,
+                                       out_features, strided, module, lora)
+
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """OPTDecoder.forward up to the layers: ``embed_tokens``, ``position_attention_mask = ones(b, s)``
         (fp32), ``position_ids = (cumsum(mask) * mask - 1).long()``, the eager causal mask,
@@ -36,6 +63,7 @@ class OPTRecipe(Recipe):
         m = self.m
         sh = Shared()
         inputs_embeds = ops.embedding(g, ids, p["embed_tokens.weight"], tok(self.proj), "embed_tokens")
+        self.input_requires_grad(g, inputs_embeds)
         ones = g.alloc(tok(1), F32, "position_attention_mask")
         cs = g.alloc(tok(1), F32, "cumsum")
         pm = g.alloc(tok(1), F32, "position_ids * mask")
@@ -82,11 +110,11 @@ class OPTRecipe(Recipe):
         # `hidden_states.reshape(-1, h)` is a view; `residual` keeps it
         h2 = ops.layer_norm(g, ctx, h1, p["final_layer_norm.weight"], p["final_layer_norm.bias"], tok(1),
                             "final_layer_norm") if pre else g.hold(h1)
-        f1 = ops.linear(g, ctx, h2, p["fc1.weight"], m.hidden, m.ffn, p.get("fc1.bias"), "fc1")
+        f1 = self.linear(g, h2, p, "fc1", m.hidden, m.ffn)
         g.drop(h2)
         act = ops.activation(g, ctx, f1, m.activation, "activation_fn")
         g.drop(f1)
-        f2 = ops.linear(g, ctx, act, p["fc2.weight"], m.ffn, m.hidden, p.get("fc2.bias"), "fc2")
+        f2 = self.linear(g, act, p, "fc2", m.ffn, m.hidden)
         g.drop(act)
         last = ops.dropout_last if pre else ops.dropout
         fd = last(g, ctx, f2, self.dropout_hidden, "dropout")
@@ -109,7 +137,7 @@ class OPTRecipe(Recipe):
         math = not eager and self.sdpa_falls_back_to_math
         fold = not ctx.batch1  # (b, heads) fold into one batch dim without a copy only when b == 1
         hh = m.hidden
-        q0 = ops.linear(g, ctx, h, p["self_attn.q_proj.weight"], hh, hh, p.get("self_attn.q_proj.bias"), "q_proj")
+        q0 = self.linear(g, h, p, "self_attn.q_proj", hh, hh)
         q1 = ops.scalar_op(g, q0, "q * scaling")
         g.drop(q0)
         # eager's and the math kernel's gradients come back in (b, heads, s, d) layouts that the views
@@ -117,11 +145,9 @@ class OPTRecipe(Recipe):
         # return them in the projections' layout
         q = ops.heads_view(g, q1, "query view", clone_grad=eager or math)
         g.drop(q1)
-        k0 = ops.linear(g, ctx, h, p["self_attn.k_proj.weight"], hh, hh, p.get("self_attn.k_proj.bias"), "k_proj")
         # the key's gradient is copied by k_proj's own output reshape, before v_proj's backward runs
-        k1 = ops.heads_view(g, k0, "k_proj output reshape", clone_grad=eager or math)
-        g.drop(k0)
-        v0 = ops.linear(g, ctx, h, p["self_attn.v_proj.weight"], hh, hh, p.get("self_attn.v_proj.bias"), "v_proj")
+        k1 = self.linear_strided_grad(g, h, p, "self_attn.k_proj", hh, hh, eager or math)
+        v0 = self.linear(g, h, p, "self_attn.v_proj", hh, hh)
         k = ops.heads_view(g, k1, "key view", clone_grad=False)
         v = ops.heads_view(g, v0, "value view", clone_grad=eager or math)
         g.drop(k1, v0)
@@ -136,7 +162,7 @@ class OPTRecipe(Recipe):
             g.drop(o4)
         else:
             o = ops.sdpa_flash(g, ctx, q, k, v, tok(m.n_heads), "sdpa")
-        out = ops.linear(g, ctx, o, p["self_attn.out_proj.weight"], hh, hh, p.get("self_attn.out_proj.bias"), "out_proj")
+        out = self.linear(g, o, p, "self_attn.out_proj", hh, hh)
         g.drop(o)
         g.drop(q, k, v)  # query_states, key_states, value_states die when forward returns
         return out
