@@ -102,10 +102,15 @@ class Phi3Recipe(MistralRecipe):
         return out[0], out[1]
 
     def sdpa(self, g: Graph, q: T, k: T, v: T) -> T:
-        """``sdpa_attention_forward`` (llama's or, with a window mask, mistral's); the kernel's output
-        takes the query's (b, heads, s, d)-contiguous layout, so ``transpose(1, 2).contiguous()``
-        copies it."""
+        """``sdpa_attention_forward`` (llama's or, with a window mask, mistral's). The flash kernels
+        allocate their output like the query (CPU: measured; CUDA: ``out = at::empty_like(q_padded)``,
+        flash_attn/flash_api.cpp ``mha_fwd``), here (b, heads, s, d)-contiguous, so
+        ``transpose(1, 2).contiguous()`` copies it. CUDA's memory-efficient kernel (masked SDPA)
+        allocates (b, s, heads, d) whatever the query (``_efficient_attention_forward``,
+        transformers/cuda/attention.cu): no copy."""
         o = super().sdpa(g, q, k, v)
+        if self.ctx.cuda and self.masked:
+            return o
         out = ops.clone(g, o, "attn_output transpose contiguous")
         g.drop(o)
         return out
