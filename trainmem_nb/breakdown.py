@@ -18,6 +18,7 @@ TOP_KEYS: tuple[str, ...] = ("weights", "gradients", "optimizer_states", "activa
 DETAIL_KEYS: tuple[str, ...] = (
     "weights/params",  # parameters (trainable and frozen, adapters included)
     "weights/buffers",  # registered buffers: rotary inv_freq, position ids
+    "weights/gathered",  # full parameters materialized from shards (FSDP / ZeRO-3 all-gather)
     "gradients",  # .grad of trainable parameters
     "optimizer_states",  # tensors in optimizer.state (moments, step counters)
     "activations/inputs",  # input ids and labels
@@ -30,6 +31,7 @@ DETAIL_KEYS: tuple[str, ...] = (
     "transient/backward",  # activation gradients and other backward temporaries
     "transient/optimizer",  # temporaries inside optimizer.step (e.g. foreach AdamW's sqrt(v))
     "overhead/workspaces",  # cuBLAS workspaces PyTorch allocates through its caching allocator (cuda)
+    "overhead/communication",  # all-gather, reduce-scatter and gradient-bucket buffers of data parallelism
 )
 
 

@@ -9,6 +9,7 @@ exist for every parameter together), ``for-loop`` one parameter at a time (the l
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .breakdown import DETAIL_KEYS
@@ -18,9 +19,9 @@ from .specs import Device, ModelSpec, OptimizerImpl, OptimizerName, TrainingSpec
 from .tape import Sz, const
 
 if TYPE_CHECKING:
-    from .simulate import _segment
+    from .simulate import Segment
 
-__all__ = ["optimizer_program", "state_bytes", "STATE_TENSORS"]
+__all__ = ["STATE_TENSORS", "optimizer_program", "state_bytes"]
 
 _CAT = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -47,11 +48,29 @@ def _round(n: int) -> int:
     return -(-n // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if n > 0 else 0
 
 
-def state_bytes(m: ModelSpec, t: TrainingSpec) -> list[tuple[Sz, int]]:
-    """Bytes of every optimizer-state tensor alive before the step, as ``(bytes of one, count)``."""
+#: Maps a parameter to the part of it one rank's optimizer holds (data parallel sharding), or to None
+#: when the rank holds none of it (another pipeline stage's).
+Shard = Callable[[ParamTensor], "ParamTensor | None"]
+
+
+def _params(m: ModelSpec, t: TrainingSpec, shard: Shard | None) -> list[tuple[ParamTensor, int]]:
+    params = trainable_tensors(m, t)
+    if shard is None:
+        return params
+    out = []
+    for p, pdt in params:
+        q = shard(p)
+        if q is not None:
+            out.append((q, pdt))
+    return out
+
+
+def state_bytes(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None) -> list[tuple[Sz, int]]:
+    """Bytes of every optimizer-state tensor alive before the step, as ``(bytes of one, count)``;
+    with `shard`, of the rank's shards only (ZeRO-1 and up, FSDP)."""
     out: list[tuple[Sz, int]] = []
     opt = t.optimizer
-    for p, pdt in trainable_tensors(m, t):
+    for p, pdt in _params(m, t, shard):
         k = STATE_TENSORS[opt]
         if opt is OptimizerName.ADAMW_8BIT:
             if p.numel < BNB_MIN_8BIT_SIZE:
@@ -66,11 +85,11 @@ def state_bytes(m: ModelSpec, t: TrainingSpec) -> list[tuple[Sz, int]]:
         elif k:
             dt = 4 if opt is OptimizerName.PAGED_ADAMW else pdt
             out.append((const(_round(p.numel * dt)), k * p.count))
-        if opt in (OptimizerName.ADAMW, OptimizerName.ADAM, OptimizerName.ADAFACTOR):
-            # `step` is a 0-dim fp32 tensor per parameter: on the parameter's device for fused (and on
-            # CPU), a host tensor otherwise (torch/optim/adam.py _init_group)
-            if t.device is Device.CPU or t.resolved_optimizer_impl is OptimizerImpl.FUSED:
-                out.append((const(_round(4)), p.count))
+        # `step` is a 0-dim fp32 tensor per parameter: on the parameter's device for fused (and on
+        # CPU), a host tensor otherwise (torch/optim/adam.py _init_group)
+        if opt in (OptimizerName.ADAMW, OptimizerName.ADAM, OptimizerName.ADAFACTOR) and (
+                t.device is Device.CPU or t.resolved_optimizer_impl is OptimizerImpl.FUSED):
+            out.append((const(_round(4)), p.count))
     return out
 
 
@@ -83,11 +102,14 @@ def _adafactor_state(p: ParamTensor, pdt: int) -> list[int]:
     return [p.numel * pdt]
 
 
-def optimizer_program(m: ModelSpec, t: TrainingSpec) -> list[Segment]:
-    """The optimizer step's and ``zero_grad``'s segments."""
+def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
+                      grads: list[tuple[int, int]] | None = None) -> list[Segment]:
+    """The optimizer step's and ``zero_grad``'s segments; with `shard`, on the rank's parameter shards,
+    and `grads` (``(bytes, count)`` of the gradient storages ``zero_grad`` frees) when they are not one
+    per parameter."""
     from .simulate import _segment
 
-    params = trainable_tensors(m, t)
+    params = _params(m, t, shard)
     temp = _CAT["transient/optimizer"]
     states = _CAT["optimizer_states"]
     grad = _CAT["gradients"]
@@ -95,7 +117,7 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec) -> list[Segment]:
     events: list[tuple[int, int, Sz, str]] = []
     if t.first_step:
         # the first step() creates the state (zeros_like per parameter in _init_group) before updating
-        created = sum(_round(int(sz.c0)) * count for sz, count in state_bytes(m, t))
+        created = sum(_round(int(sz.c0)) * count for sz, count in state_bytes(m, t, shard))
         if created:
             events.append((states, 1, const(created), "state created on the first step"))
     if opt in (OptimizerName.ADAMW, OptimizerName.ADAM) and params:
@@ -120,7 +142,9 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec) -> list[Segment]:
         largest = max(_round(p.numel * pdt) for p, pdt in params)
         events += [(temp, 1, const(2 * largest), "adafactor estimate"), (temp, -1, const(2 * largest), "adafactor freed")]
     segs = [_segment("optimizer", "optimizer step", 1, tuple(events))] if events else []
-    total_grads = sum(_round(p.numel * pdt) * p.count for p, pdt in params)
+    if grads is None:
+        grads = [(p.numel * pdt, p.count) for p, pdt in params]
+    total_grads = sum(_round(n) * count for n, count in grads)
     if total_grads:
         segs.append(_segment("zero", "zero_grad", 1, ((grad, -1, const(total_grads), "zero_grad(set_to_none)"),)))
     return segs

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from .specs import ModelSpec, SpecError, _Choice, did_you_mean
+from .specs import ModelSpec, SpecError, SpecModel, _Choice, did_you_mean
 
 __all__ = ["Engine", "Offload", "ParallelSpec", "PipelineSchedule", "build_parallel", "check_layout"]
 
@@ -47,12 +47,14 @@ class PipelineSchedule(_Choice):
 _FROZEN = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
-class ParallelSpec(BaseModel):
+class ParallelSpec(SpecModel):
     """A parallel layout over ``gpus`` GPUs on ``nodes`` nodes.
 
-    >>> p = ParallelSpec(gpus=8, zero=3, engine="deepspeed")
-    >>> p.dp, p.gpus_per_node
-    (8, 8)
+    Without ``engine``, ZeRO stages and offload mean DeepSpeed, and plain data parallelism DDP.
+
+    >>> p = ParallelSpec(gpus=8, zero=3)
+    >>> p.engine.value, p.dp, p.gpus_per_node
+    ('deepspeed', 8, 8)
     """
 
     model_config = _FROZEN
@@ -77,6 +79,10 @@ class ParallelSpec(BaseModel):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
+        if data.get("engine") is None:
+            # ZeRO stages and offload are DeepSpeed's vocabulary: without an engine they mean DeepSpeed
+            zero, offload = data.get("zero") or 0, data.get("offload") or "none"
+            data["engine"] = "deepspeed" if zero or str(getattr(offload, "value", offload)) != "none" else "ddp"
         for key, enum in (("engine", Engine), ("offload", Offload), ("pp_schedule", PipelineSchedule)):
             if key in data and data[key] is not None:
                 data[key] = enum.parse(data[key], key)
@@ -133,12 +139,15 @@ class ParallelSpec(BaseModel):
 
     @property
     def shard_degree(self) -> int:
-        """Over how many ranks ZeRO/FSDP shards model states (the node for hybrid sharding)."""
+        """Over how many ranks ZeRO/FSDP shards model states: data and context parallel ranks hold the
+        same layers (torchtitan's ``dp_shard_cp`` mesh, Megatron's distributed optimizer over DP x CP);
+        hybrid sharding stops at the node."""
         if self.zero == 0:
             return 1
+        ranks = self.dp * self.cp
         if self.hybrid_shard:
-            return max(1, min(self.dp, self.gpus_per_node // (self.tp * self.cp)))
-        return self.dp
+            return max(1, min(ranks, self.gpus_per_node // self.tp))
+        return ranks
 
     @property
     def single_device(self) -> bool:

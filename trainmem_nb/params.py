@@ -14,8 +14,8 @@ from typing import NamedTuple
 from .specs import Family, Method, ModelSpec, TrainingSpec
 
 __all__ = [
-    "LORA_QV", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules", "param_inventory",
-    "trainable_tensors", "weight_tensors",
+    "LORA_QV", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules", "on_stage",
+    "param_inventory", "trainable_tensors", "weight_tensors",
 ]
 
 
@@ -244,3 +244,21 @@ def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int
 def trainable_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int]]:
     """The tensors the optimizer updates, with their bytes per element."""
     return [(p, dt) for p, dt, trainable in weight_tensors(m, t) if trainable]
+
+
+#: Names of the input-side parameters outside the layers (token, position and type embeddings; BERT's
+#: embedding LayerNorm); every other one outside the layers belongs to the output side (final norm,
+#: LM head, pythia's ``embed_out``, BERT's ``cls.*``).
+_INPUT_SIDE = ("embed_tokens.", "embed_positions.", "embed_in.", "wte.", "wpe.", "embeddings.")
+
+
+def on_stage(p: ParamTensor, m: ModelSpec, first: bool, last: bool) -> bool:
+    """Does a pipeline stage (the `first` and/or `last` one) hold `p`? Layers are split beforehand;
+    the first stage holds the embeddings, the last the final norm and head, and with tied embeddings
+    the last one holds a copy of the embedding matrix as its head (Megatron-LM keeps both in sync)."""
+    if p.in_layer or (first and last):
+        return True
+    if p.name.startswith(_INPUT_SIDE):
+        return first or (last and m.tie_embeddings and p.name.startswith(("embed_tokens.", "wte.", "embed_in.",
+                                                                            "embeddings.word_embeddings.")))
+    return last

@@ -21,7 +21,7 @@ from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .device import CUBLAS_WORKSPACE_BYTES, CUDA_BLOCK_BYTES, Calibration
 from .optimizers import optimizer_program, state_bytes
 from .parallelism import ParallelSpec
-from .params import buffer_inventory, weight_tensors
+from .params import buffer_inventory, on_stage, weight_tensors
 from .specs import Checkpointing, Device, Method, ModelSpec, TrainingSpec
 from .tape import Graph, Sz, T, const, per_token
 
@@ -66,6 +66,10 @@ def _round(nbytes: float) -> int:
 
 
 def _category(t: T, fwd_end: int) -> str:
+    if t.region == "communication":
+        return "overhead/communication"
+    if t.region == "gathered":
+        return "weights/gathered"
     if t.phase == "forward":
         if 0 <= t.freed < fwd_end:
             return "transient/forward"
@@ -90,6 +94,12 @@ class EngineHooks:
     forward and backward; the default does nothing (one GPU)."""
 
     autocast: bool = True  # does the recipe run under autocast (FSDP's mixed precision does not)
+    #: with gradient accumulation, do later micro-steps add into existing full-size ``.grad`` tensors
+    #: (FSDP instead accumulates into sharded gradients; its unsharded ones are new each micro-step)
+    local_grads_accumulate: bool = True
+    #: pipeline parallelism: does this rank run the embeddings (first stage) / the head and loss (last)
+    first_stage: bool = True
+    last_stage: bool = True
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         """Bytes per element of the weights the layers compute with."""
@@ -119,7 +129,9 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
     g = Graph()
-    weights = weight_tensors(m, t)
+    all_weights = weight_tensors(m, t)
+    weights = [w for w in all_weights if on_stage(w[0], m, hooks.first_stage, hooks.last_stage)]
+    held = {id(w[0]) for w in weights}
     # simulate the first layer, a generic middle one (repeated n_layers - 2 times) and the last: every
     # tensor passed between layers (outputs, gradients, an engine's lingering buffers) then has a
     # predecessor and a successor in the repeated layer, in forward and in backward
@@ -128,9 +140,11 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
     layer_params: list[dict[str, T]] = [{} for _ in range(n_sim)]
     other: dict[str, T] = {}
     unit_params: dict[str, list[T]] = {"root": [], **{f"L{i}": [] for i in range(n_sim)}}
-    for p, dt, trainable in weights:
+    for p, dt, trainable in all_weights:
         dt = hooks.weight_dtype(t, dt)
-        if p.in_layer:
+        if id(p) not in held:  # on another pipeline stage: the recipe may name it, nothing trains it
+            other[p.name] = g.param(const(p.numel), dt, p.name, False)
+        elif p.in_layer:
             short = p.name[len("layers."):]
             for i in range(n_sim):
                 layer_params[i][short] = g.param(const(p.numel), dt, f"L{i}.{short}", trainable)
@@ -141,7 +155,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
     recipe = recipe_for(m, t, ctx)
     # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
     # start and new gradients are added in place (HF Trainer zeroes them only after optimizer.step())
-    g.grads_exist = t.grad_accum > 1
+    g.grads_exist = t.grad_accum > 1 and hooks.local_grads_accumulate
     ids = g.external(per_token(1), 8, "input_ids")
     ids.region = "inputs"
 
@@ -149,6 +163,13 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
     g.region = "embeddings"
     hooks.unit_forward_begin(g, "root")
     embeds, shared = recipe.embed(g, ids, other)
+    if not hooks.first_stage:
+        # a later pipeline stage receives the previous stage's output instead of embedding tokens
+        # (the recipe still builds the positions and masks every stage computes for itself)
+        received = g.alloc(embeds.n, embeds.dt, "activations from the previous stage", rg=True)
+        g.drop(embeds)
+        embeds = received
+        g.input_leaves.append(embeds)
     if t.method is not Method.FULL and t.checkpointing is not Checkpointing.NONE:
         # PEFT wraps a model whose gradient checkpointing is on with `enable_input_require_grads()`: a
         # forward hook makes the embedding output require grad so gradients reach checkpointed layers
@@ -178,13 +199,19 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
         g.mark(f"L{i}_fwd_end")
     g.region = "head"
     head_node = len(g.nodes)
-    h = recipe.final_norm(g, x, other)
-    g.drop(x)
+    if hooks.last_stage:
+        h = recipe.final_norm(g, x, other)
+        g.drop(x)
+    else:
+        h = x  # sent to the next stage; its gradient comes back in backward
     # the base model returns: its locals (inputs_embeds, position ids, mask, cos/sin) go
     for sh in (*shared.extra, embeds, shared.mask, shared.cos, shared.sin):
         if sh is not None:
             g.drop(sh)
-    loss, logits = recipe.lm_head_loss(g, h, ids, other)
+    if hooks.last_stage:
+        loss, logits = recipe.lm_head_loss(g, h, ids, other)
+    else:
+        loss, logits = _send_to_next_stage(g, h), None
     g.drop(h)  # *ForCausalLM returns: the base output (holding h) goes
     if ctx.autocast is not None:
         ops.end_autocast(g, ctx)
@@ -300,6 +327,18 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
     n_params = sum(p.numel * p.count for p, _, _ in weights)
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     return Program(tuple(init), tuple(segs), n_params, n_train)
+
+
+def _send_to_next_stage(g: Graph, out: T) -> T:
+    """A pipeline stage's output goes to the next stage; backward starts from the gradient the next
+    stage sends back (one tensor of the output's size), not from a loss."""
+    sent = g.alloc(const(1), 4, "stage output sent")
+
+    def backward(g: Graph, grads: list[T | None]) -> list[T | None]:
+        return [g.alloc(out.n, out.dt, "gradient from the next stage")]
+
+    g.record("send to next stage", [out], [sent], [], backward)
+    return sent
 
 
 class _Frame:

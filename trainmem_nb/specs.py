@@ -40,7 +40,7 @@ class SpecError(ValueError):
 
 def did_you_mean(value: str, choices: list[str]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest choice, or an empty string."""
-    close = difflib.get_close_matches(str(value).lower(), [c.lower() for c in choices], n=1, cutoff=0.4)
+    close = difflib.get_close_matches(str(value).lower(), [c.lower() for c in choices], n=1, cutoff=0.6)
     if not close:
         return ""
     original = next(c for c in choices if c.lower() == close[0])
@@ -192,7 +192,30 @@ _MAX_LAYERS = 10_000
 _MAX_VOCAB = 1 << 24
 
 
-class ModelSpec(BaseModel):
+class SpecModel(BaseModel):
+    """Base of every spec: pydantic validation whose errors surface as one clear `SpecError`, whether
+    the spec is built with ``Spec(...)`` or ``Spec.model_validate(...)``."""
+
+    def __init__(self, **data: Any) -> None:
+        from pydantic import ValidationError
+
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise SpecError(format_validation_error(exc)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """`BaseModel.model_validate`, raising `SpecError`."""
+        from pydantic import ValidationError
+
+        try:
+            return super().model_validate(obj, **kwargs)
+        except ValidationError as exc:
+            raise SpecError(format_validation_error(exc)) from None
+
+
+class ModelSpec(SpecModel):
     """A transformer's shape and structure: what decides its parameters and saved activations.
 
     Build one from a preset (`trainmem_nb.presets.get_model`), a Hugging Face config
@@ -412,7 +435,7 @@ def format_validation_error(exc: Any) -> str:
     return "; ".join(parts)
 
 
-class TrainingSpec(BaseModel):
+class TrainingSpec(SpecModel):
     """One training step's setup: batch shape, precision recipe, optimizer, recomputation, kernels.
 
     >>> t = TrainingSpec(micro_batch=2, seq_len=2048, precision="bf16-mixed")

@@ -529,7 +529,7 @@ def summarize(trace: StepTrace, rounding: bool = True, timeline_points: int = 25
 
 def _downsample(curve: list[tuple[int, int, str]], points: int) -> list[list[Any]]:
     """At most `points` samples of the live-bytes curve, each the maximum of its bucket."""
-    if not curve:
+    if not curve or points <= 0:
         return []
     size = max(1, -(-len(curve) // points))
     out: list[list[Any]] = []

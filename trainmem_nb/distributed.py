@@ -1,0 +1,514 @@
+"""What each rank of a parallel training step holds: sharded model states, gathered parameters,
+communication buffers, tensor/sequence/context-parallel activations and pipeline micro-batches.
+
+Each engine is a set of `EngineHooks` the step driver (`trainmem_nb.simulate`) calls at unit
+boundaries (the root module and every transformer layer), so its buffers appear in the step's
+timeline where the engine allocates them:
+
+* **FSDP2** (``fully_shard`` on every layer and the root, as torchtitan and accelerate do) follows
+  torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: forward all-gathers a unit and keeps that
+  all-gather output until the next unit's copy-out (implicit prefetch), reshards after forward
+  (ZeRO-3 / FULL_SHARD; ZeRO-2 / SHARD_GRAD_OP keeps parameters until backward); backward unshards
+  one unit ahead, and each unit's post-backward frees the previous reduce-scatter input, allocates
+  its own and a persistent gradient shard. Mixed precision is ``MixedPrecisionPolicy(param_dtype=16
+  bit, reduce_dtype=fp32)`` without autocast. Verified against one-process fake-process-group runs.
+* **DDP** (torch DistributedDataParallel): gradient buckets of ``bucket_cap_mb`` = 25 MiB; without
+  ``gradient_as_bucket_view`` the buckets are a second copy of every gradient (torch/nn/parallel/
+  distributed.py, reducer.cpp).
+* **DeepSpeed ZeRO** 1-3 with its 16-bit optimizer: 16-bit parameters and gradients, fp32 master
+  weights and Adam moments (K = 12 bytes per parameter, Rajbhandari et al. 2020, Table 1), sharded by
+  stage; reduce bucket (``reduce_bucket_size``), all-gather bucket (``allgather_bucket_size``) and
+  ZeRO-3 live parameters (``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters``) with the
+  defaults of deepspeed/runtime/zero/config.py.
+* **Megatron-LM**: a 16-bit model, a persistent fp32 gradient buffer and, with its distributed
+  optimizer (``zero=1``), fp32 main parameters and moments split over data-parallel ranks.
+
+Tensor parallelism splits heads, kv heads, the MLP and the vocabulary (Megatron's column/row split);
+sequence parallelism also splits the norm/residual regions' activations; context parallelism splits
+the sequence; pipeline stages hold their layers and ``in_flight`` micro-batches of activations (1F1B:
+pp - stage on stage ``stage``, Narayanan et al. 2021). These are modelled (no GPU here to measure).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from .breakdown import DETAIL_KEYS
+from .device import Calibration
+from .optimizers import optimizer_program, state_bytes
+from .parallelism import Engine, Offload, ParallelSpec, PipelineSchedule
+from .params import ParamTensor, on_stage, trainable_tensors, weight_tensors
+from .simulate import EngineHooks, Segment, _round, _segment, compile_step, evaluate, program_key, reserved_and_total
+from .specs import Device, ModelSpec, Precision, TrainingSpec
+from .tape import Graph, Sz, T, const
+
+__all__ = ["RankMemory", "simulate_parallel"]
+
+_CAT = {k: i for i, k in enumerate(DETAIL_KEYS)}
+
+#: DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)).
+DDP_BUCKET_BYTES = 25 << 20
+#: DeepSpeed ZeRO defaults (deepspeed/runtime/zero/config.py): elements, not bytes.
+DS_REDUCE_BUCKET = 500_000_000
+DS_ALLGATHER_BUCKET = 500_000_000
+DS_STAGE3_PREFETCH = 50_000_000
+DS_STAGE3_MAX_LIVE = 1_000_000_000
+DS_STAGE3_PERSISTENCE = 100_000  # parameters smaller than this stay unsharded on every rank
+
+
+class RankMemory(NamedTuple):
+    """One distinct rank of a layout (e.g. a pipeline stage) and its memory."""
+
+    ranks: str  # which ranks this row stands for, e.g. "stage 0 (ranks 0-7)"
+    stage: int
+    n_layers: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    peak_phase: str
+    peak_at: str
+    breakdown_bytes: dict[str, int]
+    detail_bytes: dict[str, int]
+    host_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return self._asdict()
+
+
+def _padded_shard(p: ParamTensor, world: int) -> int:
+    """FSDP2's per-rank shard of one parameter: dim 0 chunked into `world` pieces, padded to the largest
+    (rank 0's; a later rank's unpadded shard can be smaller: rank 0 is the worst)."""
+    return _row_shard(p, world).numel
+
+
+def _row_shard(p: ParamTensor, world: int) -> ParamTensor:
+    """Rank 0's part of a parameter split along dim 0 into `world` chunks (torch.chunk's rule)."""
+    return p._replace(shape=(-(-p.shape[0] // world), *p.shape[1:]))
+
+
+def _units(weights: Sequence[tuple[ParamTensor, int, bool]]) -> dict[str, list[tuple[ParamTensor, int, bool]]]:
+    """Parameters of the root unit (outside the layers) and of one layer unit."""
+    return {"root": [w for w in weights if not w[0].in_layer], "layer": [w for w in weights if w[0].in_layer]}
+
+
+class _Param(NamedTuple):
+    shard: int  # elements of the rank's (padded) shard
+    trainable: bool
+    dt: int  # bytes per element of the sharded parameter
+
+
+@dataclass(frozen=True)
+class FSDP2Hooks(EngineHooks):
+    """torch FSDP2 (``fully_shard``) on every transformer layer and the root module."""
+
+    world: int
+    reshard_after_forward: bool
+    param_dt: int | None  # MixedPrecisionPolicy.param_dtype bytes (None: parameters keep their dtype)
+    reduce_dt: int | None  # MixedPrecisionPolicy.reduce_dtype bytes (None: the gradient's dtype)
+    units: tuple[tuple[str, tuple[_Param, ...]], ...]  # "root" and "layer" -> their parameters
+    accumulate: bool = False  # gradient accumulation: sharded gradients exist and new ones are added
+    gloo: bool = False  # the CPU backend: its reduce-scatter works on a full copy of the input
+    autocast: bool = False
+    local_grads_accumulate: bool = False
+    first_stage: bool = True
+    last_stage: bool = True
+    state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def _unit(self, unit: str) -> tuple[_Param, ...]:
+        return dict(self.units)["root" if unit == "root" else "layer"]
+
+    def _st(self, g: Graph) -> dict[str, Any]:
+        return self.state.setdefault(id(g), {"ups": {}})
+
+    def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
+        return self.param_dt or dt
+
+    def _gathered_bytes(self, q: _Param) -> int:
+        return self.world * q.shard * (self.param_dt or q.dt)
+
+    def _all_gather_output(self, g: Graph, unit: str, label: str) -> T:
+        # one flat buffer per unit (uint8 when the unit's dtypes differ): every rank's shards
+        ag = g.alloc(const(sum(self._gathered_bytes(q) for q in self._unit(unit))), 1, label)
+        ag.region, ag.chain = "communication", True
+        return ag
+
+    def _copy_out(self, g: Graph, unit: str) -> None:
+        ups = []
+        for q in self._unit(unit):  # each parameter's unsharded storage (alloc_storage)
+            t = g.alloc(const(self._gathered_bytes(q)), 1, f"unsharded {unit}")
+            t.region = "gathered"
+            ups.append(t)
+        self._st(g)["ups"][unit] = ups
+
+    def _gather(self, g: Graph, unit: str, linger: bool) -> None:
+        st = self._st(g)
+        ag = self._all_gather_output(g, unit, f"all-gather {unit}")
+        self._copy_out(g, unit)
+        if linger:  # forward: the previous all-gather output is freed after this copy-out
+            if st.get("ag") is not None:
+                g.drop(st["ag"])
+            st["ag"] = ag
+        else:
+            g.drop(ag)
+
+    def _reshard(self, g: Graph, unit: str) -> None:
+        g.drop(*self._st(g)["ups"].pop(unit, []))
+
+    def unit_forward_begin(self, g: Graph, unit: str) -> None:
+        self._gather(g, unit, linger=True)
+
+    def unit_forward_end(self, g: Graph, unit: str) -> None:
+        st = self._st(g)
+        if unit == "root":
+            if self.reshard_after_forward:
+                self._reshard(g, "root")
+            if st.get("ag") is not None:
+                g.drop(st.pop("ag"))
+        elif self.reshard_after_forward:
+            self._reshard(g, unit)
+
+    def unit_backward_begin(self, g: Graph, unit: str) -> None:
+        st = self._st(g)
+        if self.reshard_after_forward:
+            pre = st.pop("prefetched", None)
+            if pre is not None:  # copy-out from the prefetched all-gather, then free it
+                self._copy_out(g, unit)
+                g.drop(pre)
+            elif unit not in st["ups"]:
+                self._gather(g, unit, linger=False)
+        # backward prefetch: the next unit in backward order is all-gathered now (the root is
+        # already unsharded; the first layer has nothing after it)
+        if self.reshard_after_forward and unit != "L0":
+            st["prefetched"] = self._all_gather_output(g, "layer", "all-gather prefetch")
+
+    def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
+        st = self._st(g)
+        self._reshard(g, unit)
+        if st.get("rs") is not None:  # reduce_scatter_max_input_buffers = 1: the previous input goes
+            g.drop(st.pop("rs"))
+        trained = [q for q in self._unit(unit) if q.trainable]
+        if not trained:
+            return
+        # foreach_reduce copies the unsharded gradients into one reduce-scatter input and frees them
+        rs_in = g.alloc(const(sum(self.world * q.shard * (self.reduce_dt or q.dt) for q in trained)), 1,
+                        f"reduce-scatter input {unit}")
+        rs_in.region, rs_in.chain = "communication", True
+        for grad in grads:
+            grad.is_grad = False
+        g.drop(*grads)
+        rs_out = g.alloc(const(self._grad_shard_bytes(unit)), 1, f"sharded gradients {unit}")
+        if self.gloo:
+            # ProcessGroupGloo's reduce_scatter_tensor reduces a copy of the whole input and keeps its
+            # own chunk (measured: a transient the size of the input, freed before the next unit)
+            copy = g.alloc(rs_in.bytes, 1, "gloo reduce-scatter copy")
+            copy.region = "communication"
+            g.drop(copy)
+        if self.accumulate:  # foreach_reduce adds the reduce-scatter output to .grad and drops it
+            g.drop(rs_out)
+        else:
+            rs_out.is_grad = True
+        if unit == "root":
+            g.drop(rs_in)  # finalize_backward waits for and frees the last reduce-scatter
+        else:
+            st["rs"] = rs_in
+
+    def _grad_shard_bytes(self, unit: str) -> int:
+        """One flat reduce-scatter output per unit holds its sharded gradients (in the reduce dtype)."""
+        return sum(q.shard * (self.reduce_dt or q.dt) for q in self._unit(unit) if q.trainable)
+
+    def _grads(self, m: ModelSpec) -> list[tuple[int, int]]:
+        return [(n, c) for n, c in ((self._grad_shard_bytes("root"), 1), (self._grad_shard_bytes("layer"), m.n_layers))
+                if n]
+
+    def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
+        out: list[tuple[str, Sz, int]] = []
+        for p, dt, _trainable in weights:
+            out.append(("weights/params", const(_padded_shard(p, self.world) * dt), p.count))
+        if self.accumulate:
+            out += [("gradients", const(n), c) for n, c in self._grads(m)]
+        if not t.first_step:
+            out += _sharded_states(self, m, t, self.world)
+        return out
+
+    def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
+        def shard(p: ParamTensor) -> ParamTensor | None:
+            return _row_shard(p, self.world) if _held(self, p, m) else None
+
+        return optimizer_program(m, t, shard, self._grads(m))
+
+
+def _held(hooks: EngineHooks, p: ParamTensor, m: ModelSpec) -> bool:
+    return on_stage(p, m, hooks.first_stage, hooks.last_stage)
+
+
+def _trainable(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int]]:
+    """The trainable tensors this rank's pipeline stage holds."""
+    return [(p, dt) for p, dt in trainable_tensors(m, t) if _held(hooks, p, m)]
+
+
+def _sharded_states(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, world: int) -> list[tuple[str, Sz, int]]:
+    """Optimizer state of the rank's share of the parameters (ZeRO-1: states split `world` ways)."""
+    if t.first_step:
+        return []
+    return [("optimizer_states", sz, c)
+            for sz, c in state_bytes(m, t, lambda p: _row_shard(p, world) if _held(hooks, p, m) else None)]
+
+
+@dataclass(frozen=True)
+class DDPHooks(EngineHooks):
+    """torch DistributedDataParallel: gradient buckets beside the gradients, optional ZeRO-1."""
+
+    world: int
+    zero: int
+    bucket_view: bool = False
+    first_stage: bool = True
+    last_stage: bool = True
+    state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
+        out: list[tuple[str, Sz, int]] = []
+        grad_bytes = 0
+        for p, dt, trainable in weights:
+            out.append(("weights/params", const(p.numel * dt), p.count))
+            if trainable:
+                grad_bytes += _round(p.numel * dt) * p.count
+        if not self.bucket_view:
+            # the reducer's flat buckets persist between steps: a second copy of every gradient
+            out.append(("overhead/communication", const(grad_bytes), 1))
+        world = self.world if self.zero >= 1 else 1
+        return out + _sharded_states(self, m, t, world)
+
+
+@dataclass(frozen=True)
+class DeepSpeedHooks(EngineHooks):
+    """DeepSpeed ZeRO stages 0-3 with its 16-bit optimizer (fp32 master + moments: 12 B/param)."""
+
+    world: int
+    zero: int
+    model_dt: int  # 2 with a bf16/fp16 recipe, 4 for fp32
+    offload: str
+    layer_params: int  # parameters of one layer (ZeRO-3 gathers per layer)
+    autocast: bool = False
+    first_stage: bool = True
+    last_stage: bool = True
+    state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
+        return self.model_dt
+
+    def unit_forward_begin(self, g: Graph, unit: str) -> None:
+        if self.zero >= 3 and unit != "root":
+            st = self.state.setdefault(id(g), {})
+            live = g.alloc(const(min(self.layer_params * 2, DS_STAGE3_MAX_LIVE)), self.model_dt, "ZeRO-3 gathered params")
+            live.region = "gathered"
+            st[unit] = live
+
+    def unit_forward_end(self, g: Graph, unit: str) -> None:
+        st = self.state.setdefault(id(g), {})
+        if unit in st:
+            g.drop(st.pop(unit))
+
+    unit_backward_begin = unit_forward_begin
+
+    def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
+        self.unit_forward_end(g, unit)
+        if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill
+            for grad in grads:
+                grad.is_grad = False
+            g.drop(*grads)
+
+    def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
+        out: list[tuple[str, Sz, int]] = []
+        world = self.world
+        shard_p = world if self.zero >= 3 else 1
+        for p, _dt, _train in weights:
+            n = -(-p.numel // shard_p) if p.numel >= DS_STAGE3_PERSISTENCE or shard_p == 1 else p.numel
+            out.append(("weights/params", const(n * self.model_dt), p.count))
+        if self.offload == "none" and not t.first_step:
+            shard_s = world if self.zero >= 1 else 1
+            n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
+            per = 12 if self.model_dt == 2 else 8  # fp32 master copy only with a 16-bit model
+            out.append(("optimizer_states", const(-(-n_train // shard_s) * per), 1))
+        # reduce bucket and, for ZeRO-1/2, the all-gather bucket for the updated parameters
+        out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
+        if self.zero >= 2:
+            n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
+            out.append(("gradients", const(-(-n_train // world) * self.model_dt), 1))
+        return out
+
+    def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
+        n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
+        shard = -(-n_train // (self.world if self.zero >= 1 else 1))
+        temp = _CAT["transient/optimizer"]
+        events: list[tuple[int, int, Sz, str]] = []
+        if self.offload == "none":
+            # the fp32 gradient partition the update reads, then the all-gather of updated parameters
+            events += [(temp, 1, const(shard * 4), "fp32 gradient partition"), (temp, -1, const(shard * 4), "freed")]
+        if self.zero in (1, 2):
+            ag = min(DS_ALLGATHER_BUCKET, n_train) * self.model_dt
+            events += [(temp, 1, const(ag), "all-gather bucket"), (temp, -1, const(ag), "freed")]
+        segs = [_segment("optimizer", "optimizer step", 1, tuple(events))]
+        if self.zero < 2:
+            grads = sum(_round(p.numel * self.model_dt) * p.count for p, _dt in _trainable(self, m, t))
+            segs.append(_segment("zero", "zero_grad", 1, ((_CAT["gradients"], -1, const(grads), "zero_grad"),)))
+        return segs
+
+
+@dataclass(frozen=True)
+class MegatronHooks(EngineHooks):
+    """Megatron-LM (megatron/core/distributed, optimizer/distrib_optimizer.py): a 16-bit model (no
+    autocast), a persistent fp32 ``main_grad`` buffer the layers' gradients are added into, and fp32
+    main parameters with Adam moments (12 B per parameter), split over data-parallel ranks by the
+    distributed optimizer (``zero=1``)."""
+
+    world: int  # ranks the distributed optimizer shards over (1 without it)
+    model_dt: int
+    autocast: bool = False
+    local_grads_accumulate: bool = False
+    first_stage: bool = True
+    last_stage: bool = True
+
+    def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
+        return self.model_dt
+
+    def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
+        for grad in grads:  # the backward hook adds param.grad into main_grad and frees it
+            grad.is_grad = False
+        g.drop(*grads)
+
+    def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
+        out: list[tuple[str, Sz, int]] = [("weights/params", const(p.numel * self.model_dt), p.count)
+                                          for p, _dt, _train in weights]
+        n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
+        out.append(("gradients", const(4 * n_train), 1))  # the contiguous fp32 grad buffer
+        if not t.first_step:
+            out.append(("optimizer_states", const(12 * -(-n_train // self.world)), 1))
+        return out
+
+    def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
+        return []  # fused Adam on the shard; the grad buffer is zeroed in place, not freed
+
+
+def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
+    """The model as one tensor-parallel rank sees it: heads, kv heads, MLP, experts and vocabulary split."""
+    if p.tp == 1 and p.ep == 1:
+        return m
+    data = m.model_dump()
+    tp = p.tp
+    data.update(n_heads=m.n_heads // tp, n_kv_heads=max(1, m.n_kv_heads // tp), head_dim=m.head_dim,
+                ffn=max(1, m.ffn // tp), vocab=-(-m.vocab // tp), name=f"{m.name} (tp rank)")
+    if m.is_moe and p.ep > 1:
+        data["n_experts"] = m.n_experts // p.ep
+        data["experts_top_k"] = min(m.experts_top_k, data["n_experts"])
+    return ModelSpec.model_validate(data)
+
+
+def _stages(m: ModelSpec, p: ParallelSpec) -> list[tuple[int, int]]:
+    """(stage, layers) for each pipeline stage: layers split as evenly as possible, extra to the first."""
+    base, extra = divmod(m.n_layers, p.pp)
+    return [(s, base + (1 if s < extra else 0)) for s in range(p.pp)]
+
+
+def _in_flight(p: ParallelSpec, stage: int, grad_accum: int) -> int:
+    """Micro-batches of activations a stage keeps during the steady state of its schedule."""
+    if p.pp == 1:
+        return 1
+    if p.pp_schedule is PipelineSchedule.GPIPE:
+        return max(1, grad_accum)
+    n = p.pp - stage
+    if p.pp_schedule is PipelineSchedule.INTERLEAVED:
+        # Narayanan et al. 2021, sec. 2.2: the first stage holds (1 + (p-1)/(p*v)) times more
+        n = round(n * (1 + (p.pp - 1) / (p.pp * p.virtual_stages)))
+    return max(1, min(n, grad_accum) if grad_accum > 1 else n)
+
+
+def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None = None,
+           first: bool = True, last: bool = True) -> EngineHooks:
+    """The engine of layout `p` on a rank of the `first` and/or `last` pipeline stage; `backend` is the
+    collectives library (default: gloo on CPU, NCCL on CUDA)."""
+    weights = [w for w in weight_tensors(m, t) if on_stage(w[0], m, first, last)]
+    stage = {"first_stage": first, "last_stage": last}
+    if p.engine is Engine.FSDP and p.zero >= 2:
+        world = p.shard_degree
+        mixed = t.mixed
+        units = tuple((name, tuple(_Param(_padded_shard(w[0], world), w[2], w[1]) for w in ws))
+                      for name, ws in _units(weights).items())
+        # the recipe of torchtitan and accelerate: MixedPrecisionPolicy(param_dtype=16-bit,
+        # reduce_dtype=fp32) for mixed precision, parameters' own dtypes otherwise
+        return FSDP2Hooks(world=world, reshard_after_forward=p.zero >= 3, param_dt=2 if mixed else None,
+                          reduce_dt=4 if mixed else None, units=units, accumulate=t.grad_accum > 1,
+                          gloo=(backend or ("gloo" if t.device is Device.CPU else "nccl")) == "gloo", **stage)
+    if p.engine is Engine.DEEPSPEED:
+        layer_params = sum(w[0].numel for w in weights if w[0].in_layer)
+        return DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero,
+                              model_dt=2 if t.precision is not Precision.FP32 else 4,
+                              offload=p.offload.value, layer_params=layer_params, **stage)
+    if p.engine is Engine.MEGATRON:
+        return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, **stage)
+    zero = p.zero if p.engine is Engine.DDP else 0
+    return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, **stage)
+
+
+def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
+                      backend: str | None = None) -> Any:
+    """Every distinct rank's memory for layout `p`; the headline is the worst rank. `backend` overrides
+    the collectives library ("nccl" models a GPU job's, as the fake process group measures it)."""
+    from .estimate import MemoryEstimate
+
+    rank_model = _tp_model(m, p)
+    seq = -(-t.seq_len // p.cp)
+    rows: list[RankMemory] = []
+    worst = None
+    for stage, n_layers in _stages(rank_model, p) if p.pp > 1 else [(0, rank_model.n_layers)]:
+        stage_model = rank_model if n_layers == rank_model.n_layers else ModelSpec.model_validate(
+            {**rank_model.model_dump(), "n_layers": n_layers})
+        hooks = _hooks(stage_model, t, p, backend, first=stage == 0, last=stage == p.pp - 1)
+        prog = compile_step(stage_model, program_key(t), hooks)
+        ev = evaluate(prog, t.micro_batch, seq)
+        detail = dict(ev.detail)
+        extra = _in_flight(p, stage, t.grad_accum) - 1
+        if extra > 0:  # other micro-batches' saved activations held by this pipeline stage
+            from .simulate import activations_at_forward_end
+
+            held = activations_at_forward_end(prog, t.micro_batch, seq) * extra
+            detail["activations/layers"] = detail.get("activations/layers", 0) + held
+        host = 0
+        if p.offload is not Offload.NONE:
+            host += detail.pop("optimizer_states", 0)
+            if p.engine is Engine.DEEPSPEED:  # ZeRO-Offload: fp32 master weights and Adam moments in host RAM
+                n_train = sum(q.numel * q.count for q, _ in _trainable(hooks, stage_model, t))
+                host += 12 * -(-n_train // p.shard_degree)
+            if p.offload is Offload.OPTIMIZER_PARAMS:
+                host += detail.pop("weights/params", 0)
+        peak = sum(detail.values())
+        tops: dict[str, int] = {}
+        for k, v in detail.items():
+            tops[k.split("/")[0]] = tops.get(k.split("/")[0], 0) + v
+        reserved, total = reserved_and_total(t, peak, tops.get("activations", 0) + tops.get("transient", 0), calibration)
+        per_stage = p.gpus // p.pp
+        first, last = stage * per_stage, (stage + 1) * per_stage - 1
+        label = f"stage {stage} (ranks {first}-{last})" if p.pp > 1 else f"every rank (0-{p.gpus - 1})"
+        row = RankMemory(label, stage, n_layers, peak, reserved, total, ev.peak_phase, ev.peak_at,
+                         {k: tops.get(k, 0) for k in ("weights", "gradients", "optimizer_states", "activations",
+                                                      "transient", "overhead")}, detail, host)
+        rows.append(row)
+        if worst is None or row.device_total_bytes > worst[0].device_total_bytes:
+            worst = (row, prog)
+    assert worst is not None
+    row, prog = worst
+    overhead = {}
+    if t.device is Device.CUDA:
+        overhead = {"allocator_cache": row.peak_reserved_bytes - row.peak_allocated_bytes,
+                    "cuda_context": row.device_total_bytes - row.peak_reserved_bytes}
+    n_params = sum(q.numel * q.count for q, _, _ in weight_tensors(m, t))
+    n_train = sum(q.numel * q.count for q, _ in trainable_tensors(m, t))
+    return MemoryEstimate(
+        model=m, training=t, n_params=n_params, n_trainable_params=n_train,
+        peak_allocated_bytes=row.peak_allocated_bytes, peak_reserved_bytes=row.peak_reserved_bytes,
+        device_total_bytes=row.device_total_bytes, peak_phase=row.peak_phase, peak_at=row.peak_at,
+        detail_bytes=row.detail_bytes, phase_peaks_bytes={}, overhead_bytes=overhead, calibration=calibration,
+        program=prog, parallel=p, per_rank=tuple(rows), host_bytes=max(r.host_bytes for r in rows),
+    )

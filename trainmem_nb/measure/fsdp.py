@@ -1,0 +1,285 @@
+"""Measure one rank of an FSDP2 (``fully_shard``) training step, in a single process.
+
+PyTorch's fake process group (``torch.testing._internal.distributed.fake_pg``) lets this process play
+rank ``rank`` of a ``world_size``-GPU job: collectives return tensors of the right shapes without
+communicating. With fake tensors on top, any model size is measured on a laptop. FSDP2 frees and
+re-allocates unsharded parameters by resizing their storage (``_fsdp_param.alloc_storage`` /
+``free_storage``), which no dispatch mode sees; `ResizeAwareTracker` is told about them.
+
+The recipe is torchtitan's: every transformer layer and the root are ``fully_shard``-ed; ZeRO-3 =
+``reshard_after_forward=True`` (FULL_SHARD), ZeRO-2 = ``False`` (SHARD_GRAD_OP); mixed precision is
+``MixedPrecisionPolicy(param_dtype=bf16|fp16, reduce_dtype=fp32)`` without autocast (sharded params,
+gradients and optimizer states stay fp32; the gathered parameters and activations are 16-bit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..parallelism import ParallelSpec
+from ..specs import ModelSpec, Precision, TrainingSpec
+from .step import _categorize, _module_context, build, layer_module_names, make_optimizer
+from .tracker import StorageTracker
+
+__all__ = ["ResizeAwareTracker", "measure_fsdp_gloo", "run_fsdp_step"]
+
+
+class ResizeAwareTracker(StorageTracker):
+    """A `StorageTracker` that also follows storages resized in place (FSDP's unshard/reshard)."""
+
+    def __init__(self, layer_names: dict[str, int] | None = None) -> None:
+        super().__init__(layer_names)
+        self._current: dict[int, int] = {}  # id(storage) -> the record currently holding its bytes
+        self.context_category = ""  # set while FSDP's collectives allocate their buffers
+
+    def _see(self, t: torch.Tensor, op: str, force_category: str = "", source_param: bool = False) -> int | None:
+        # a dispatch mode sees DTensor-level ops (global shapes); the memory is the local shard's
+        t = getattr(t, "_local_tensor", t)
+        key = id(t.untyped_storage())
+        if key in self._current and self._current[key] is None:
+            return None  # resized to 0 and not yet re-allocated: nothing to count
+        idx = super()._see(t, op, force_category or self.context_category, source_param)
+        if idx is not None:
+            self._current[key] = idx
+        return idx
+
+    def _make_death(self, key: int, idx: int) -> Any:
+        def _died(_ref: Any) -> None:
+            if self.closed or self._current.get(key) != idx:
+                return
+            self._current.pop(key, None)
+            self._live.pop(key, None)
+            self.records[idx].died = len(self.events)
+            self.events.append((idx, -1))
+
+        return _died
+
+    def resized(self, t: torch.Tensor, nbytes: int) -> None:
+        """A storage was resized to `nbytes`: free its current record, start a new one if non-empty."""
+        storage = t.untyped_storage()
+        key = id(storage)
+        old = self._current.get(key)
+        if old is not None:
+            self.records[old].died = len(self.events)
+            self.events.append((old, -1))
+            self._live.pop(key, None)
+        self._current[key] = None  # type: ignore[assignment]
+        if nbytes:
+            self._current.pop(key, None)
+            from .tracker import Record
+
+            module = self.module_stack[-1] if self.module_stack else ""
+            rec = Record(nbytes=nbytes, phase=self.phase, op="fsdp.alloc_storage", module=module,
+                         dtype=str(t.dtype).replace("torch.", ""), shape=tuple(t.shape), born=len(self.events),
+                         category="weights/gathered", in_layer=False)
+            idx = len(self.records)
+            self.records.append(rec)
+            self.events.append((idx, 1))
+            self._live[key] = idx
+            self._current[key] = idx
+            import weakref
+
+            self._refs[idx] = weakref.ref(storage, self._make_death(key, idx))
+
+
+@contextlib.contextmanager
+def _follow_resizes(tracker: ResizeAwareTracker) -> Iterator[None]:
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
+
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+    originals = {
+        (_fsdp_param_group, "foreach_all_gather"): "overhead/communication",
+        (_fsdp_param_group, "foreach_all_gather_copy_out"): "weights/gathered",
+        (_fsdp_param_group, "foreach_reduce"): "overhead/communication",
+    }
+    saved = {key: getattr(*key) for key in originals}
+
+    def tagging(fn: Any, category: str) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            tracker.context_category, before = category, tracker.context_category
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                tracker.context_category = before
+
+        return wrapper
+
+    for (module, name), category in originals.items():
+        setattr(module, name, tagging(saved[(module, name)], category))
+    _ = _fsdp_collectives
+
+    def tracked_alloc(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().size()
+        alloc(tensor)
+        after = tensor.untyped_storage().size()
+        if after != before:
+            tracker.resized(tensor, after)
+
+    def tracked_free(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().size()
+        free(tensor)
+        if before:
+            tracker.resized(tensor, 0)
+
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = tracked_alloc, tracked_free  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free  # type: ignore[assignment]
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
+
+
+def _shard(model: nn.Module, p: ParallelSpec, t: TrainingSpec, mesh: Any) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy()
+    if t.mixed:
+        dtype = torch.bfloat16 if t.precision is Precision.BF16_MIXED else torch.float16
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    reshard = p.zero >= 3
+    layers = next(mod for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod))
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+
+
+def run_fsdp_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0, device: str = "fake",
+                  init_method: str | None = None) -> Any:
+    """Build, shard, prime and measure one FSDP2 step on rank `rank` of ``p.dp`` data-parallel ranks.
+
+    Without `init_method` this process plays the rank over PyTorch's fake process group; with one
+    (``tcp://127.0.0.1:port``) it is one of ``p.dp`` real processes talking gloo (`measure_fsdp_gloo`)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .step import StepTrace
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if init_method is None:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.dp)
+    else:
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=p.dp)
+    timing: dict[str, float] = {}
+    t0 = time.perf_counter()
+    try:
+        mesh = init_device_mesh("cpu", (p.dp,))  # outside fake mode: the mesh holds real tensors
+        fake_ctx: Any = contextlib.nullcontext()
+        fixes: Any = contextlib.nullcontext()
+        if device == "fake":
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            from .fakefix import fake_mode_fixes
+
+            fake_ctx, fixes = FakeTensorMode(allow_non_fake_inputs=True), fake_mode_fixes()
+        # the model is built in fp32 and FSDP's policy casts for compute (no autocast)
+        build_t = TrainingSpec.model_validate({**t.model_dump(), "precision": "fp32"}) if t.mixed else t
+        with fake_ctx, fixes:
+            model, inputs = build(m, build_t, "fake" if device == "fake" else "cpu")
+            _shard(model, p, t, mesh)
+            trainable = [q for q in model.parameters() if q.requires_grad]
+            opt = make_optimizer(t, trainable)
+            # warm up with one untracked micro-step: FSDP's lazy init runs and, unless this is the
+            # first step, the optimizer creates its (sharded) state with a zero learning rate
+            model(**inputs).loss.backward()
+            if opt is not None and not t.first_step:
+                lrs = [g["lr"] for g in opt.param_groups]
+                for g in opt.param_groups:
+                    g["lr"] = 0.0
+                opt.step()
+                for g, lr in zip(opt.param_groups, lrs, strict=True):
+                    g["lr"] = lr
+            for q in trainable:
+                q.grad = None
+            # gradient accumulation: the measured micro-step is the last one, the sharded gradients of
+            # the earlier ones are alive and the new ones are added to them
+            for _ in range(t.grad_accum - 1):
+                model(**inputs).loss.backward()
+            timing["build_s"] = time.perf_counter() - t0
+            tracker = ResizeAwareTracker(layer_module_names(model))
+            local = [getattr(q, "_local_tensor", q) for q in model.parameters()]
+            tracker.adopt(local, "weights/params", param=True)
+            tracker.adopt(list(model.buffers()), "weights/buffers")
+            if opt is not None:
+                states = [getattr(v, "_local_tensor", v) for s in opt.state.values() for v in s.values()
+                          if isinstance(v, torch.Tensor)]
+                tracker.adopt(states, "optimizer_states")
+            if t.grad_accum > 1:
+                tracker.adopt([getattr(q.grad, "_local_tensor", q.grad) for q in trainable if q.grad is not None],
+                              "gradients")
+            tracker.adopt(list(inputs.values()), "activations/inputs")
+            t1 = time.perf_counter()
+            with tracker, _module_context(model, tracker), _follow_resizes(tracker):
+                tracker.mark("forward")
+                loss = model(**inputs).loss
+                tracker.mark("backward")
+                loss.backward()
+                grads = {tracker.index_of(getattr(q.grad, "_local_tensor", q.grad)) for q in trainable
+                         if q.grad is not None}
+                tracker.mark("optimizer")
+                if opt is not None:
+                    opt.step()
+                tracker.mark("zero")
+                if opt is not None:
+                    opt.zero_grad(set_to_none=True)
+                else:
+                    for q in trainable:
+                        q.grad = None
+                del loss
+            tracker.close()
+            timing["step_s"] = time.perf_counter() - t1
+        for idx in grads:  # the reduce-scatter output is the sharded gradient
+            if idx is not None:
+                tracker.records[idx].category = ""
+        _categorize(tracker, grads)
+        n_params = sum(q.numel() for q in model.parameters())
+        n_trainable = sum(q.numel() for q in trainable)
+        return StepTrace(tracker, m, t, device, n_params, n_trainable, timing)
+    finally:
+        dist.destroy_process_group()
+
+
+def _gloo_rank(rank: int, m: ModelSpec, t: TrainingSpec, p: ParallelSpec, init_method: str, out: Any) -> None:
+    from .step import summarize
+
+    torch.manual_seed(0)
+    s = summarize(run_fsdp_step(m, t, p, rank=rank, device="cpu", init_method=init_method), timeline_points=0)
+    out.put((rank, {k: s[k] for k in ("peak", "peak_phase", "detail")}))
+
+
+def measure_fsdp_gloo(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, timeout_s: float = 600) -> list[dict[str, Any]]:
+    """Run one real FSDP2 step in ``p.dp`` CPU processes talking gloo on 127.0.0.1; every rank's summary.
+
+    The same step as `run_fsdp_step` with real tensors and real collectives: it checks that the
+    one-process fake-process-group measurement is what each rank of a real job holds."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:  # a free port on the loopback interface only
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_gloo_rank, args=(r, m, t, p, f"tcp://127.0.0.1:{port}", out)) for r in range(p.dp)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, dict[str, Any]] = {}
+    try:
+        for _ in procs:
+            rank, summary = out.get(timeout=timeout_s)
+            results[rank] = summary
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in sorted(results)]
