@@ -1,0 +1,359 @@
+"""The estimator against published, measured GPU memory figures (issue 4).
+
+Where this machine cannot measure (bitsandbytes CUDA kernels, NCCL, multi-GPU FSDP on CUDA), we check the
+estimate against peak-memory numbers that libraries and authors measured on real GPUs and published with
+enough of the run's configuration to reproduce it. Each case below names its source (repository + path +
+the commit we read, or URL), quotes the published row, says what kind of figure it is, and carries a
+tolerance with a one-line reason:
+
+- ``allocated``: ``torch.cuda.max_memory_allocated`` -> ``MemoryEstimate.peak_allocated_bytes``
+- ``reserved``: ``torch.cuda.max_memory_reserved`` (or ``memory_stats()["reserved_bytes.all.peak"]``)
+  -> ``MemoryEstimate.peak_reserved_bytes``
+- ``nvidia-smi``: whole-process device memory (NVML ``used``) -> ``MemoryEstimate.device_total_bytes``,
+  or ``peak_reserved_bytes`` plus the CUDA context the source itself measured on the same machine.
+
+Tolerance rule, fixed before comparing: 10 % for allocated figures whose configuration we read from the
+source's own config files; 15 % for reserved and nvidia-smi figures (allocator caching, fragmentation and
+the CUDA context are not part of the configuration). Cases the estimator misses by more than that are
+``xfail(strict=True)`` with the likely cause, never a looser tolerance; `validation/published.md` has the
+table. Nothing here downloads anything, and no torch is imported: the estimator is pure Python.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trainmem_nb as tm
+from trainmem_nb.specs import TrainingSpec
+
+GB = 10**9
+GiB = 2**30
+MiB = 2**20
+
+ALLOCATED, RESERVED, SMI = "allocated", "reserved", "nvidia-smi"
+TOL_ALLOCATED = 0.10  # allocated figure, configuration read from the source's config files
+TOL_RESERVED = 0.15  # reserved / nvidia-smi: caching allocator, fragmentation and context are not configured
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published, measured peak and how to reproduce it with `tm.estimate`."""
+
+    id: str
+    source: str  # repository + path (+ commit read) or URL
+    quote: str  # the published row or sentence, verbatim enough to find it again
+    kind: str  # ALLOCATED | RESERVED | SMI
+    value_bytes: float
+    config: dict[str, Any] = field(hash=False)
+    tolerance: float
+    why_tolerance: str
+    context_bytes: float | None = None  # SMI: the CUDA context the source measured, used instead of ours
+    xfail: str | None = None
+
+
+def _training_opts(**kw: Any) -> dict[str, Any]:
+    """`qlora_double_quant` only where the estimator has that option (it changes a QLoRA estimate by
+    ~1 %: NF4 scales as fp32 vs uint8 + nested fp32)."""
+    if "qlora_double_quant" in kw and "qlora_double_quant" not in TrainingSpec.model_fields:
+        kw.pop("qlora_double_quant")
+    return kw
+
+
+# ---------------------------------------------------------------------------------------------------------
+# torchtitan (pytorch/torchtitan docs/performance.md at eaea6f6a2fa940f03a10906be1df3489cf30af85; runs at
+# torchtitan 9dec370, torch 1963fc8, Dec 2024; 8x or 128x H100 96 GB HBM2e). Memory is what train.py logs:
+# "memory: {device_mem_stats.max_reserved_gib:5.2f}GiB" = memory_stats()["reserved_bytes.all.peak"]
+# (torchtitan/metrics.py), i.e. reserved, in GiB. Recipe: torchtitan/models/llama/train_configs/llama3_8b.toml
+# (seq_len 8192, AdamW, mode 'selective', selective_ac_option 'op'), FSDP2 full shard with
+# param_dtype bf16 / reduce_dtype fp32, sdpa (flash) attention, loss cross_entropy(logits.float()).
+# Op-level SAC in torchtitan saves mm outputs "except every second mm" plus SDPA outputs; our
+# checkpointing="selective" keeps every matmul output (torch SAC with all mm MUST_SAVE).
+_TITAN_SAC = (
+    "torchtitan's op-level selective AC saves only every other mm output in a block (wq, wv, w1, w2 kept; "
+    "wk, wo, w3 recomputed) while checkpointing='selective' here keeps every matmul output: we over-count "
+    "(1024+4096+14336)*2 B per token per layer = ~19 GiB at 2x8192 tokens x 32 layers; without it the "
+    "estimate would be ~76 GiB (8 GPUs) / ~65.5 GiB (128 GPUs)"
+)
+TITAN = [
+    Published(
+        id="torchtitan-llama3.1-8b-fsdp8-sac",
+        source="pytorch/torchtitan docs/performance.md @eaea6f6 (Table 1)",
+        quote="Table 1 1D Parallelism (FSDP). Llama 3.1 8B model. 8 GPUs. Local batch size 2, global batch size 16. "
+              "Selective activation checkpointing. | FSDP | 5,762 | 82.4 |",
+        kind=RESERVED, value_bytes=82.4 * GiB,
+        config=dict(model="llama-3.1-8b", micro_batch=2, seq_len=8192, precision="bf16-mixed", optimizer="adamw",
+                    checkpointing="selective", attention="sdpa", gpus=8, engine="fsdp", zero=3),
+        tolerance=TOL_RESERVED, why_tolerance="reserved figure; the config is the repo's own toml",
+        xfail=_TITAN_SAC + "; published 82.4 GiB vs ~95 GiB estimated (+15 %)",
+    ),
+    Published(
+        id="torchtitan-llama3.1-8b-fsdp128-sac",
+        source="pytorch/torchtitan docs/performance.md @eaea6f6 (Table 3)",
+        quote="Table 3 1D Parallelism (FSDP). Llama 3.1 8B model. 128 GPUs. Local batch size 2, global batch size "
+              "256. Selective activation checkpointing. | FSDP | 5,605 | 67.0 |",
+        kind=RESERVED, value_bytes=67.0 * GiB,
+        config=dict(model="llama-3.1-8b", micro_batch=2, seq_len=8192, precision="bf16-mixed", optimizer="adamw",
+                    checkpointing="selective", attention="sdpa", gpus=128, nodes=16, engine="fsdp", zero=3),
+        tolerance=TOL_RESERVED, why_tolerance="reserved figure; the config is the repo's own toml",
+        xfail=_TITAN_SAC + "; published 67.0 GiB vs ~84.5 GiB estimated (+26 %). The published 8->128 GPU drop "
+              "(15.4 GiB) is about the whole 16 B/param model-state shard (14.0 GiB) while ours (10.5 GiB) "
+              "lacks the gradient shard: our peak is at the loss backward, before gradients exist",
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------------------
+# LitGPT config hub benchmarks (Lightning-AI/litgpt config_hub/finetune/README.md at 03ffc551; 1x A10G,
+# Alpaca2k, max_seq_length 512, bf16-true). "Peak memory" is what litgpt/finetune/{lora,full}.py print at the
+# end of the run: f"Memory used: {torch.cuda.max_memory_allocated() / 1e9:.02f} GB" -> allocated, 1e9 bytes,
+# never reset, so it spans the whole script (init, training, validation and sample generation).
+# Configs: config_hub/finetune/<model>/{lora,qlora,full}.yaml (lora_r 32, alpha 16, dropout 0.05, LoRA on
+# query and value only; global_batch_size 8 -> grad_accum 8 / micro_batch; torch.optim.AdamW, or
+# bnb.optim.PagedAdamW when quantizing; qlora: quantize bnb.nf4 = no double quantization). litgpt calls the
+# model with lm_head_chunk_size=128 and chunked_cross_entropy; no activation checkpointing on 1 device.
+# Unknowns: whether an Alpaca2k batch reaches 512 tokens (we assume it does), litgpt's own GPT module vs the
+# Hugging Face modelling we simulate, adapters in bf16 (litgpt) vs fp32 (peft, which we model).
+_LITGPT = "Lightning-AI/litgpt config_hub/finetune/README.md @03ffc551"
+_LIT_LORA = dict(precision="bf16-true", optimizer="adamw", checkpointing="none", seq_len=512, lora_rank=32,
+                 lora_alpha=16, lora_dropout=0.05, lora_targets="qv", attention="sdpa")
+_LITGPT_QLORA_GAP = (
+    "published QLoRA peaks sit ~3.2-3.7 GB above the estimate while the LoRA rows of the same table (same "
+    "activations, bf16 base) match within 2 %; the published LoRA->QLoRA saving (19.77 -> 13.68 GB = 6.1 GB) "
+    "is far below the bf16->NF4 weight saving (~9.3 GB). Likely the figure is not the training step: litgpt's "
+    "max_memory_allocated is never reset and covers Fabric's BitsandbytesPrecision model init / quantize-on-"
+    "load (init_module with empty_init=False on 1 device) and validation; the estimator models the step"
+)
+LITGPT = [
+    Published(
+        id="litgpt-llama2-7b-lora-a10g",
+        source=_LITGPT + " + config_hub/finetune/llama-2-7b/lora.yaml",
+        quote="| llama-2-7b/lora.yaml | llama-2-7b | 4 | 512 | 2 | 1xA10G | 32.82 min | $1.0 | 19.77 GB | ...",
+        kind=ALLOCATED, value_bytes=19.77 * GB,
+        config=dict(model="llama-2-7b", micro_batch=2, grad_accum=4, method="lora", **_LIT_LORA),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
+    ),
+    Published(
+        id="litgpt-llama3-8b-lora-a10g",
+        source=_LITGPT + " + config_hub/finetune/llama-3-8b/lora.yaml",
+        quote="| llama-3-8b/lora.yaml | llama-3-8b | 2 | 512 | 1 | 1xA10G | 14.79 min | $0.4 | 19.73 GB | ...",
+        kind=ALLOCATED, value_bytes=19.73 * GB,
+        config=dict(model="llama-3-8b", micro_batch=1, grad_accum=8, method="lora", **_LIT_LORA),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
+    ),
+    Published(
+        id="litgpt-llama2-7b-qlora-a10g",
+        source=_LITGPT + " + config_hub/finetune/llama-2-7b/qlora.yaml",
+        quote="| llama-2-7b/qlora.yaml | llama-2-7b | 4 | 512 | 2 | 1xA10G | 45.67 min | $1.4 | 13.68 GB | ...",
+        kind=ALLOCATED, value_bytes=13.68 * GB,
+        config=_training_opts(model="llama-2-7b", micro_batch=2, grad_accum=4, method="qlora",
+                              qlora_double_quant=False, **{**_LIT_LORA, "optimizer": "paged-adamw"}),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
+        xfail=_LITGPT_QLORA_GAP + "; 13.68 GB published vs ~10.5 GB estimated (-23 %)",
+    ),
+    Published(
+        id="litgpt-llama3-8b-qlora-a10g",
+        source=_LITGPT + " + config_hub/finetune/llama-3-8b/qlora.yaml",
+        quote="| llama-3-8b/qlora.yaml | llama-3-8b | 2 | 512 | 2 | 1xA10G | 22.24 min | $0.7 | 17.41 GB | ...",
+        kind=ALLOCATED, value_bytes=17.41 * GB,
+        config=_training_opts(model="llama-3-8b", micro_batch=2, grad_accum=4, method="qlora",
+                              qlora_double_quant=False, **{**_LIT_LORA, "optimizer": "paged-adamw"}),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
+        xfail=_LITGPT_QLORA_GAP + "; 17.41 GB published vs ~13.7 GB estimated (-21 %)",
+    ),
+    Published(
+        id="litgpt-tinyllama-full-a10g",
+        source=_LITGPT + " + config_hub/finetune/tiny-llama/full.yaml",
+        quote="| tiny-llama/full.yaml | tiny-llama | 1 | 512 | 4 | 1xA10G | 2.58 min | $0.1 | 14.10 GB | ...",
+        kind=ALLOCATED, value_bytes=14.10 * GB,
+        # global_batch_size 32 / micro_batch_size 4 -> 8 accumulation steps: bf16 gradients live across steps
+        config=dict(model="tinyllama-1.1b", micro_batch=4, grad_accum=8, seq_len=512, precision="bf16-true",
+                    optimizer="adamw", checkpointing="none", attention="sdpa"),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------------------
+# Answer.AI fsdp_qlora (AnswerDotAI/fsdp_qlora benchmarks_03_2024.md at 23fafdfb; Feb-Mar 2024, 2x RTX 3090,
+# no NVLink). Command: train.py --model_name meta-llama/Llama-2-7b-hf --batch_size 1 --context_length 512
+# --train_type qlora --use_gradient_checkpointing True --reentrant_checkpointing True --use_cpu_offload False
+# --dataset dummy (every sample truncated to exactly context_length). train.py defaults (read in the repo's
+# train.py of that period): precision bf16 (pure bf16 weights, no FSDP mixed-precision policy), FSDP1
+# FULL_SHARD over both GPUs (use_orig_params=False, LoRA layers wrapped as their own units), lora_rank 64,
+# lora_alpha 16, lora_dropout 0.1, targets k_proj q_proj v_proj up_proj down_proj gate_proj (no o_proj),
+# bnb Linear4bit nf4 with quant_storage bf16 (compress_statistics defaults on = double quant), sdpa attention
+# with attention_mask=None, torch.optim.AdamW. The tables' "Peak Memory (GiB)" is torch.cuda.
+# max_memory_reserved()/2**30 over the first epoch ("the reported peak reserved memory"); the text also gives
+# peak allocated for the LoRA runs. Unknowns: transformers ~4.38 (fp32 logits kept in the output), peft of the
+# time (adapters in the base dtype, bf16, where we model fp32: ~0.5 GiB/GPU more for r=64 on 6 modules).
+_AAI = "AnswerDotAI/fsdp_qlora benchmarks_03_2024.md @23fafdfb"
+_AAI_CFG = dict(model="llama-2-7b", precision="bf16-true", optimizer="adamw", checkpointing="full", attention="sdpa",
+                lora_rank=64, lora_alpha=16, lora_dropout=0.1,
+                lora_targets="q_proj,k_proj,v_proj,gate_proj,up_proj,down_proj", gpus=2, engine="fsdp", zero=3)
+ANSWERAI = [
+    Published(
+        id="answerai-llama2-7b-lora-ctx512-allocated",
+        source=_AAI,
+        quote="NB: While the reported peak reserved memory for both 512 and 2048 context length is roughly the same, "
+              "the peak allocated memory is 8.28 GiB vs 9.16 GiB, respectively. (LoRA, batch size 1)",
+        kind=ALLOCATED, value_bytes=8.28 * GiB,
+        config=dict(micro_batch=1, seq_len=512, method="lora", **_AAI_CFG),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; defaults read from train.py of that period",
+    ),
+    Published(
+        id="answerai-llama2-7b-lora-ctx2048-allocated",
+        source=_AAI,
+        quote="... the peak allocated memory is 8.28 GiB vs 9.16 GiB, respectively. (LoRA, batch size 1, 2048)",
+        kind=ALLOCATED, value_bytes=9.16 * GiB,
+        config=dict(micro_batch=1, seq_len=2048, method="lora", **_AAI_CFG),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; defaults read from train.py of that period",
+    ),
+    Published(
+        id="answerai-llama2-7b-qlora-ctx2048-reserved",
+        source=_AAI,
+        quote="| QLoRA | 2048 | 5.21 | 1,564 |  *Llama-2 7B with a batch size of one*",
+        kind=RESERVED, value_bytes=5.21 * GiB,
+        config=_training_opts(micro_batch=1, seq_len=2048, method="qlora", qlora_double_quant=True, **_AAI_CFG),
+        tolerance=TOL_RESERVED, why_tolerance="reserved figure; versions of the stack unknown",
+    ),
+    Published(
+        id="answerai-llama2-7b-qlora-ctx512-reserved",
+        source=_AAI,
+        quote="| QLoRA | 512 | 4.98 | 1,082 |  *Llama-2 7B with a batch size of one*; 'It's actually about 3.72GiB "
+              "(see reserved_after_model_wrap)'",
+        kind=RESERVED, value_bytes=4.98 * GiB,
+        config=_training_opts(micro_batch=1, seq_len=512, method="qlora", qlora_double_quant=True, **_AAI_CFG),
+        tolerance=TOL_RESERVED, why_tolerance="reserved figure; versions of the stack unknown",
+        xfail="the reserved peak carries allocator cache left by loading, quantizing and FSDP-wrapping the model: "
+              "the source reports 3.72 GiB reserved right after wrapping, ~1.65 GiB above the 2.07 GiB of sharded "
+              "NF4 weights and adapters we hold; at 512 tokens the step adds only ~1.3 GiB on top, so that residue "
+              "decides the peak (4.98 GiB published vs ~3.9 GiB estimated, -22 %); at 2048 tokens the step's own "
+              "blocks dominate and the case passes",
+    ),
+    Published(
+        id="answerai-llama2-7b-qlora-bs10-ctx2048-reserved",
+        source=_AAI,
+        quote="| QLoRA | 10 | 20.97 | 936 |  *Llama-2 7B with Context Length of 2048*",
+        kind=RESERVED, value_bytes=20.97 * GiB,
+        config=_training_opts(micro_batch=10, seq_len=2048, method="qlora", qlora_double_quant=True, **_AAI_CFG),
+        tolerance=TOL_RESERVED, why_tolerance="reserved figure; versions of the stack unknown",
+        xfail="-16.5 % (20.97 GiB published vs ~17.5 GiB): the gap grows with the batch (b=4: -2.2 GiB, b=10: "
+              "-3.5 GiB). transformers 4.38-era LlamaForCausalLM upcasts the logits with logits.float(), returns "
+              "them in `output` (kept alive through backward by the training loop) and copies "
+              "shift_logits.contiguous() in the loss: ~0.26 GB fp32 per 2048-token sample each, which the "
+              "estimator's (transformers 5.x) loss path, bf16 logits with the labels shifted, does not have; plus "
+              "the init residue of the 512-token case",
+    ),
+]
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face Transformers, "Efficient Training on a Single GPU" (huggingface/transformers
+# docs/source/en/perf_train_gpu_one.mdx at 0016acf7; the same vanilla run is in today's
+# docs/source/en/model_memory_anatomy.md). Tesla V100 16 GB, driver 460.91.03, CUDA 11.2, Jan 2022.
+# AutoModelForSequenceClassification("bert-large-uncased"), fp32, Trainer defaults of the time (AdamW from
+# transformers.optimization: a per-parameter loop), dummy data of 512 sequences x 512 tokens, no
+# attention mask in the batch, eager attention with dropout 0.1 (SDPA did not exist). Memory is
+# pynvml nvmlDeviceGetMemoryInfo(...).used // 1024**2 printed as "MB" (MiB) after trainer.train(): an
+# nvidia-smi figure = peak reserved (the caching allocator keeps it) + the CUDA context. The same page
+# measures that context on the same machine: torch.ones((1, 1)).to("cuda") -> "GPU memory occupied: 1343 MB";
+# we add that instead of our context (CUDA 11.2 loaded every kernel eagerly; today's lazy loading is smaller).
+# Our bert-large preset is BertForMaskedLM: its MLM head and b*s*30522 fp32 logits are not in the
+# classification model, so our number is biased *up* (by a few hundred MiB at b=4).
+_HF = "huggingface/transformers docs/source/en/perf_train_gpu_one.mdx @0016acf7"
+_HF_CFG = dict(model="bert-large", seq_len=512, precision="fp32", optimizer="adamw", optimizer_impl="for-loop",
+               attention="eager")
+_HF_CTX = 1343 * MiB
+HF = [
+    Published(
+        id="hf-bert-large-b4-v100",
+        source=_HF,
+        quote="TrainingArguments(per_device_train_batch_size=4, ...) -> Time: 57.82 Samples/second: 8.86 "
+              "GPU memory occupied: 14949 MB.",
+        kind=SMI, value_bytes=14949 * MiB, context_bytes=_HF_CTX,
+        config=dict(micro_batch=4, grad_accum=1, checkpointing="none", **_HF_CFG),
+        tolerance=TOL_RESERVED, why_tolerance="nvidia-smi figure on a 2022 stack; classification head not modelled",
+    ),
+    Published(
+        id="hf-bert-large-b1-ga4-v100",
+        source=_HF,
+        quote="TrainingArguments(per_device_train_batch_size=1, gradient_accumulation_steps=4, ...) -> "
+              "Time: 66.03 Samples/second: 7.75 GPU memory occupied: 8681 MB.",
+        kind=SMI, value_bytes=8681 * MiB, context_bytes=_HF_CTX,
+        config=dict(micro_batch=1, grad_accum=4, checkpointing="none", **_HF_CFG),
+        tolerance=TOL_RESERVED, why_tolerance="nvidia-smi figure on a 2022 stack; classification head not modelled",
+    ),
+    Published(
+        id="hf-bert-large-b1-ga4-gc-v100",
+        source=_HF,
+        quote="TrainingArguments(per_device_train_batch_size=1, gradient_accumulation_steps=4, "
+              "gradient_checkpointing=True, ...) -> Time: 85.47 Samples/second: 5.99 GPU memory occupied: 6775 MB.",
+        kind=SMI, value_bytes=6775 * MiB, context_bytes=_HF_CTX,
+        config=dict(micro_batch=1, grad_accum=4, checkpointing="full", **_HF_CFG),
+        tolerance=TOL_RESERVED, why_tolerance="nvidia-smi figure on a 2022 stack; classification head not modelled",
+    ),
+]
+
+CASES: list[Published] = [*TITAN, *LITGPT, *ANSWERAI, *HF]
+BY_ID = {c.id: c for c in CASES}
+
+
+@functools.cache
+def _estimate(case_id: str) -> tm.MemoryEstimate:
+    return tm.estimate(**BY_ID[case_id].config)
+
+
+def estimated_bytes(case: Published) -> float:
+    """The estimate comparable with the published figure."""
+    e = _estimate(case.id)
+    if case.kind == ALLOCATED:
+        return e.peak_allocated_bytes
+    if case.kind == RESERVED:
+        return e.peak_reserved_bytes
+    if case.context_bytes is not None:  # nvidia-smi with the source's own measured CUDA context
+        return e.peak_reserved_bytes + case.context_bytes
+    return e.device_total_bytes
+
+
+def relative_error(case: Published) -> float:
+    return (estimated_bytes(case) - case.value_bytes) / case.value_bytes
+
+
+def _param(case: Published) -> Any:
+    marks = [pytest.mark.xfail(strict=True, reason=case.xfail)] if case.xfail else []
+    return pytest.param(case, id=case.id, marks=marks)
+
+
+@pytest.mark.parametrize("case", [_param(c) for c in CASES])
+def test_estimate_matches_published_peak(case: Published) -> None:
+    """The estimate of `case.kind` lies within `case.tolerance` of the published peak (see each case's
+    comment block above for source, configuration, kind and the reason for its tolerance)."""
+    err = relative_error(case)
+    unit = GB if case.source.startswith(_LITGPT) else (MiB if case.kind == SMI else GiB)
+    name = {GB: "GB", GiB: "GiB", MiB: "MiB"}[unit]
+    assert abs(err) <= case.tolerance, (
+        f"{case.id}: estimated {estimated_bytes(case) / unit:.2f} {name} vs published "
+        f"{case.value_bytes / unit:.2f} {name} ({case.kind}), error {err:+.1%} beyond ±{case.tolerance:.0%} "
+        f"({case.why_tolerance}). Source: {case.source}: {case.quote}"
+    )
+
+
+def test_cases_are_well_formed() -> None:
+    """Every case says where it comes from, what kind of figure it is and why its tolerance; ids are unique."""
+    assert len(BY_ID) == len(CASES)
+    for c in CASES:
+        assert c.kind in (ALLOCATED, RESERVED, SMI), c.id
+        assert c.source and c.quote and c.why_tolerance, c.id
+        assert c.tolerance == (TOL_ALLOCATED if c.kind == ALLOCATED else TOL_RESERVED), c.id
+        assert c.value_bytes > 0, c.id
+
+
+def test_every_case_is_in_the_validation_table() -> None:
+    """validation/published.md lists every case id (the table is the human-readable side of this file)."""
+    text = (Path(__file__).resolve().parents[1] / "validation" / "published.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"`([a-z0-9.\-]+)`", text))
+    missing = [c.id for c in CASES if c.id not in listed]
+    assert not missing, f"validation/published.md lacks {missing}"
