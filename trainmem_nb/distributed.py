@@ -41,7 +41,7 @@ from .optimizers import optimizer_program, state_bytes
 from .parallelism import Engine, Offload, ParallelSpec, PipelineSchedule
 from .params import ParamTensor, on_stage, trainable_tensors, weight_tensors
 from .simulate import EngineHooks, Segment, _round, _segment, compile_step, evaluate, program_key, reserved_and_total
-from .specs import Device, ModelSpec, Precision, TrainingSpec
+from .specs import Checkpointing, Device, ModelSpec, Precision, TrainingSpec
 from .tape import Graph, Sz, T, const
 
 __all__ = ["RankMemory", "simulate_parallel"]
@@ -425,6 +425,20 @@ def _in_flight(p: ParallelSpec, stage: int, grad_accum: int) -> int:
     return max(1, min(n, grad_accum) if grad_accum > 1 else n)
 
 
+def _sequence_parallel_saving(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, seq: int) -> int:
+    """Saved activation bytes sequence parallelism removes from a tensor-parallel rank: the
+    hidden-sized tensors TP leaves replicated (norm inputs and outputs, dropout masks; the layer input
+    alone under full checkpointing) are split `tp` ways instead (Korthikanti et al. 2022, sec. 4.2.2:
+    ``10 sbh`` becomes ``10 sbh / t``). Modelled from the paper, not measured here."""
+    if t.checkpointing is Checkpointing.FULL:
+        per_layer = 1
+    else:
+        dropout = (t.dropout if t.dropout is not None else m.hidden_dropout) > 0
+        per_layer = 4 + (2 if dropout else 0)
+    act_dt = 4 if t.precision is Precision.FP32 else 2
+    return int(m.n_layers * per_layer * t.micro_batch * seq * m.hidden * act_dt * (1 - 1 / p.tp))
+
+
 def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None = None,
            first: bool = True, last: bool = True) -> EngineHooks:
     """The engine of layout `p` on a rank of the `first` and/or `last` pipeline stage; `backend` is the
@@ -475,6 +489,9 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
 
             held = activations_at_forward_end(prog, t.micro_batch, seq) * extra
             detail["activations/layers"] = detail.get("activations/layers", 0) + held
+        if p.sp and p.tp > 1:
+            freed = _sequence_parallel_saving(stage_model, t, p, seq) * _in_flight(p, stage, t.grad_accum)
+            detail["activations/layers"] = max(0, detail.get("activations/layers", 0) - freed)
         host = 0
         if p.offload is not Offload.NONE:
             host += detail.pop("optimizer_states", 0)

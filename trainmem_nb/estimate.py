@@ -75,6 +75,21 @@ class MemoryEstimate:
 
         return activations_at_forward_end(self.program, self.training.micro_batch, self.training.seq_len)
 
+    @property
+    def host_load_bytes(self) -> int:
+        """Host RAM one process needs to load the model: the full state dict in the weights' dtype
+        (16-bit for QLoRA, which quantizes while moving to the GPU). Each data-parallel process pays
+        it unless the model is loaded on rank 0 only or built on the meta device."""
+        from .params import weight_tensors
+        from .specs import Method
+
+        t = self.training
+        dt = 2 if t.method is Method.QLORA and t.param_bytes == 4 and not t.mixed else None
+        total = 0
+        for p, pdt, _ in weight_tensors(self.model, t):
+            total += p.numel * p.count * (dt or (2 if t.method is Method.QLORA and pdt < 1 else pdt))
+        return int(total)
+
     def timeline(self, max_points: int = 1500) -> list[Any]:
         """Live bytes after each operation of the step (`trainmem_nb.simulate.TimelinePoint`s)."""
         from .simulate import timeline
@@ -101,6 +116,7 @@ class MemoryEstimate:
             "overhead_bytes": dict(self.overhead_bytes),
             "calibration": self.calibration.model_dump() if self.calibration else None,
             "host_bytes": self.host_bytes,
+            "host_load_bytes": self.host_load_bytes,
             "parallel": self.parallel.model_dump(mode="json"),
             "per_rank": [r.to_dict() for r in self.per_rank],
             "training": self.training.model_dump(mode="json"),
@@ -129,6 +145,16 @@ class MemoryEstimate:
             lines.append(f"  {key:<17} {format_bytes(value):>12}  {100 * value / total:5.1f} %")
         lines.append(f"peak reserved    {format_bytes(self.peak_reserved_bytes):>12}  (PyTorch's caching allocator)")
         lines.append(f"device total     {format_bytes(self.device_total_bytes):>12}  (what nvidia-smi shows)")
+        if self.per_rank:
+            p = self.parallel
+            lines.append(f"layout: {p.gpus} GPUs ({p.nodes} node{'s' if p.nodes > 1 else ''}), engine {p.engine.value}, "
+                         f"zero {p.zero}, dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, offload {p.offload.value}")
+            for r in self.per_rank:
+                lines.append(f"  {r.ranks:<28} peak {format_bytes(r.peak_allocated_bytes):>12}  device total "
+                             f"{format_bytes(r.device_total_bytes):>12}  ({r.n_layers} layers, peak in {r.peak_phase})")
+        if self.host_bytes:
+            lines.append(f"host RAM (offload) {format_bytes(self.host_bytes):>10}  per process")
+        lines.append(f"host RAM to load   {format_bytes(self.host_load_bytes):>10}  per process (full state dict)")
         return "\n".join(lines)
 
     def __str__(self) -> str:

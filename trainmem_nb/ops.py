@@ -94,6 +94,8 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
     """``F.linear(x, w, b)`` on (tokens, in) activations: ``mm``/``addmm`` (cuBLAS/MKL) output of
     (tokens, out). Saves x if the weight needs a gradient and the weight if x does; under autocast
     the saved copies are the 16-bit casts."""
+    if w.nf4:
+        return linear_4bit(g, x, w, in_features, out_features, b, label)
     if ctx.autocast is None:
         xc = g.hold(x)
         wc: T = g.hold(w)
@@ -124,6 +126,33 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
     g.record(label, ins, [out], saved, bwd)
     g.drop(xc, wc, bc)
     return out
+
+
+def linear_4bit(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T | None, label: str) -> T:
+    """bitsandbytes ``Linear4bit`` (QLoRA's frozen NF4 base): the input goes to the compute dtype,
+    ``MatMul4Bit`` dequantizes the weight into a temporary (out, in) buffer for the matmul and saves
+    nothing of size; backward dequantizes again for the input's gradient. The output returns to the
+    input's dtype (bitsandbytes/nn/modules.py, autograd/_functions.py)."""
+    cdt = w.nf4
+    xc = cast(g, x, cdt, f"{label} input to compute dtype")
+    ins = [xc] + ([b] if b is not None else [])
+    g.before_outputs(ins, [None])
+    deq = g.alloc(const(in_features * out_features), cdt, f"{label} dequantize_4bit")
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), cdt, label),))
+    g.drop(deq)
+    n_in = xc.n
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        deq_b = g.alloc(const(in_features * out_features), cdt, f"{label} dequantize_4bit (backward)")
+        gx = g.alloc(n_in, cdt, f"{label} grad x")
+        g.drop(deq_b)
+        return [gx] + ([None] if b is not None else [])
+
+    g.record(label, ins, [out], [], bwd)
+    g.drop(xc)
+    res = cast(g, out, x.dt, f"{label} output to input dtype")
+    g.drop(out)
+    return res
 
 
 # -- element-wise -------------------------------------------------------------------------------

@@ -14,8 +14,8 @@ from typing import NamedTuple
 from .specs import Family, Method, ModelSpec, TrainingSpec
 
 __all__ = [
-    "LORA_QV", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules", "on_stage",
-    "param_inventory", "trainable_tensors", "weight_tensors",
+    "LORA_QV", "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules",
+    "nf4_bytes", "on_stage", "param_inventory", "quantized", "trainable_tensors", "weight_tensors",
 ]
 
 
@@ -230,11 +230,46 @@ def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, 
     return tuple(out)
 
 
+#: bitsandbytes NF4 (QLoRA, Dettmers et al. 2023; bitsandbytes/functional.py quantize_4bit): two
+#: 4-bit values per byte, one absmax per block of 64; with double quantization the absmaxes are
+#: stored as uint8 with one fp32 absmax per 256 of them plus a 256-entry fp32 code and an fp32 offset.
+NF4_BLOCK = 64
+NF4_NESTED_BLOCK = 256
+NF4_NESTED_CODE_BYTES = 256 * 4
+
+
+def nf4_bytes(numel: int, double_quant: bool = True) -> float:
+    """Device bytes of one NF4-quantized weight: packed values and quantization state, each storage
+    rounded to the CUDA allocator's 512-B blocks."""
+    def rnd(n: int) -> int:
+        return -(-n // 512) * 512 if n > 0 else 0
+
+    blocks = -(-numel // NF4_BLOCK)
+    total = rnd(-(-numel // 2))
+    if double_quant:
+        total += rnd(blocks) + rnd(-(-blocks // NF4_NESTED_BLOCK) * 4) + rnd(NF4_NESTED_CODE_BYTES) + rnd(4)
+    else:
+        total += rnd(blocks * 4)
+    return float(total)
+
+
+def quantized(p: ParamTensor) -> bool:
+    """Does QLoRA quantize `p`? transformers' bitsandbytes integration replaces the ``nn.Linear``
+    layers inside the transformer blocks; embeddings, norms and the LM head (``lm_head`` is in
+    ``get_keys_to_not_convert``) stay in the model's dtype, as do 3-D expert tensors (not nn.Linear)."""
+    return p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith(".bias") and ".lora_" not in p.name
+
+
 def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int, bool]]:
     """Every weight tensor of the training run as ``(tensor, bytes per element, trainable)``:
-    the base model in the recipe's dtype (frozen under LoRA) plus LoRA adapters, which peft keeps
-    in fp32 on a 16-bit base (``autocast_adapter_dtype=True``)."""
+    the base model in the recipe's dtype (frozen under LoRA; NF4 under QLoRA, a fractional element
+    size) plus LoRA adapters, which peft keeps in fp32 on a 16-bit base (``autocast_adapter_dtype=True``)."""
     full = t.method is Method.FULL
+    if t.method is Method.QLORA:
+        out = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else t.param_bytes, False)
+               for p in param_inventory(m)]
+        out += [(p, 4, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
+        return out  # type: ignore[return-value]
     out = [(p, t.param_bytes, full) for p in param_inventory(m)]
     if not full:
         out += [(p, 4, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]

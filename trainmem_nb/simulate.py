@@ -21,8 +21,8 @@ from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .device import CUBLAS_WORKSPACE_BYTES, CUDA_BLOCK_BYTES, Calibration
 from .optimizers import optimizer_program, state_bytes
 from .parallelism import ParallelSpec
-from .params import buffer_inventory, on_stage, weight_tensors
-from .specs import Checkpointing, Device, Method, ModelSpec, TrainingSpec
+from .params import buffer_inventory, on_stage, quantized, weight_tensors
+from .specs import Checkpointing, Device, Method, ModelSpec, Precision, TrainingSpec
 from .tape import Graph, Sz, T, const, per_token
 
 __all__ = [
@@ -148,6 +148,8 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
             short = p.name[len("layers."):]
             for i in range(n_sim):
                 layer_params[i][short] = g.param(const(p.numel), dt, f"L{i}.{short}", trainable)
+                if t.method is Method.QLORA and quantized(p):
+                    layer_params[i][short].nf4 = 4 if t.precision is Precision.FP32 else 2
                 unit_params[f"L{i}"].append(layer_params[i][short])
         else:
             other[p.name] = g.param(const(p.numel), dt, p.name, trainable)
@@ -332,7 +334,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
 def _send_to_next_stage(g: Graph, out: T) -> T:
     """A pipeline stage's output goes to the next stage; backward starts from the gradient the next
     stage sends back (one tensor of the output's size), not from a loss."""
-    sent = g.alloc(const(1), 4, "stage output sent")
+    sent = g.alloc(const(0), 4, "stage output sent")  # a marker: the output itself is what goes
 
     def backward(g: Graph, grads: list[T | None]) -> list[T | None]:
         return [g.alloc(out.n, out.dt, "gradient from the next stage")]

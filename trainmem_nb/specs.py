@@ -462,6 +462,8 @@ class TrainingSpec(SpecModel):
     lora_alpha: float = Field(default=32.0, gt=0.0)
     lora_targets: str = Field(default="qv", description="'qv', 'all-linear' or comma-separated module names")
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    qlora_double_quant: bool = Field(
+        default=True, description="QLoRA: quantize the NF4 block scales again (bnb_4bit_use_double_quant)")
     first_step: bool = Field(
         default=False,
         description="the very first step: optimizer state does not exist yet and is created inside step()",

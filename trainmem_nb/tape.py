@@ -76,7 +76,7 @@ class T:
     """A symbolic tensor: element count, bytes per element, reference count and provenance."""
 
     __slots__ = ("base", "born", "chain", "dt", "final_grad", "freed", "grad", "is_grad", "is_param", "label", "n",
-                 "phase", "refs", "region", "rg", "uses", "wcopy")
+                 "nf4", "phase", "refs", "region", "rg", "uses", "wcopy")
 
     def __init__(self, n: Sz, dt: int, label: str, rg: bool, region: str, phase: str) -> None:
         self.n = n
@@ -96,6 +96,7 @@ class T:
         self.base: T | None = None  # a view shares its base's storage and keeps it alive
         self.chain = False  # a layer's output (or its input's gradient): passed to the next layer
         self.final_grad: T | None = None  # a parameter's .grad once backward has produced it
+        self.nf4 = 0  # an NF4-quantized weight (QLoRA): bytes per element of its compute dtype
 
     @property
     def bytes(self) -> Sz:

@@ -21,7 +21,7 @@ __all__ = ["CONTRACT_KEYS", "Measurement"]
 CONTRACT_KEYS: tuple[str, ...] = (
     "model", "family", "device", "n_params", "n_trainable_params", "peak_allocated_bytes",
     "peak_reserved_bytes", "device_total_bytes", "peak_phase", "peak_at", "breakdown_bytes", "detail_bytes",
-    "phase_peaks_bytes", "saved_activations_bytes", "overhead_bytes", "calibration", "host_bytes", "parallel",
+    "phase_peaks_bytes", "saved_activations_bytes", "overhead_bytes", "calibration", "host_bytes", "host_load_bytes", "parallel",
     "per_rank", "training", "model_spec",
 )
 
@@ -92,6 +92,7 @@ class Measurement:
             "overhead_bytes": dict(self.overhead_bytes),
             "calibration": self.calibration().model_dump(mode="json") if self.mode == "cuda" else None,
             "host_bytes": self.host_bytes,
+            "host_load_bytes": None,  # loading the model is not part of the measured step
             "parallel": _single_device_layout(),
             "per_rank": [],
             "training": self.training.model_dump(mode="json"),
