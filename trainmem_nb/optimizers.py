@@ -93,6 +93,47 @@ def state_bytes(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None) -> li
     return out
 
 
+def _adafactor_temporaries(params: list[tuple[ParamTensor, int]], foreach: bool) -> int:
+    """Peak temporaries of torch.optim.Adafactor's step (torch/optim/_adafactor.py). Every parameter
+    gets a full-size ``var_estimate`` (``row_var @ col_var`` for matrices, ``variance.clone()`` after a
+    ``grad * grad`` for vectors) that becomes its update. ``foreach`` builds them for a whole group
+    (same dtype, matrix or vector; groups in order of first appearance) at once, and a group's list
+    stays bound while the next group's is built; the for-loop does one parameter at a time, the
+    previous one's estimate still bound. Row and column means are tiny and left out."""
+    if foreach:
+        groups: dict[tuple[int, bool], int] = {}
+        for p, pdt in params:
+            key = (pdt, len(p.shape) >= 2)
+            groups[key] = groups.get(key, 0) + _round(p.numel * pdt) * p.count
+        worst, prev = 0, 0
+        for size in groups.values():
+            worst = max(worst, prev + size)
+            prev = size
+        return worst
+    worst, prev = 0, 0
+    for size in _model_order(params):
+        worst = max(worst, prev + size)
+        prev = size
+    return worst
+
+
+def _model_order(params: list[tuple[ParamTensor, int]]) -> list[int]:
+    """Rounded bytes of every parameter tensor in ``model.parameters()`` order: the inventory lists a
+    layer's tensors once (with a count); the model repeats the whole layer block layer by layer."""
+    before: list[int] = []
+    block: list[tuple[int, int]] = []
+    after: list[int] = []
+    for p, pdt in params:
+        size = _round(p.numel * pdt)
+        if p.in_layer:
+            block.append((size, p.count))
+        else:
+            (after if block else before).extend([size] * p.count)
+    layers = max((c for _, c in block), default=0)
+    middle = [size for i in range(layers) for size, c in block if i < c]
+    return before + middle + after
+
+
 def _adafactor_state(p: ParamTensor, pdt: int) -> list[int]:
     """torch.optim.Adafactor: a row and a column variance for matrices, a full one for vectors."""
     if len(p.shape) >= 2:
@@ -128,10 +169,8 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
         elif impl is OptimizerImpl.FOR_LOOP:
             # denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps): while the new denom is computed the
             # previous parameter's denom is still bound; peak = prev + sqrt + div of the worst pair
-            worst, prev_size, flat = 0, 0, []
-            for p, pdt in params:
-                flat += [_round(p.numel * pdt)] * p.count
-            for size in flat:
+            worst, prev_size = 0, 0
+            for size in _model_order(params):
                 worst = max(worst, prev_size + 2 * size)
                 prev_size = size
             events += [(temp, 1, const(worst), "for-loop sqrt and denom"), (temp, -1, const(worst), "for-loop temps freed")]
@@ -139,8 +178,8 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
         largest = max(_round(p.numel * pdt) for p, pdt in params)
         events += [(temp, 1, const(largest), "lion update"), (temp, -1, const(largest), "lion update freed")]
     elif opt is OptimizerName.ADAFACTOR and params:
-        largest = max(_round(p.numel * pdt) for p, pdt in params)
-        events += [(temp, 1, const(2 * largest), "adafactor estimate"), (temp, -1, const(2 * largest), "adafactor freed")]
+        worst = _adafactor_temporaries(params, impl is OptimizerImpl.FOREACH)
+        events += [(temp, 1, const(worst), "adafactor variance estimates"), (temp, -1, const(worst), "adafactor freed")]
     segs = [_segment("optimizer", "optimizer step", 1, tuple(events))] if events else []
     if grads is None:
         grads = [(p.numel * pdt, p.count) for p, pdt in params]
