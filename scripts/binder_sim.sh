@@ -53,14 +53,19 @@ token=$(python -c 'import secrets; print(secrets.token_hex(16))')
 jupyter lab --no-browser --allow-root --ServerApp.ip=127.0.0.1 --ServerApp.port="$port" \
   --IdentityProvider.token="$token" --ServerApp.root_dir="$root" >"$work/lab.log" 2>&1 &
 lab_pid=$!
-trap 'kill "$lab_pid" 2>/dev/null || true; wait "$lab_pid" 2>/dev/null || true' EXIT
+stop_lab() {  # jupyter-server may take its time over SIGTERM (kernels to shut down): 20 s, then SIGKILL
+  kill "$lab_pid" 2>/dev/null || return 0
+  for _ in $(seq 1 20); do kill -0 "$lab_pid" 2>/dev/null || return 0; sleep 1; done
+  kill -9 "$lab_pid" 2>/dev/null || true
+}
+trap stop_lab EXIT
 base="http://127.0.0.1:$port"
 for _ in $(seq 1 120); do
   curl -fsS "$base/api/status?token=$token" >/dev/null 2>&1 && break
   sleep 1
 done
 fetch() {  # URL PATH -> the body, failing on anything but 200
-  curl -fsS --max-time 300 -o "$work/$2" -w '%{http_code}' "$base/$1?token=$token"
+  curl -fsS --max-time 180 -o "$work/$2" -w '%{http_code}' "$base/$1?token=$token"
 }
 code=$(fetch "lab/tree/notebooks/00_quick_start.ipynb" lab.html) || { cat "$work/lab.log" >&2; exit 1; }
 [ "$code" = 200 ] || { log "lab/tree/notebooks/00_quick_start.ipynb answered $code"; exit 1; }

@@ -76,3 +76,13 @@ def test_slider_to_redrawn_chart_time_in_the_browser(page: Any, voila_server: Se
     page.screenshot(path=str(SHOTS / "voila_timed.png"), full_page=True)
     # a loose ceiling: the kernel goal is 100 ms, a shared 2-core CI box adds the websocket and the render
     assert median < 2000, line
+
+
+def test_the_app_renders_through_voila_inside_jupyter_server_as_on_binder(page: Any, lab_server: Server) -> None:
+    # Binder's Voila link is served by Voila's server extension inside jupyter-server, whose contents manager is
+    # async: a markdown image in the app notebook once broke the page there while standalone Voila was fine.
+    page.goto(f"{lab_server.url}/voila/render/notebooks/app.ipynb?token={lab_server.token}", timeout=120_000)
+    page.wait_for_selector(".trainmem-verdict b", timeout=120_000)
+    page.wait_for_selector("img.trainmem-chart[src^='blob:']", timeout=60_000)
+    assert "largest micro-batch" in _verdict(page)
+    page.screenshot(path=str(SHOTS / "voila_in_jupyter_server.png"), full_page=True)
