@@ -13,7 +13,8 @@ test:  ## install test dependencies and run every test stage
 	bash scripts/test.sh
 
 bench:  ## print the speed benchmarks
-	. .venv/bin/activate && python benchmarks/bench_estimate.py
+	. .venv/bin/activate && python benchmarks/bench_estimate.py && python benchmarks/bench_planner.py \
+	  && python benchmarks/bench_widgets.py && python benchmarks/bench_measure.py --quick
 
 notebooks:  ## re-execute the notebooks in place after a deliberate change to the numbers
 	. .venv/bin/activate && python scripts/refresh_notebooks.py

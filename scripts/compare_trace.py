@@ -46,7 +46,7 @@ def main() -> None:
     for seg in prog.segments:
         if a.phase and seg.phase != a.phase:
             continue
-        for rep in range(seg.repeat):
+        for _rep in range(seg.repeat):
             for _cat, sign, sz, label in seg.events:
                 b = _round(sz.at(a.batch, a.seq))
                 if b >= a.min_bytes:
@@ -105,7 +105,7 @@ def _live_divergence(prog, tr, a, sbh) -> None:  # type: ignore[no-untyped-def]
     ea, ma = at_allocs(est, init), at_allocs(mea, base)
     print(f"init est {init} mea {base}; allocations est {len(ea)} mea {len(ma)}")
     shown = 0
-    for i, (e, m_) in enumerate(zip(ea, ma)):
+    for i, (e, m_) in enumerate(zip(ea, ma, strict=False)):
         if e[0] != m_[0] or e[1] != m_[1]:
             print(f"alloc #{i}: est live {e[0]} (+{e[1] / sbh:.3f} {e[2]})  mea live {m_[0]} (+{m_[1] / sbh:.3f} {m_[2]})"
                   f"  diff {(e[0] - m_[0]) / sbh:+.3f} sbh")

@@ -25,7 +25,7 @@ def main() -> int:
     args = parser.parse_args()
     doc = json.loads(DATA.read_text())
     bad = 0
-    for entry, preset in zip(doc["presets"], list_presets()):
+    for entry, preset in zip(doc["presets"], list_presets(), strict=True):
         shapes = hf_param_shapes(preset.config)
         hf_total = sum(_numel(s) for s in shapes.values())
         ours = sum(p.numel * p.count for p in param_inventory(get_model(preset.name)))

@@ -21,7 +21,7 @@ CONTRACT = {"n_params", "n_trainable_params", "peak_allocated_bytes", "peak_rese
 def test_json_contract_keys_and_breakdown_summing_to_the_peak(device: str) -> None:
     d = tm.estimate("llama-3-8b", micro_batch=2, seq_len=2048, precision="bf16-mixed", checkpointing="full",
                     device=device).to_dict()
-    assert CONTRACT <= set(d)
+    assert set(d) >= CONTRACT
     assert d["peak_phase"] in ("forward", "backward", "optimizer")
     assert set(d["breakdown_bytes"]) >= {"weights", "gradients", "optimizer_states", "activations", "transient"}
     assert sum(d["breakdown_bytes"].values()) == d["peak_allocated_bytes"]

@@ -21,9 +21,9 @@ __all__ = [
     "CUBLAS_WORKSPACE_BYTES",
     "CUDA_BLOCK_BYTES",
     "CUDA_CONTEXT_BYTES",
-    "Calibration",
     "LARGE_SEGMENT_BYTES",
     "RESERVED_CHURN_FRACTION",
+    "Calibration",
     "load_calibration",
     "round_block",
 ]

@@ -231,7 +231,7 @@ def shape_for_params(n_params: int | float, family: str | Family = "llama", name
     for hidden in range(128, 32_768 + 1, 128):
         heads = max(1, hidden // _HEAD_DIM)
         kv_heads = 8 if hidden >= 8192 and heads % 8 == 0 else heads
-        ffn = max(256, int(round(hidden * 8 / 3 / 256)) * 256)
+        ffn = max(256, round(hidden * 8 / 3 / 256) * 256)
         per_layer = _llama_like_params(1, hidden, ffn, kv_heads, heads) - _llama_like_params(0, hidden, ffn, kv_heads, heads)
         fixed = _llama_like_params(0, hidden, ffn, kv_heads, heads)
         layers = round((target - fixed) / per_layer)

@@ -30,7 +30,10 @@ FIGURES = ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", 
 
 
 def _as_list(value: Any) -> list[Any]:
-    if isinstance(value, (list, tuple, range)) or (hasattr(value, "__iter__") and not isinstance(value, (str, bytes, Mapping))):
+    from pydantic import BaseModel
+
+    scalar = isinstance(value, (str, bytes, Mapping, BaseModel))  # a spec is one value, not its fields
+    if isinstance(value, (list, tuple, range)) or (hasattr(value, "__iter__") and not scalar):
         values = list(value)
         if not values:
             raise SpecError("a swept option got an empty list; give at least one value")
@@ -152,14 +155,14 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
             build_training(base, **{shape_key: value})
     for m in models:
         for other in itertools.product(*(axes[k] for k in other_keys)):
-            t_base = build_training(base, **dict(zip(other_keys, other)))
+            t_base = build_training(base, **dict(zip(other_keys, other, strict=True)))
             for shape in itertools.product(*(axes[k] for k in shape_keys)):
-                update = dict(zip(shape_keys, shape))
+                update = dict(zip(shape_keys, shape, strict=True))
                 # model_copy skips validation: every value was validated above
                 t = t_base.model_copy(update=update) if update else t_base
                 if t.seq_len > m.max_positions:
                     raise SpecError(f"seq_len={t.seq_len} exceeds {m.name}'s max_positions={m.max_positions}")
-                values = {**dict(zip(other_keys, other)), **update}
+                values = {**dict(zip(other_keys, other, strict=True)), **update}
                 rows.append({"model": m.name, **{k: _plain(values[k]) for k in keys}})
                 groups.setdefault((m, program_key(t, m)), []).append((len(rows) - 1, t))
     for (m, key), members in groups.items():
