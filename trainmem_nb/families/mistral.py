@@ -193,9 +193,13 @@ class MistralRecipe(LlamaRecipe):
         q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
         qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
         kt = ops.scalar_op(g, k32, "k^T * sqrt(scale)")
-        q2 = ops.clone(g, qs, "query contiguous")
-        scores = ops.bmm(g, ctx, q2, kt, per_token_sq(m.n_heads), "q @ k^T")
-        g.drop(q2, kt)
+        # matmul folds (b, heads) into one batch dim: the (b, s, heads, d)-strided query is copied, and
+        # so are the key and value unless repeat_kv made them contiguous; nothing with one sequence
+        strided_kv = n_rep == 1 and not ctx.batch1
+        q2 = g.hold(qs) if ctx.batch1 else ops.clone(g, qs, "query contiguous")
+        k2 = ops.clone(g, kt, "key^T contiguous") if strided_kv else g.hold(kt)
+        scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
+        g.drop(q2, k2, kt)
         sm = ops.add(g, scores, mask, "+ attn_mask")
         g.drop(scores)
         probs = ops.softmax(g, sm, None, "_safe_softmax")
@@ -203,8 +207,10 @@ class MistralRecipe(LlamaRecipe):
         pd = ops.dropout(g, ctx, probs, self.dropout_attn, "attn dropout")
         g.drop(probs)
         attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
-        o3 = ops.bmm(g, ctx, pd, v32, q.n, "probs @ v")
-        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=True)
+        v2 = ops.clone(g, v32, "value contiguous") if strided_kv else g.hold(v32)
+        o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v")
+        g.drop(v2)
+        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not ctx.batch1)
         g.drop(o3)
         if reduced:
             o16 = ops.cast(g, o, qc.dt, "output to input dtype")
