@@ -42,6 +42,9 @@ def __getattr__(name: str) -> Any:
         "sweep": ("trainmem_nb.sweeps", "sweep"),
         "fit": ("trainmem_nb.planner", "fit"),
         "plan": ("trainmem_nb.planner", "plan"),
+        "max_micro_batch": ("trainmem_nb.planner", "max_micro_batch"),
+        "fewest_gpus": ("trainmem_nb.planner", "fewest_gpus"),
+        "get_gpu": ("trainmem_nb.gpus", "get_gpu"),
         "measure": ("trainmem_nb.measure", "measure"),
         "plots": ("trainmem_nb.plots", None),
     }
