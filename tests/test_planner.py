@@ -63,7 +63,7 @@ def _fake_parallel_estimate(model: Any, training: Any = None, *, parallel: Any =
         states = w + g + o + g / 4  # DDP gradient buckets
     states /= p.tp * p.pp
     rest = (single.device_total_bytes - (w + g + o)) / p.tp
-    return dataclasses.replace(single, parallel=p, device_total_bytes=int(states + rest))
+    return dataclasses.replace(single, parallel=p, device_total_bytes=int(states + rest), per_rank=())
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ trainings = st.fixed_dictionaries({
     "attention": st.sampled_from(["sdpa", "eager"]),
     "dropout": st.sampled_from([0.0, 0.1]),
     "device": st.sampled_from(["cuda", "cpu"]),
-    "method": st.sampled_from(["full", "lora"]),
+    "method": st.sampled_from(["full", "lora", "qlora"]),
     "grad_accum": st.sampled_from([1, 4]),
 })
 
@@ -82,6 +82,34 @@ def test_full_checkpointing_never_raises_saved_activations(m: ModelSpec, opts: d
     none = estimate(m, micro_batch=b, seq_len=s, **{**opts, "checkpointing": "none"}).saved_activations_bytes
     full = estimate(m, micro_batch=b, seq_len=s, **{**opts, "checkpointing": "full"}).saved_activations_bytes
     assert full <= none
+
+
+@st.composite
+def layouts(draw: st.DrawFn, m: ModelSpec) -> dict:
+    """A valid parallel layout for `m`: tp divides the heads, pp at most the layers."""
+    tp = draw(st.sampled_from([d for d in (1, 2, 4) if m.n_heads % d == 0 and m.n_kv_heads % d == 0]))
+    pp = draw(st.sampled_from([d for d in (1, 2, 3) if d <= m.n_layers]))
+    cp, dp = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+    engine = draw(st.sampled_from(["ddp", "fsdp", "deepspeed", "megatron"]))
+    zero = draw(st.sampled_from({"ddp": [0, 1], "fsdp": [0, 2, 3], "deepspeed": [0, 1, 2, 3], "megatron": [0, 1]}[engine]))
+    offload = draw(st.sampled_from(["none", "optimizer"])) if engine == "deepspeed" and zero else "none"
+    return dict(gpus=tp * pp * cp * dp, tp=tp, pp=pp, cp=cp, engine=engine, zero=zero, offload=offload,
+                sp=tp > 1 and draw(st.booleans()))
+
+
+@SETTINGS
+@given(st.data(), models(), trainings, st.integers(1, 3), st.integers(8, 200))
+def test_every_parallel_layout_gives_sane_per_rank_numbers_and_the_worst_rank_leads(
+        data: st.DataObject, m: ModelSpec, opts: dict, b: int, s: int) -> None:
+    layout = data.draw(layouts(m))
+    e = estimate(m, micro_batch=b, seq_len=s, **{**opts, "method": "full"}, **layout)
+    d = e.to_dict()
+    _valid_numbers(d)
+    assert len(e.per_rank) == layout["pp"]
+    assert e.device_total_bytes == max(r.device_total_bytes for r in e.per_rank)
+    for r in e.per_rank:
+        assert r.peak_allocated_bytes == sum(r.detail_bytes.values()) > 0
+        assert r.host_bytes >= 0
 
 
 def test_training_spec_round_trips_through_json() -> None:

@@ -145,7 +145,7 @@ class MemoryEstimate:
             lines.append(f"  {key:<17} {format_bytes(value):>12}  {100 * value / total:5.1f} %")
         lines.append(f"peak reserved    {format_bytes(self.peak_reserved_bytes):>12}  (PyTorch's caching allocator)")
         lines.append(f"device total     {format_bytes(self.device_total_bytes):>12}  (what nvidia-smi shows)")
-        if self.per_rank:
+        if not self.parallel.single_device:
             p = self.parallel
             lines.append(f"layout: {p.gpus} GPUs ({p.nodes} node{'s' if p.nodes > 1 else ''}), engine {p.engine.value}, "
                          f"zero {p.zero}, dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, offload {p.offload.value}")

@@ -548,12 +548,16 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
     overhead = {}
     if t.device is Device.CUDA:
         overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved}
+    from .distributed import RankMemory
+
+    only = RankMemory("the only device (rank 0)", 0, m.n_layers, ev.peak, reserved, total, ev.peak_phase, ev.peak_at,
+                      tops, dict(ev.detail), 0)
     return MemoryEstimate(
         model=m, training=t, n_params=prog.n_params, n_trainable_params=prog.n_trainable,
         peak_allocated_bytes=ev.peak, peak_reserved_bytes=reserved, device_total_bytes=total,
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
         phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
-        parallel=parallel or ParallelSpec(),
+        parallel=parallel or ParallelSpec(), per_rank=(only,),
     )
 
 
