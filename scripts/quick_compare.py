@@ -10,7 +10,6 @@ from trainmem_nb.estimate import estimate
 from trainmem_nb.measure.step import run_step, summarize
 from trainmem_nb.specs import ModelSpec, TrainingSpec
 
-
 #: Families without grouped-query attention (n_kv_heads must equal n_heads).
 NO_GQA = ("gpt2", "opt", "bert", "gpt_neox")
 
@@ -45,7 +44,7 @@ def main() -> None:
         worst = max(worst, abs(err))
         phase = {"forward": "forward", "backward": "backward", "optimizer": "optimizer"}.get(s["peak_phase"], s["peak_phase"])
         flag = "" if abs(err) < 0.005 and phase == e.peak_phase else "  <<<"
-        print(f"{t.precision.value:10s} {t.optimizer.value:5s} {str(t.optimizer_impl and t.optimizer_impl.value):8s} "
+        print(f"{t.precision.value:10s} {t.optimizer.value:5s} {t.optimizer_impl and t.optimizer_impl.value!s:8s} "
               f"ckpt={t.checkpointing.value:9s} {t.attention.value} d={t.dropout} b{t.micro_batch} s{t.seq_len} L{m.n_layers}: "
               f"est {e.peak_allocated_bytes} mea {s['peak']} err {err:+.4f} {e.peak_phase}/{phase}{flag}  ({time.time() - t0:.1f}s)")
     print("worst", worst)
