@@ -177,3 +177,18 @@ def test_tensor_parallel_degree_must_divide_heads() -> None:
     with pytest.raises(SpecError, match=r"n_heads=40") as info:
         tm.estimate("llama-2-13b", micro_batch=1, seq_len=1024, gpus=6, tp=3)
     assert "tp=3" in str(info.value)
+
+
+def test_trainmem_measure_runs_one_fsdp_rank_and_matches_the_per_rank_estimate(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    from trainmem_nb.cli import main
+    from trainmem_nb.presets import get_model
+
+    args = ["--model", "gpt2", "--micro-batch", "2", "--seq-len", "128", "--precision", "bf16-mixed",
+            "--gpus", "4", "--engine", "fsdp", "--zero", "3"]
+    assert main(["measure", *args, "--device", "fake", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["parallel"]["gpus"] == 4 and "rank 0 of 4" in measured["note"]
+    t = TrainingSpec(micro_batch=2, seq_len=128, precision="bf16-mixed", device="cpu")
+    est = simulate_parallel(get_model("gpt2"), t, ParallelSpec(gpus=4, engine="fsdp", zero=3), None, backend="nccl")
+    assert measured["peak_allocated_bytes"] == est.peak_allocated_bytes

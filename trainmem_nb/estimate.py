@@ -160,6 +160,12 @@ class MemoryEstimate:
     def __str__(self) -> str:
         return self.summary()
 
+    def __repr__(self) -> str:
+        """One line (notebooks compare outputs: the repr must not grow with every new field)."""
+        where = "" if self.parallel.single_device else f", worst of {len(self.per_rank)} rank group(s) on {self.parallel.gpus} GPUs"
+        return (f"<MemoryEstimate {self.model.name}: peak {format_bytes(self.peak_allocated_bytes)} allocated during "
+                f"{self.peak_phase}, {format_bytes(self.device_total_bytes)} device total{where}>")
+
     def _repr_html_(self) -> str:
         """A compact table for notebooks: the breakdown with bars, the peak and when it happens."""
         total = self.peak_allocated_bytes or 1

@@ -40,7 +40,7 @@ class SpecError(ValueError):
 
 def did_you_mean(value: str, choices: list[str]) -> str:
     """Return ``" (did you mean 'x'?)"`` for the closest choice, or an empty string."""
-    close = difflib.get_close_matches(str(value).lower(), [c.lower() for c in choices], n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(value).lower(), [c.lower() for c in choices], n=1, cutoff=0.5)
     if not close:
         return ""
     original = next(c for c in choices if c.lower() == close[0])

@@ -67,7 +67,7 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     if args.save_calibration and args.device != "cuda":
         raise SpecError(f"--save-calibration needs --device cuda (got --device {args.device}): only a GPU shows "
                         f"its context and allocator overheads")
-    _refuse_parallel_layout(args)
+    layout = _fsdp_layout(args)
     model = model_from_args(args)
     options = training_options_from_args(args)
     options.pop("device")  # the kernels follow --device: cuda for cuda, cpu for fake and cpu
@@ -75,7 +75,10 @@ def _cmd_measure(args: argparse.Namespace) -> int:
 
     try:
         first = bool(getattr(args, "first_step", False))
-        result = measure(model, device=args.device, prime=False if first else None, **options)
+        if layout is not None:
+            result = _measure_fsdp_rank(model, options, layout, args.device)
+        else:
+            result = measure(model, device=args.device, prime=False if first else None, **options)
     except (SpecError, ValueError, RuntimeError, OSError):
         raise
     except MemoryError:
@@ -100,20 +103,42 @@ def _cmd_measure(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_parallel_layout(args: argparse.Namespace) -> None:
-    """`trainmem measure` runs one device: a parallel layout given with the shared flags is refused."""
-    try:
-        from ..cli import parallel_options_from_args
-        from ..parallelism import ParallelSpec, build_parallel
-    except ImportError:  # an estimator without parallel layouts: nothing to refuse
-        return
+def _fsdp_layout(args: argparse.Namespace) -> Any:
+    """The FSDP2 layout to measure one rank of, None for one device; other layouts are refused: only
+    FSDP2's data parallelism runs here (one process plays a rank over PyTorch's fake process group)."""
+    from ..cli import parallel_options_from_args
+    from ..parallelism import Engine, ParallelSpec, build_parallel
+
     layout = build_parallel(**parallel_options_from_args(args))
-    if layout != ParallelSpec():
+    if layout == ParallelSpec():
+        return None
+    fsdp = (layout.engine is Engine.FSDP and layout.zero >= 2 and layout.tp == layout.pp == layout.cp == layout.ep == 1
+            and layout.offload.value == "none" and not layout.hybrid_shard)
+    if not fsdp:
         changed = sorted(k for k, v in layout.model_dump().items() if v != getattr(ParallelSpec(), k))
         raise SpecError(
-            f"trainmem measure runs one training process on one device; the parallel layout "
-            f"({', '.join('--' + k.replace('_', '-') for k in changed)}) is modelled by `trainmem estimate` only"
+            f"trainmem measure runs one device, or one rank of an FSDP2 job (--engine fsdp --zero 2|3 --gpus N); "
+            f"the layout ({', '.join('--' + k.replace('_', '-') for k in changed)}) is modelled by `trainmem estimate` only"
         )
+    if args.device == "cuda":
+        raise SpecError("an FSDP2 rank is measured with --device fake or cpu (one process, fake process group): "
+                        "a multi-GPU CUDA job needs NCCL and several GPUs")
+    return layout
+
+
+def _measure_fsdp_rank(model: Any, options: dict[str, Any], layout: Any, device: str) -> Any:
+    """Rank 0 (the largest shards) of an FSDP2 job, measured in this process."""
+    from ..specs import TrainingSpec
+    from .api import measurement_from_trace
+    from .fsdp import run_fsdp_step
+
+    t = TrainingSpec.model_validate({**options, "device": "cpu"})
+    import dataclasses
+
+    result = measurement_from_trace(run_fsdp_step(model, t, layout, rank=0, device=device))
+    note = (f"{result.note}; rank 0 of {layout.dp} FSDP2 ranks over PyTorch's fake process group (collectives "
+            "allocate their outputs as NCCL does, without gloo's copies)")
+    return dataclasses.replace(result, parallel=layout.model_dump(mode="json"), note=note)
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

@@ -66,6 +66,7 @@ class Measurement:
     note: str = ""
     saved_activations_bytes: int = 0  #: activations (inputs included) alive when forward ends
     host_bytes: int = 0  #: host memory the step keeps off the device (none: nothing is offloaded)
+    parallel: dict[str, Any] | None = None  #: the layout of a measured FSDP rank (None: one device)
 
     @property
     def breakdown_bytes(self) -> dict[str, int]:
@@ -93,7 +94,7 @@ class Measurement:
             "calibration": self.calibration().model_dump(mode="json") if self.mode == "cuda" else None,
             "host_bytes": self.host_bytes,
             "host_load_bytes": None,  # loading the model is not part of the measured step
-            "parallel": _single_device_layout(),
+            "parallel": self.parallel or _single_device_layout(),
             "per_rank": [],
             "training": self.training.model_dump(mode="json"),
             "model_spec": self.model.model_dump(mode="json"),
@@ -137,6 +138,7 @@ class Measurement:
             note=str(data.get("note", "")),
             saved_activations_bytes=int(data.get("saved_activations_bytes", 0)),
             host_bytes=int(data.get("host_bytes", 0)),
+            parallel=data.get("parallel") if data.get("parallel", {}).get("gpus", 1) > 1 else None,
         )
 
     def calibration(self) -> Any:
