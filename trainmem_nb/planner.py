@@ -204,7 +204,8 @@ def fit(estimate: MemoryEstimate, gpu: str | GPU, headroom: float = DEFAULT_HEAD
         message = (f"tight on {g.name}: {format_bytes(need)} of {format_bytes(usable)}, {margin:.0%} spare, "
                    f"under the {headroom:.0%} headroom")
     else:
-        message = f"OOM on {g.name}: needs {format_bytes(need)} of {format_bytes(usable)} ({-margin:.0%} over)"
+        over = f"{-margin:.0%} over" if -margin < 1 else f"{need / usable:.1f}x the card"
+        message = f"OOM on {g.name}: needs {format_bytes(need)} of {format_bytes(usable)} ({over})"
     return Fit(verdict, g.name, need, usable, headroom, margin, message, _fit_notes(estimate, g))
 
 

@@ -585,20 +585,33 @@ def timeline(prog: Program, micro_batch: int, seq_len: int, max_points: int = 15
     for seg in prog.segments:
         deltas = [(top_of[cat], sign * _round(sz.at(b, s)), label) for cat, sign, sz, label in seg.events]
         n = seg.repeat
+        # every repetition of a repeated layer changes memory the same way: its highest point is at the
+        # same event, offset by what the earlier repetitions left (found once, not per repetition)
+        running, best_i, best_run = 0, -1, 0
+        net = [0] * len(TOP_KEYS)
+        best_net: list[int] = list(net)
+        for i, (top, d, _label) in enumerate(deltas):
+            running += d
+            net[top] += d
+            if best_i < 0 or running > best_run:
+                best_i, best_run, best_net = i, running, list(net)
         for rep in range(n):
-            full = rep in (0, n - 1)
-            best = None
-            for top, d, label in deltas:
-                cats[top] += d
-                step += 1
+            if rep in (0, n - 1):
                 total = sum(cats)
-                if full:
-                    points.append(TimelinePoint(step, seg.phase, f"{seg.label}: {label}", total, tuple(cats)))
-                elif best is None or total > best.total_bytes:
-                    best = TimelinePoint(step, seg.phase, f"{seg.label} ({rep + 1} of {n}): {label}", total, tuple(cats))
-            if not full and best is not None:
-                points.append(best)
-                points.append(TimelinePoint(step, seg.phase, f"{seg.label} ({rep + 1} of {n}) done", sum(cats), tuple(cats)))
+                prefix = f"{seg.label}: "
+                for top, d, label in deltas:
+                    cats[top] += d
+                    total += d
+                    step += 1
+                    points.append(TimelinePoint(step, seg.phase, prefix + label, total, tuple(cats)))
+                continue
+            if best_i >= 0:
+                at = tuple(c + d for c, d in zip(cats, best_net, strict=True))
+                points.append(TimelinePoint(step + best_i + 1, seg.phase,
+                                            f"{seg.label} ({rep + 1} of {n}): {deltas[best_i][2]}", sum(at), at))
+            cats = [c + d for c, d in zip(cats, net, strict=True)]
+            step += len(deltas)
+            points.append(TimelinePoint(step, seg.phase, f"{seg.label} ({rep + 1} of {n}) done", sum(cats), tuple(cats)))
     if len(points) <= max_points:
         return points
     size = -(-len(points) // max_points)
