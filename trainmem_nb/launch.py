@@ -19,6 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .distributed import (
+    DS_ALLGATHER_BUCKET,
+    DS_REDUCE_BUCKET,
+    DS_STAGE3_MAX_LIVE,
+    DS_STAGE3_PERSISTENCE,
+    DS_STAGE3_PREFETCH,
+)
 from .specs import SpecError
 
 __all__ = [
@@ -32,14 +39,14 @@ __all__ = [
 ]
 
 #: DeepSpeed's own ZeRO defaults (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig): written out so
-#: the config says what the memory estimate assumed.
+#: the config says what the memory estimate assumed (the estimator's constants, one source of truth).
 DEEPSPEED_DEFAULTS = {
-    "reduce_bucket_size": 500_000_000,
-    "allgather_bucket_size": 500_000_000,
-    "stage3_prefetch_bucket_size": 50_000_000,
-    "stage3_param_persistence_threshold": 100_000,
-    "stage3_max_live_parameters": 1_000_000_000,
-    "stage3_max_reuse_distance": 1_000_000_000,
+    "reduce_bucket_size": DS_REDUCE_BUCKET,
+    "allgather_bucket_size": DS_ALLGATHER_BUCKET,
+    "stage3_prefetch_bucket_size": DS_STAGE3_PREFETCH,
+    "stage3_param_persistence_threshold": DS_STAGE3_PERSISTENCE,
+    "stage3_max_live_parameters": DS_STAGE3_MAX_LIVE,
+    "stage3_max_reuse_distance": 1_000_000_000,  # not used by the estimate
 }
 
 #: DeepSpeed's dynamic loss scaling for fp16 (deepspeed/runtime/precision_config.py, FP16_FORMAT).
