@@ -123,6 +123,10 @@ class MistralRecipe(LlamaRecipe):
         g.drop(qr, kr, vv)  # locals query_states, key_states, value_states die when forward returns
         return out
 
+    #: The rotary outputs are contiguous (b, heads, s, d) tensors (phi3's ``cat``), not views in the
+    #: projections' (b, s, heads, d) layout (llama's element-wise rotary): decides matmul copies.
+    qk_contiguous = False
+
     @property
     def value_grad_contiguous(self) -> bool:
         """The value's gradient reaches its (b, s, kv, d) -> (b, kv, s, d) view contiguous in the
@@ -169,6 +173,12 @@ class MistralRecipe(LlamaRecipe):
         # the node releases its saved tensors in the order mask, key, query, value, logsumexp, output
         g.record("sdpa", [qc, kc, vc], [out, lse], [mask, kc, qc, vc, lse, out], bwd)
         g.drop(lse, mask, qc, kc, vc)
+        if self.qk_contiguous and not ctx.cuda:
+            # the CPU flash kernel's output follows the query's layout: transpose(1, 2).contiguous()
+            # copies it before the function returns
+            o = out
+            out = ops.clone(g, o, "attn_output transpose contiguous")
+            g.drop(o)
         g.drop(kx, vx)  # sdpa_attention_forward's locals (the repeated key and value)
         return out
 
@@ -193,11 +203,12 @@ class MistralRecipe(LlamaRecipe):
         q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
         qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
         kt = ops.scalar_op(g, k32, "k^T * sqrt(scale)")
-        # matmul folds (b, heads) into one batch dim: the (b, s, heads, d)-strided query is copied, and
+        # matmul folds (b, heads) into one batch dim: a (b, s, heads, d)-strided query is copied, and
         # so are the key and value unless repeat_kv made them contiguous; nothing with one sequence
         strided_kv = n_rep == 1 and not ctx.batch1
-        q2 = g.hold(qs) if ctx.batch1 else ops.clone(g, qs, "query contiguous")
-        k2 = ops.clone(g, kt, "key^T contiguous") if strided_kv else g.hold(kt)
+        strided_qk = not self.qk_contiguous and not ctx.batch1
+        q2 = ops.clone(g, qs, "query contiguous") if strided_qk else g.hold(qs)
+        k2 = ops.clone(g, kt, "key^T contiguous") if strided_kv and strided_qk else g.hold(kt)
         scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
         g.drop(q2, k2, kt)
         sm = ops.add(g, scores, mask, "+ attn_mask")

@@ -101,6 +101,8 @@ class Phi3Recipe(MistralRecipe):
             g.drop(rot, pas)
         return out[0], out[1]
 
+    qk_contiguous = True
+
     def sdpa(self, g: Graph, q: T, k: T, v: T) -> T:
         """``sdpa_attention_forward`` (llama's or, with a window mask, mistral's). The flash kernels
         allocate their output like the query (CPU: measured; CUDA: ``out = at::empty_like(q_padded)``,
@@ -109,8 +111,8 @@ class Phi3Recipe(MistralRecipe):
         allocates (b, s, heads, d) whatever the query (``_efficient_attention_forward``,
         transformers/cuda/attention.cu): no copy."""
         o = super().sdpa(g, q, k, v)
-        if self.ctx.cuda and self.masked:
-            return o
+        if self.masked:
+            return o  # mistral's masked path copies (CPU) or needs no copy (CUDA)
         out = ops.clone(g, o, "attn_output transpose contiguous")
         g.drop(o)
         return out
@@ -159,7 +161,9 @@ class Phi3Recipe(MistralRecipe):
 
     def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
         """llama's ``_scaled_dot_product_attention_math`` without the query's copy (the scaled query
-        is already a contiguous batch of matrices)."""
+        is already a contiguous batch of matrices); with a window mask, mistral's (`qk_contiguous`)."""
+        if self.masked:
+            return super().sdpa_math(g, q, k, v)
         m, ctx = self.m, self.ctx
         cd = ctx.autocast
         kc = ops.cast(g, k, cd, "sdpa k cast") if cd else g.hold(k)
