@@ -785,8 +785,9 @@ def linear_strided_grad(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, in_features
                         strided: bool, label: str, lora: tuple[T, T, int, float] | None = None) -> T:
     """A projection whose output gradient comes back strided when `strided` (the key of eager or math
     attention: its (b, heads, s, d) view's transposes leave the gradient in a layout that the
-    ``view`` of a linear's output cannot take, so each ``F.linear`` output reshape copies it in
-    backward, just before that linear's own backward). With `lora` = (lora_A, lora_B, rank,
+    ``view`` of a linear's output cannot fold to (tokens, features) when b > 1, so each ``F.linear``
+    output reshape copies it in backward, just before that linear's own backward; with b == 1 the
+    ``mm`` takes the transposed layout as it is). With `lora` = (lora_A, lora_B, rank,
     dropout) the layer is peft's `lora_linear`, whose base and ``lora_B`` outputs both copy."""
     if lora is None:
         y = (addmm(g, ctx, x, w, b, in_features, out_features, label, linear_casts=True) if b is not None

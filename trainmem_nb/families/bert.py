@@ -161,7 +161,8 @@ class BertRecipe(Recipe):
         views = []
         for name in ("query", "key", "value"):
             if name == "key":
-                y = self.linear_strided_grad(g, h, p, f"attention.self.{name}", m.hidden, m.hidden, eager or math)
+                y = self.linear_strided_grad(g, h, p, f"attention.self.{name}", m.hidden, m.hidden,
+                                             (eager or math) and fold)
                 views.append(ops.heads_view(g, y, f"{name} view", clone_grad=False))
             else:
                 y = self.linear(g, h, p, f"attention.self.{name}", m.hidden, m.hidden)

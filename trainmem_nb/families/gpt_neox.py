@@ -143,11 +143,16 @@ class GPTNeoXRecipe(Recipe):
             o = ops.clone(g, o4, "attn_output transpose contiguous")  # sdpa_attention_forward
             g.drop(o4)
         else:
-            # the flash kernel's output takes the query's contiguous (b, heads, s, d) layout, so
-            # sdpa_attention_forward's `transpose(1, 2).contiguous()` copies it
-            o4 = ops.sdpa_flash(g, ctx, qe, ke, v, tok(m.n_heads), "sdpa")
-            o = ops.clone(g, o4, "attn_output transpose contiguous")
-            g.drop(o4)
+            # flash kernels write the output in the query's layout, here contiguous (b, heads, s, d)
+            # (CPU attention.cpp: `empty_like(query).transpose(1, 2)`; CUDA flash_api.cpp:
+            # `empty_like(q)`), so sdpa_attention_forward's `transpose(1, 2).contiguous()` copies it;
+            # CUDA's memory-efficient kernel, which fp32 inputs get, allocates (b, s, heads, d)
+            # (attention.cu `_efficient_attention_forward`): no copy
+            o = ops.sdpa_flash(g, ctx, qe, ke, v, tok(m.n_heads), "sdpa")
+            if not (ctx.cuda and ctx.autocast is None and self.pdt == F32):
+                o4 = o
+                o = ops.clone(g, o4, "attn_output transpose contiguous")
+                g.drop(o4)
         out = self.linear(g, o, p, "attention.dense", m.hidden, m.hidden)
         g.drop(o)
         g.drop(qkv, q, k, v, qe, ke)  # locals qkv, query_states, key_states, value_states

@@ -146,7 +146,7 @@ class OPTRecipe(Recipe):
         q = ops.heads_view(g, q1, "query view", clone_grad=eager or math)
         g.drop(q1)
         # the key's gradient is copied by k_proj's own output reshape, before v_proj's backward runs
-        k1 = self.linear_strided_grad(g, h, p, "self_attn.k_proj", hh, hh, eager or math)
+        k1 = self.linear_strided_grad(g, h, p, "self_attn.k_proj", hh, hh, (eager or math) and fold)
         v0 = self.linear(g, h, p, "self_attn.v_proj", hh, hh)
         k = ops.heads_view(g, k1, "key view", clone_grad=False)
         v = ops.heads_view(g, v0, "value view", clone_grad=eager or math)
