@@ -42,12 +42,24 @@ class Segment(NamedTuple):
     events: tuple[tuple[int, int, Sz, str], ...]  # (category index, +k alloc / -k free of k tensors, bytes, label)
     fast: tuple[tuple[int, float, int], ...] = ()  # per event: (monomial index or -1, coefficient, sign)
     general: tuple[int, ...] = ()  # events whose size has several terms (computed in full)
+    #: the segment's net effect per category: (category, monomial index, coefficient, summed sign) of its
+    #: one-term events (an alloc and its free inside the segment cancel out), for `_breakdown_at`
+    net: tuple[tuple[int, int, float, int], ...] = ()
+    sizes_of: tuple[tuple[int, float], ...] = ()  # the distinct one-term sizes (monomial index, coefficient)
+    which: tuple[tuple[int, int], ...] = ()  # per event: (index into sizes_of, sign)
 
 
 def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...]) -> Segment:
     """A segment with its events' sizes precompiled for `evaluate`."""
     fast = tuple((*_terms(sz), sign) for _c, sign, sz, _l in events)
-    return Segment(phase, label, repeat, events, fast, tuple(j for j, f in enumerate(fast) if f[0] < 0))
+    net: dict[tuple[int, int, float], int] = {}
+    for (cat, _sign, _sz, _l), (i, c, k) in zip(events, fast, strict=True):
+        if i >= 0:
+            net[(cat, i, c)] = net.get((cat, i, c), 0) + k
+    distinct: dict[tuple[int, float], int] = {}
+    which = tuple((distinct.setdefault((max(i, 0), c), len(distinct)), k) for i, c, k in fast)
+    return Segment(phase, label, repeat, events, fast, tuple(j for j, f in enumerate(fast) if f[0] < 0),
+                   tuple((cat, i, c, k) for (cat, i, c), k in net.items() if k), tuple(distinct), which)
 
 
 @dataclass(frozen=True)
@@ -434,7 +446,8 @@ def _terms(sz: Sz) -> tuple[int, float]:
 
 def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> list[int]:
     """Signed, 512-B-rounded bytes of each event at (b, s)."""
-    out = [k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for i, c, k in seg.fast]
+    vals = [-(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for i, c in seg.sizes_of]
+    out = [k * vals[u] for u, k in seg.which]
     for j in seg.general:
         out[j] = seg.fast[j][2] * _round(seg.events[j][2].at(b, s))
     return out
@@ -465,7 +478,7 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
             if cand > best:
                 best, best_where = cand, (si, run.index(pmax), reps_before)
         total += net * n
-    detail = _breakdown_at(prog, init, all_sizes, *best_where)
+    detail = _breakdown_at(prog, init, all_sizes, *best_where, mono)
     si, ei, reps = best_where
     if si < 0:
         phase, where = "forward", "start of step"
@@ -485,7 +498,7 @@ def _init_bytes(prog: Program, b: int, s: int) -> list[int]:
 
 
 def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[int]], si: int, ei: int,
-                  reps: int) -> dict[str, int]:
+                  reps: int, mono: tuple[int, ...]) -> dict[str, int]:
     """Bytes per detailed category just after event `ei` of segment `si` (repeated `reps` times before)."""
     cats = list(init)
     for j, seg in enumerate(prog.segments):
@@ -493,9 +506,11 @@ def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[int]], si
             break
         sizes = all_sizes[j]
         times = seg.repeat if j < si else reps
-        if times:
-            for (cat, _, _, _), d in zip(seg.events, sizes, strict=True):
-                cats[cat] += d * times
+        if times and sizes:
+            for cat, i, c, k in seg.net:
+                cats[cat] += k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES * times
+            for e in seg.general:
+                cats[seg.events[e][0]] += sizes[e] * times
         if j == si:
             for (cat, _, _, _), d in zip(seg.events[: ei + 1], sizes[: ei + 1], strict=True):
                 cats[cat] += d
