@@ -189,7 +189,11 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
         # forward hook makes the embedding output require grad so gradients reach checkpointed layers
         embeds.rg = True
         g.input_leaves.append(embeds)
-    x = g.hold(embeds)  # `hidden_states = inputs_embeds`; the model keeps `inputs_embeds` until it returns
+    # `hidden_states = inputs_embeds`: the model keeps `inputs_embeds` until it returns; a recipe whose
+    # embedding output is a temporary no model local names (a sum with position embeddings, a dropout)
+    # sets `embed_output_kept = False` and hands its reference to the first layer instead
+    kept = getattr(recipe, "embed_output_kept", True) or not hooks.first_stage
+    x = g.hold(embeds) if kept else embeds
     node_marks = []
     layer_inputs: list[T] = []
     layer_outputs: list[T] = []
@@ -219,7 +223,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
     else:
         h = x  # sent to the next stage; its gradient comes back in backward
     # the base model returns: its locals (inputs_embeds, position ids, mask, cos/sin) go
-    for sh in (*shared.extra, embeds, shared.mask, shared.cos, shared.sin):
+    for sh in (*shared.extra, embeds if kept else None, shared.mask, shared.cos, shared.sin):
         if sh is not None:
             g.drop(sh)
     if hooks.last_stage:

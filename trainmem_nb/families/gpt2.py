@@ -20,6 +20,11 @@ __all__ = ["GPT2Recipe"]
 class GPT2Recipe(Recipe):
     """gpt2: ``GPT2Model`` blocks under ``GPT2LMHeadModel``."""
 
+    #: the embedding output handed to the first layer is no model local (``hidden_states`` rebinds in
+    #: the layer loop; the model's own locals are freed in `final_norm`): it dies after the first
+    #: layer unless saved (read by `trainmem_nb.simulate.compile_step`)
+    embed_output_kept = False
+
     def conv1d(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int) -> T:
         """A ``Conv1D`` layer by its module name in the block: ``addmm``, or peft's LoRA-wrapped
         forward when an adapter targets it."""

@@ -23,6 +23,11 @@ __all__ = ["GPTNeoXRecipe"]
 class GPTNeoXRecipe(Recipe):
     """gpt_neox (Pythia): ``GPTNeoXModel`` layers under ``GPTNeoXForCausalLM``."""
 
+    #: the embedding output handed to the first layer is no model local (``hidden_states`` rebinds in
+    #: the layer loop; the model's own locals are freed in `final_norm`): it dies after the first
+    #: layer unless saved (read by `trainmem_nb.simulate.compile_step`)
+    embed_output_kept = False
+
     def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
                **kw: object) -> T:
         """`Recipe.linear`, except that a projection with a bias runs as ``addmm``, whose bias gradient

@@ -21,6 +21,11 @@ __all__ = ["OPTRecipe"]
 class OPTRecipe(Recipe):
     """opt: ``OPTDecoder`` layers under ``OPTForCausalLM``."""
 
+    #: the embedding output handed to the first layer is no model local (``hidden_states`` rebinds in
+    #: the layer loop; the model's own locals are freed in `final_norm`): it dies after the first
+    #: layer unless saved (read by `trainmem_nb.simulate.compile_step`)
+    embed_output_kept = False
+
     @property
     def proj(self) -> int:
         """Width of the word embeddings (``word_embed_proj_dim``)."""
