@@ -13,6 +13,7 @@ from ..ops import F32, I64
 from ..specs import Attention
 from ..tape import Graph, T, const, per_seq
 from .llama import LlamaRecipe
+from .mistral import eager_attention, math_attention
 
 __all__ = ["GemmaRecipe"]
 
@@ -62,3 +63,11 @@ class GemmaRecipe(LlamaRecipe):
             sh.mask = causal_mask(g, x.dt)
         sh.cos, sh.sin = self.rotary(g, x.dt)
         return x, sh
+
+    def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
+        """HF ``eager_attention_forward``: `trainmem_nb.families.mistral.eager_attention`."""
+        return eager_attention(self, g, q, k, v, mask)
+
+    def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
+        """SDPA's CPU math kernel (attention dropout): `trainmem_nb.families.mistral.math_attention`."""
+        return math_attention(self, g, q, k, v)

@@ -183,54 +183,12 @@ class MistralRecipe(LlamaRecipe):
         return out
 
     def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
-        """SDPA's math kernel (CPU with attention dropout). Without a mask, llama's. With one, k and v
-        come repeated by ``repeat_kv``, the boolean mask is converted as for the flash kernel, and
-        ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp) adds
-        it to the scores instead of building its own causal mask; then HF copies the output to
-        (b, s, heads, d)."""
-        if not self.masked:
-            return super().sdpa_math(g, q, k, v)
-        m, ctx = self.m, self.ctx
-        n_rep = m.n_heads // m.n_kv_heads
-        kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
-        vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
-        cd = ctx.autocast
-        kc = ops.cast(g, kx, cd, "sdpa k cast") if cd else g.hold(kx)
-        qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
-        vc = ops.cast(g, vx, cd, "sdpa v cast") if cd else g.hold(vx)
-        mask = self.sdpa_additive_mask(g, qc.dt)
-        reduced = qc.dt != F32
-        q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
-        qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
-        kt = ops.scalar_op(g, k32, "k^T * sqrt(scale)")
-        # matmul folds (b, heads) into one batch dim: a (b, s, heads, d)-strided query is copied, and
-        # so are the key and value unless repeat_kv made them contiguous; nothing with one sequence
-        strided_kv = n_rep == 1 and not ctx.batch1
-        strided_qk = not self.qk_contiguous and not ctx.batch1
-        q2 = ops.clone(g, qs, "query contiguous") if strided_qk else g.hold(qs)
-        k2 = ops.clone(g, kt, "key^T contiguous") if strided_kv and strided_qk else g.hold(kt)
-        scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
-        g.drop(q2, k2, kt)
-        sm = ops.add(g, scores, mask, "+ attn_mask")
-        g.drop(scores)
-        probs = ops.softmax(g, sm, None, "_safe_softmax")
-        g.drop(sm)
-        pd = ops.dropout(g, ctx, probs, self.dropout_attn, "attn dropout")
-        g.drop(probs)
-        attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
-        v2 = ops.clone(g, v32, "value contiguous") if strided_kv else g.hold(v32)
-        o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v")
-        g.drop(v2)
-        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not ctx.batch1)
-        g.drop(o3)
-        if reduced:
-            o16 = ops.cast(g, o, qc.dt, "output to input dtype")
-            g.drop(o)
-            o = o16
-        g.drop(qs, mask, k32, v32, q32, pd, attn16, qc, kc, vc)
-        out = ops.clone(g, o, "attn_output transpose contiguous")
-        g.drop(o, kx, vx)
-        return out
+        """SDPA's math kernel (CPU with attention dropout): `math_attention`."""
+        return math_attention(self, g, q, k, v, masked=self.masked, qk_contiguous=self.qk_contiguous)
+
+    def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
+        """HF ``eager_attention_forward``: `eager_attention`."""
+        return eager_attention(self, g, q, k, v, mask, qk_contiguous=self.qk_contiguous)
 
     def sdpa_additive_mask(self, g: Graph, dt: int) -> T:
         """``convert_boolean_attn_mask`` (aten/src/ATen/native/transformers/attention.cpp): ``where``
@@ -252,3 +210,123 @@ def mem_efficient_backward_scratch(g: Graph, m: object) -> list[T]:
     heads, head_dim = m.n_heads, m.head_dim  # type: ignore[attr-defined]
     return [g.alloc(tok(heads), F32, "mem-efficient delta"),
             g.alloc(tok(heads * head_dim), F32, "mem-efficient workspace (grad q accumulator)")]
+
+
+def math_attention(rec: LlamaRecipe, g: Graph, q: T, k: T, v: T, masked: bool = False,
+                   qk_contiguous: bool = False) -> T:
+    """SDPA's math kernel, which CPU SDPA runs when attention dropout is on:
+    ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp). 16-bit
+    inputs are upcast to fp32 on CPU; q and k^T are scaled by sqrt(scale); then ``matmul``,
+    ``_safe_softmax``, dropout, ``matmul``, the results cast back; then HF copies the output to
+    (b, s, heads, d).
+
+    Without a mask (``is_causal``) the kernel builds an (s, s) additive causal mask and repeats
+    grouped k/v itself (``enable_gqa``). With a mask (`masked`: the sliding window) HF has repeated
+    k/v (``repeat_kv``, locals until ``sdpa_attention_forward`` returns) and SDPA converted the
+    boolean mask before the kernel (`MistralRecipe.sdpa_additive_mask`).
+
+    ``matmul`` folds (b, heads) into one batch dim with ``reshape``; operands whose batch dims cannot
+    fold (b > 1) are copied: the query and key when they keep the projections' (b, s, heads, d)
+    layout (not `qk_contiguous`), the key and value when not repeated (one kv head per head); and the
+    gradient reaching the result's (b, s, heads, d) view is then copied by its reshape too."""
+    m, ctx = rec.m, rec.ctx
+    n_rep = m.n_heads // m.n_kv_heads
+    if masked:
+        k, v = ops.repeat_kv(g, k, n_rep, "repeat_kv key"), ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+    else:
+        g.hold(k), g.hold(v)
+    cd = ctx.autocast
+    kc = ops.cast(g, k, cd, "sdpa k cast") if cd else g.hold(k)
+    qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
+    vc = ops.cast(g, v, cd, "sdpa v cast") if cd else g.hold(v)
+    mask = rec.sdpa_additive_mask(g, qc.dt) if masked else None  # type: ignore[attr-defined]
+    reduced = qc.dt != F32
+    q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
+    qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
+    if masked:
+        kx, vx = g.hold(k32), g.hold(v32)
+    else:
+        ones = g.alloc(Sz(ss=1), BOOL, "causal ones")
+        tril = g.alloc(Sz(ss=1), BOOL, "causal tril")
+        g.drop(ones)
+        zero, neg = g.alloc(const(1), F32, "0"), g.alloc(const(1), F32, "-inf")
+        mask = g.alloc(Sz(ss=1), F32, "causal mask")
+        g.drop(zero, neg, tril)
+        kx = ops.repeat_kv(g, k32, n_rep, "key expanded")
+        vx = ops.repeat_kv(g, v32, n_rep, "value expanded")
+    kt = ops.scalar_op(g, kx, "k^T * sqrt(scale)")
+    fold = ctx.batch1
+    copy_qk = not qk_contiguous and not fold
+    copy_kv = n_rep == 1 and not fold
+    q2 = ops.clone(g, qs, "query contiguous") if copy_qk else g.hold(qs)
+    k2 = ops.clone(g, kt, "key^T contiguous") if copy_qk and copy_kv else g.hold(kt)
+    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
+    g.drop(q2, k2, kt)
+    sm = ops.add(g, scores, mask, "+ mask")
+    g.drop(scores)
+    probs = ops.softmax(g, sm, None, "_safe_softmax")
+    g.drop(sm)
+    pd = ops.dropout(g, ctx, probs, rec.dropout_attn, "attn dropout")
+    g.drop(probs)
+    # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
+    attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
+    v2 = ops.clone(g, vx, "value contiguous") if copy_kv else g.hold(vx)
+    o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v")
+    g.drop(v2)
+    o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
+    g.drop(o3)
+    if reduced:
+        o16 = ops.cast(g, o, qc.dt, "output to input dtype")
+        g.drop(o)
+        o = o16
+    g.drop(kx, qs, mask, k32, v32, q32, pd, vx, attn16, qc, kc, vc)
+    out = ops.clone(g, o, "attn_output transpose contiguous")
+    g.drop(o, k, v)
+    return out
+
+
+def eager_attention(rec: LlamaRecipe, g: Graph, q: T, k: T, v: T, mask: T | None,
+                    qk_contiguous: bool = False) -> T:
+    """HF ``eager_attention_forward``: repeat k/v for GQA, ``q @ k^T * scaling + mask``, fp32 softmax
+    cast back to q's dtype, dropout, ``@ v``, transpose back to contiguous; the attention weights stay
+    bound in the decoder layer until it returns.
+
+    ``matmul`` copies operands whose (b, heads) cannot fold into one batch dim (b > 1): the query and
+    key in the projections' layout (not `qk_contiguous`), the key and value when not repeated; with
+    b == 1 nothing is copied and neither is the output's gradient."""
+    m, ctx = rec.m, rec.ctx
+    n_rep = m.n_heads // m.n_kv_heads
+    fold = ctx.batch1
+    copy_qk = not qk_contiguous and not fold
+    copy_kv = n_rep == 1 and not fold
+    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
+    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+    # matmul(query, key^T): autocast casts key then query
+    kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
+    qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
+    q2 = ops.clone(g, qc, "query contiguous") if copy_qk else g.hold(qc)
+    k2 = ops.clone(g, kc, "key^T contiguous") if copy_qk and copy_kv else g.hold(kc)
+    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
+    g.drop(q2, k2, qc, kc)  # matmul's operands and their copies die when matmul returns
+    w = ops.scalar_op(g, scores, "* scaling")
+    g.drop(scores)
+    if mask is not None:
+        w2 = ops.add(g, w, mask, "+ mask")
+        g.drop(w)
+        w = w2
+    probs = ops.softmax(g, w, F32, "softmax")
+    pq = ops.cast(g, probs, q.dt, "probs to q dtype")
+    g.drop(probs, w)  # `attn_weights = softmax(...).to(dtype)` rebinds the name after the cast
+    pd = ops.dropout(g, ctx, pq, rec.dropout_attn, "attn dropout")
+    g.drop(pq)
+    pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
+    vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
+    v2 = ops.clone(g, vc, "value contiguous") if copy_kv else g.hold(vc)
+    o3 = ops.bmm(g, ctx, pc, v2, q.n, "probs @ v")
+    g.drop(v2, pc, vc)
+    o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
+    g.drop(o3)
+    out = ops.clone(g, o, "attn_output transpose contiguous")
+    g.drop(o, kx, vx)  # locals of eager_attention_forward
+    rec.attn_weights.append(pd)
+    return out

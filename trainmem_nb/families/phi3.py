@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from .. import ops
 from ..activations import Shared
-from ..ops import BOOL, F32
 from ..specs import Attention
-from ..tape import Graph, Sz, T, const, per_token_sq
+from ..tape import Graph, T
 from .mistral import MistralRecipe
 
 __all__ = ["Phi3Recipe"]
@@ -113,94 +112,6 @@ class Phi3Recipe(MistralRecipe):
         o = super().sdpa(g, q, k, v)
         if self.masked:
             return o  # mistral's masked path copies (CPU) or needs no copy (CUDA)
-        out = ops.clone(g, o, "attn_output transpose contiguous")
-        g.drop(o)
-        return out
-
-    @property
-    def value_needs_copy(self) -> bool:
-        """``matmul(probs, value)`` folds (b, heads) into one batch dim with ``reshape``: the value
-        is a strided view of ``qkv`` unless ``repeat_kv`` copied it (grouped-query attention), so the
-        reshape copies it, except with one sequence (b == 1 folds as a view)."""
-        return self.m.n_heads == self.m.n_kv_heads and not self.ctx.batch1
-
-    def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
-        """HF ``eager_attention_forward`` as llama's, but q and k are contiguous (b, heads, s, d)
-        tensors (from ``cat``): ``matmul`` uses them as batched matrices without copies; the value
-        may need one (`value_needs_copy`), and with b == 1 the output's gradient needs none."""
-        m, ctx = self.m, self.ctx
-        n_rep = m.n_heads // m.n_kv_heads
-        kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
-        vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
-        kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
-        qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
-        scores = ops.bmm(g, ctx, qc, kc, per_token_sq(m.n_heads), "q @ k^T")
-        g.drop(qc, kc)
-        w = ops.scalar_op(g, scores, "* scaling")
-        g.drop(scores)
-        if mask is not None:
-            w2 = ops.add(g, w, mask, "+ mask")
-            g.drop(w)
-            w = w2
-        probs = ops.softmax(g, w, F32, "softmax")
-        pq = ops.cast(g, probs, q.dt, "probs to q dtype")
-        g.drop(probs, w)
-        pd = ops.dropout(g, ctx, pq, self.dropout_attn, "attn dropout")
-        g.drop(pq)
-        pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
-        vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
-        v2 = ops.clone(g, vc, "value contiguous") if self.value_needs_copy else g.hold(vc)
-        o3 = ops.bmm(g, ctx, pc, v2, q.n, "probs @ v")
-        g.drop(v2, pc, vc)
-        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not ctx.batch1)
-        g.drop(o3)
-        out = ops.clone(g, o, "attn_output transpose contiguous")
-        g.drop(o, kx, vx)
-        self.attn_weights.append(pd)
-        return out
-
-    def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
-        """llama's ``_scaled_dot_product_attention_math`` without the query's copy (the scaled query
-        is already a contiguous batch of matrices); with a window mask, mistral's (`qk_contiguous`)."""
-        if self.masked:
-            return super().sdpa_math(g, q, k, v)
-        m, ctx = self.m, self.ctx
-        cd = ctx.autocast
-        kc = ops.cast(g, k, cd, "sdpa k cast") if cd else g.hold(k)
-        qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
-        vc = ops.cast(g, v, cd, "sdpa v cast") if cd else g.hold(v)
-        reduced = qc.dt != F32
-        q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
-        n_rep = m.n_heads // m.n_kv_heads
-        qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
-        ones = g.alloc(Sz(ss=1), BOOL, "causal ones")
-        tril = g.alloc(Sz(ss=1), BOOL, "causal tril")
-        g.drop(ones)
-        zero, neg = g.alloc(const(1), F32, "0"), g.alloc(const(1), F32, "-inf")
-        mask = g.alloc(Sz(ss=1), F32, "causal mask")
-        g.drop(zero, neg, tril)
-        kx = ops.repeat_kv(g, k32, n_rep, "key expanded")
-        vx = ops.repeat_kv(g, v32, n_rep, "value expanded")
-        kt = ops.scalar_op(g, kx, "k^T * sqrt(scale)")
-        scores = ops.bmm(g, ctx, qs, kt, per_token_sq(m.n_heads), "q @ k^T")
-        g.drop(kt)
-        sm = ops.add(g, scores, mask, "+ mask")
-        g.drop(scores)
-        probs = ops.softmax(g, sm, None, "_safe_softmax")
-        g.drop(sm)
-        pd = ops.dropout(g, ctx, probs, self.dropout_attn, "attn dropout")
-        g.drop(probs)
-        attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
-        v2 = ops.clone(g, vx, "value contiguous") if self.value_needs_copy else g.hold(vx)
-        o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v")
-        g.drop(v2)
-        o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not ctx.batch1)
-        g.drop(o3)
-        if reduced:
-            o16 = ops.cast(g, o, qc.dt, "output to input dtype")
-            g.drop(o)
-            o = o16
-        g.drop(kx, qs, mask, k32, v32, q32, pd, vx, attn16, qc, kc, vc)
         out = ops.clone(g, o, "attn_output transpose contiguous")
         g.drop(o)
         return out
