@@ -123,6 +123,8 @@ def param_inventory(m: ModelSpec) -> tuple[ParamTensor, ...]:
         items.append(ParamTensor("cls.predictions.bias", (V,), 1, False, False))
         if not m.tie_embeddings:
             items.append(ParamTensor("cls.predictions.decoder.weight", (V, h), 1, True, False))
+            # untied, the decoder keeps its own bias (cls.predictions.bias then gets no gradient)
+            items.append(ParamTensor("cls.predictions.decoder.bias", (V,), 1, False, False))
         return tuple(items)
     # llama-style decoders: llama, mistral, qwen2, gemma, phi3, mixtral
     q, kv = m.q_dim, m.kv_dim

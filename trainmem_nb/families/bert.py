@@ -195,7 +195,8 @@ class BertRecipe(Recipe):
 
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
         """BertOnlyMLMHead: transform (``dense``, GELU, ``LayerNorm``), ``decoder`` (tied to the word
-        embeddings, bias ``cls.predictions.bias``); then the masked-LM loss. Returns (loss, scores)."""
+        embeddings with bias ``cls.predictions.bias``, or untied with its own); then the masked-LM loss.
+        Returns (loss, scores)."""
         m, ctx = self.m, self.ctx
         d = self.linear(g, h, p, "cls.predictions.transform.dense", m.hidden, m.hidden)
         a = ops.activation(g, ctx, d, m.activation, "transform_act_fn")
@@ -204,7 +205,9 @@ class BertRecipe(Recipe):
                            p["cls.predictions.transform.LayerNorm.bias"], tok(1), "transform.LayerNorm")
         g.drop(a)
         w = p.get("cls.predictions.decoder.weight") or p["embeddings.word_embeddings.weight"]
-        scores = ops.addmm(g, ctx, n, w, p["cls.predictions.bias"], m.hidden, m.vocab, "decoder", linear_casts=True)
+        # tied, the decoder's bias is cls.predictions.bias; untied, it has its own
+        b = p.get("cls.predictions.decoder.bias") or p["cls.predictions.bias"]
+        scores = ops.addmm(g, ctx, n, w, b, m.hidden, m.vocab, "decoder", linear_casts=True)
         g.drop(n)
         return masked_lm_loss(g, ctx, scores, ids), scores
 
