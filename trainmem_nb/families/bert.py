@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import ops
-from ..activations import Recipe, Shared, tok
+from ..activations import Shared, tok
 from ..ops import F32, I64
-from ..specs import Attention, Checkpointing, Method
+from ..specs import Attention
 from ..tape import Graph, Sz, T, const, per_seq, per_token_sq
+from .layernorm import LayerNormRecipe
 
 __all__ = ["BertRecipe", "masked_lm_loss"]
 
@@ -53,35 +54,8 @@ def masked_lm_loss(g: Graph, ctx: ops.Ctx, scores: T, labels: T) -> T:
     return loss
 
 
-class BertRecipe(Recipe):
+class BertRecipe(LayerNormRecipe):
     """bert: ``BertModel`` (no pooler) under ``BertForMaskedLM``."""
-
-    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
-               **kw: object) -> T:
-        """`Recipe.linear`, except that a projection with a bias runs as ``addmm``, whose bias gradient
-        is the engine's reduction of the output gradient (`ops.addmm`)."""
-        b = p.get(f"{module}.bias")
-        if b is None or p.get(f"{module}.lora_A.weight") is not None:
-            return super().linear(g, x, p, module, in_features, out_features, **kw)
-        return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], b, in_features, out_features, module, linear_casts=True)
-
-    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
-        """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
-        forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
-        the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
-        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
-        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
-            inputs_embeds.rg = True
-            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
-
-    def linear_strided_grad(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int,
-                            out_features: int, strided: bool) -> T:
-        """`Recipe.linear` for a projection whose output gradient comes back strided (see
-        `ops.linear_strided_grad`), LoRA-wrapped or not."""
-        a_w = p.get(f"{module}.lora_A.weight")
-        lora = (a_w, p[f"{module}.lora_B.weight"], self.t.lora_rank, self.t.lora_dropout) if a_w is not None else None
-        return ops.linear_strided_grad(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), in_features,
-                                       out_features, strided, module, lora)
 
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """BertEmbeddings.forward: token types gathered from the zero buffer (``gather``, then
@@ -115,6 +89,7 @@ class BertRecipe(Recipe):
         # locals token_type_ids (the gathered ids, kept by their embedding when it trains), inputs_embeds,
         # token_type_embeddings, position_embeddings
         g.drop(tt_ids, words, tt, pos)
+        self.model_locals = [g.hold(out)]  # BertModel's `embedding_output`
         return out, sh
 
     def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
@@ -183,14 +158,10 @@ class BertRecipe(Recipe):
         g.drop(q, k, v)  # query_layer, key_layer, value_layer die when forward returns
         return o
 
-    @property
-    def sdpa_falls_back_to_math(self) -> bool:
-        """On CPU, SDPA with attention dropout runs the math kernel (the CPU flash kernel has no
-        dropout); CUDA's flash and memory-efficient kernels apply dropout inside the kernel."""
-        return self.t.attention is Attention.SDPA and not self.ctx.cuda and self.dropout_attn > 0
-
     def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
-        """BERT has no final norm: the last layer's output is ``sequence_output``."""
+        """BERT has no final norm: the last layer's output is ``sequence_output``; BertModel returns
+        and its ``embedding_output`` goes."""
+        self.release_model_locals(g)
         return g.hold(x)
 
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:

@@ -9,21 +9,17 @@ lifetimes of its Python locals.
 from __future__ import annotations
 
 from .. import ops
-from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, tok
+from ..activations import Shared, causal_lm_loss, causal_mask, tok
 from ..ops import I64
-from ..specs import Attention, Checkpointing, Method
+from ..specs import Attention
 from ..tape import Graph, T, per_seq, per_token_sq
+from .layernorm import LayerNormRecipe
 
 __all__ = ["GPT2Recipe"]
 
 
-class GPT2Recipe(Recipe):
+class GPT2Recipe(LayerNormRecipe):
     """gpt2: ``GPT2Model`` blocks under ``GPT2LMHeadModel``."""
-
-    #: the embedding output handed to the first layer is no model local (``hidden_states`` rebinds in
-    #: the layer loop; the model's own locals are freed in `final_norm`): it dies after the first
-    #: layer unless saved (read by `trainmem_nb.simulate.compile_step`)
-    embed_output_kept = False
 
     def conv1d(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int) -> T:
         """A ``Conv1D`` layer by its module name in the block: ``addmm``, or peft's LoRA-wrapped
@@ -34,15 +30,6 @@ class GPT2Recipe(Recipe):
                                   p[f"{module}.lora_B.weight"], in_features, out_features, self.t.lora_rank,
                                   self.t.lora_dropout, module)
         return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], p[f"{module}.bias"], in_features, out_features, module)
-
-    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
-        """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
-        forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
-        the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
-        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
-        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
-            inputs_embeds.rg = True
-            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
 
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """GPT2Model.forward up to the blocks: ``wte(input_ids)``, ``position_ids = arange(s) + past``,
@@ -66,7 +53,7 @@ class GPT2Recipe(Recipe):
             sh.mask = causal_mask(g, inputs_embeds.dt)
         hd = ops.dropout(g, self.ctx, h, self.dropout_embd, "drop")
         g.drop(h)
-        self._model_locals = [inputs_embeds, position_embeds]
+        self.model_locals = [inputs_embeds, position_embeds]
         return hd, sh
 
     def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
@@ -122,12 +109,6 @@ class GPT2Recipe(Recipe):
         g.drop(q, k, v)  # query_states, key_states, value_states die when forward returns
         return od
 
-    @property
-    def sdpa_falls_back_to_math(self) -> bool:
-        """On CPU, SDPA with attention dropout runs the math kernel (the CPU flash kernel has no
-        dropout); CUDA's flash and memory-efficient kernels apply dropout inside the kernel."""
-        return self.t.attention is Attention.SDPA and not self.ctx.cuda and self.dropout_attn > 0
-
     def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
         """GPT2MLP.forward: ``c_fc``, the activation, ``c_proj``, dropout (each rebinding
         ``hidden_states``)."""
@@ -144,8 +125,7 @@ class GPT2Recipe(Recipe):
     def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
         """``ln_f``; then GPT2Model returns and its locals ``inputs_embeds`` and ``position_embeds`` go."""
         out = ops.layer_norm(g, self.ctx, x, p["ln_f.weight"], p["ln_f.bias"], tok(1), "ln_f")
-        g.drop(*self._model_locals)
-        self._model_locals = []
+        self.release_model_locals(g)
         return out
 
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:

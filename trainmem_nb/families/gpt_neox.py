@@ -12,39 +12,17 @@ Mirrors the HF code op by op, including the lifetimes of its Python locals.
 from __future__ import annotations
 
 from .. import ops
-from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, tok
+from ..activations import Shared, causal_lm_loss, causal_mask, tok
 from ..ops import F32, I64
-from ..specs import Attention, Checkpointing, Method
+from ..specs import Attention
 from ..tape import Graph, T, per_seq, per_token_sq
+from .layernorm import LayerNormRecipe
 
 __all__ = ["GPTNeoXRecipe"]
 
 
-class GPTNeoXRecipe(Recipe):
+class GPTNeoXRecipe(LayerNormRecipe):
     """gpt_neox (Pythia): ``GPTNeoXModel`` layers under ``GPTNeoXForCausalLM``."""
-
-    #: the embedding output handed to the first layer is no model local (``hidden_states`` rebinds in
-    #: the layer loop; the model's own locals are freed in `final_norm`): it dies after the first
-    #: layer unless saved (read by `trainmem_nb.simulate.compile_step`)
-    embed_output_kept = False
-
-    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
-               **kw: object) -> T:
-        """`Recipe.linear`, except that a projection with a bias runs as ``addmm``, whose bias gradient
-        is the engine's reduction of the output gradient (`ops.addmm`)."""
-        b = p.get(f"{module}.bias")
-        if b is None or p.get(f"{module}.lora_A.weight") is not None:
-            return super().linear(g, x, p, module, in_features, out_features, **kw)
-        return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], b, in_features, out_features, module, linear_casts=True)
-
-    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
-        """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
-        forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
-        the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
-        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
-        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
-            inputs_embeds.rg = True
-            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
 
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """GPTNeoXModel.forward up to the layers: ``embed_in``, ``position_ids = arange(s) + past``,
@@ -62,7 +40,7 @@ class GPTNeoXRecipe(Recipe):
             sh.mask = causal_mask(g, inputs_embeds.dt)
         h = ops.dropout(g, ctx, inputs_embeds, self.dropout_embd, "emb_dropout")
         sh.cos, sh.sin = self.rotary(g, h.dt)
-        self._model_locals = [inputs_embeds]
+        self.model_locals = [inputs_embeds]
         return h, sh
 
     def rotary(self, g: Graph, x_dt: int) -> tuple[T, T]:
@@ -187,12 +165,6 @@ class GPTNeoXRecipe(Recipe):
         g.drop(q_rot, q_pass, k_rot, k_pass)
         return out[0], out[1]
 
-    @property
-    def sdpa_falls_back_to_math(self) -> bool:
-        """On CPU, SDPA with attention dropout runs the math kernel (the CPU flash kernel has no
-        dropout); CUDA's flash and memory-efficient kernels apply dropout inside the kernel."""
-        return self.t.attention is Attention.SDPA and not self.ctx.cuda and self.dropout_attn > 0
-
     def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
         """GPTNeoXMLP.forward: ``dense_h_to_4h``, the activation, ``dense_4h_to_h``."""
         m, ctx = self.m, self.ctx
@@ -207,8 +179,7 @@ class GPTNeoXRecipe(Recipe):
         """``final_layer_norm``; then the model returns and its local ``inputs_embeds`` goes."""
         out = ops.layer_norm(g, self.ctx, x, p["final_layer_norm.weight"], p["final_layer_norm.bias"], tok(1),
                              "final_layer_norm")
-        g.drop(*self._model_locals)
-        self._model_locals = []
+        self.release_model_locals(g)
         return out
 
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:

@@ -10,53 +10,22 @@ including the lifetimes of its Python locals.
 from __future__ import annotations
 
 from .. import ops
-from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, tok
+from ..activations import Shared, causal_lm_loss, causal_mask, tok
 from ..ops import F32, I64
-from ..specs import Attention, Checkpointing, Method
+from ..specs import Attention
 from ..tape import Graph, T, per_token_sq
+from .layernorm import LayerNormRecipe
 
 __all__ = ["OPTRecipe"]
 
 
-class OPTRecipe(Recipe):
+class OPTRecipe(LayerNormRecipe):
     """opt: ``OPTDecoder`` layers under ``OPTForCausalLM``."""
-
-    #: the embedding output handed to the first layer is no model local (``hidden_states`` rebinds in
-    #: the layer loop; the model's own locals are freed in `final_norm`): it dies after the first
-    #: layer unless saved (read by `trainmem_nb.simulate.compile_step`)
-    embed_output_kept = False
 
     @property
     def proj(self) -> int:
         """Width of the word embeddings (``word_embed_proj_dim``)."""
         return self.m.word_embed_proj_dim or self.m.hidden
-
-    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
-               **kw: object) -> T:
-        """`Recipe.linear`, except that a projection with a bias runs as ``addmm``, whose bias gradient
-        is the engine's reduction of the output gradient (`ops.addmm`)."""
-        b = p.get(f"{module}.bias")
-        if b is None or p.get(f"{module}.lora_A.weight") is not None:
-            return super().linear(g, x, p, module, in_features, out_features, **kw)
-        return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], b, in_features, out_features, module, linear_casts=True)
-
-    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
-        """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
-        forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
-        the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
-        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
-        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
-            inputs_embeds.rg = True
-            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
-
-    def linear_strided_grad(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int,
-                            out_features: int, strided: bool) -> T:
-        """`Recipe.linear` for a projection whose output gradient comes back strided (see
-        `ops.linear_strided_grad`), LoRA-wrapped or not."""
-        a_w = p.get(f"{module}.lora_A.weight")
-        lora = (a_w, p[f"{module}.lora_B.weight"], self.t.lora_rank, self.t.lora_dropout) if a_w is not None else None
-        return ops.linear_strided_grad(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), in_features,
-                                       out_features, strided, module, lora)
 
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """OPTDecoder.forward up to the layers: ``embed_tokens``, ``position_attention_mask = ones(b, s)``
@@ -83,12 +52,12 @@ class OPTRecipe(Recipe):
         pos2 = g.alloc(tok(1), I64, "position_ids + offset")
         pos_embeds = ops.embedding(g, pos2, p["embed_positions.weight"], tok(m.hidden), "embed_positions")
         g.drop(pos2)
-        self._model_locals = [ones, pos_embeds]
+        self.model_locals = [ones, pos_embeds]
         if "project_in.weight" in p:
             projected = ops.linear(g, self.ctx, inputs_embeds, p["project_in.weight"], self.proj, m.hidden, None, "project_in")
             g.drop(inputs_embeds)  # `inputs_embeds` rebinds
             inputs_embeds = projected
-        self._model_locals.insert(0, inputs_embeds)
+        self.model_locals.insert(0, inputs_embeds)
         h = ops.add(g, inputs_embeds, pos_embeds, "inputs_embeds + pos_embeds")
         return h, sh
 
@@ -172,12 +141,6 @@ class OPTRecipe(Recipe):
         g.drop(q, k, v)  # query_states, key_states, value_states die when forward returns
         return out
 
-    @property
-    def sdpa_falls_back_to_math(self) -> bool:
-        """On CPU, SDPA with attention dropout runs the math kernel (the CPU flash kernel has no
-        dropout); CUDA's flash and memory-efficient kernels apply dropout inside the kernel."""
-        return self.t.attention is Attention.SDPA and not self.ctx.cuda and self.dropout_attn > 0
-
     def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
         """The decoder's ``final_layer_norm`` (pre-norm models) and ``project_out``; then the decoder
         returns and its locals ``inputs_embeds``, the ones mask and ``pos_embeds`` go."""
@@ -188,8 +151,7 @@ class OPTRecipe(Recipe):
             out = ops.linear(g, ctx, h, p["project_out.weight"], m.hidden, self.proj, None, "project_out")
             g.drop(h)
             h = out
-        g.drop(*self._model_locals)
-        self._model_locals = []
+        self.release_model_locals(g)
         return h
 
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
