@@ -187,7 +187,7 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 n_experts=_int(cfg, "num_local_experts", family=f, default=8),
                 experts_top_k=_int(cfg, "num_experts_per_tok", family=f, default=2),
             )
-        if family in (Family.MISTRAL, Family.MIXTRAL, Family.QWEN2):
+        if family in (Family.MISTRAL, Family.MIXTRAL, Family.QWEN2, Family.PHI3):
             window = cfg.get("sliding_window")
             use = cfg.get("use_sliding_window", family is not Family.QWEN2)
             if isinstance(window, int) and window > 0 and use:
@@ -306,7 +306,7 @@ def to_hf_config(m: Any) -> dict[str, Any]:
         cfg.update(resid_pdrop=m.hidden_dropout, embd_pdrop=m.embd_dropout, partial_rotary_factor=m.rotary_pct)
     if fam is Family.MIXTRAL:
         cfg.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_top_k)
-    if fam in (Family.MISTRAL, Family.MIXTRAL):
+    if fam in (Family.MISTRAL, Family.MIXTRAL, Family.PHI3):
         cfg["sliding_window"] = m.sliding_window or None
     if fam is Family.QWEN2:
         cfg.update(use_sliding_window=bool(m.sliding_window), sliding_window=m.sliding_window or None)
