@@ -496,15 +496,14 @@ def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: 
           linear_casts: bool = False) -> T:
     """transformers ``Conv1D``: ``torch.addmm(bias, x.view(-1, nx), weight)`` with a (in, out) weight;
     with `linear_casts`, ``F.linear(x, w, b)`` with a bias, which ``at::linear`` also runs as
-    ``addmm(b, x.view(-1, in), w.t())`` (aten/src/ATen/native/Linear.cpp) but whose autocast wrapper
-    casts bias, weight, input.
+    ``addmm(b, x.view(-1, in), w.t())`` (aten/src/ATen/native/Linear.cpp).
 
-    Memory as `linear` with a bias (saves the input and the weight; backward: input gradient, weight
-    gradient; the bias gradient is the output gradient itself (``maybe_multiply(grad, beta)``), which
-    the engine then reduces to the bias's shape, after the node's saved tensors are unpacked and
-    released when they were recomputed). Autocast's
-    wrapper casts its arguments right to left (GCC evaluates the ``cached_cast(args)...`` pack from
-    the last argument): the weight (cached), the input, then the bias (cached)."""
+    Saves the input and the weight; backward allocates the input's then the weight's gradient; the
+    bias's gradient is the output gradient itself (derivatives.yaml addmm: ``maybe_multiply(grad,
+    beta)``), which the engine reduces to the bias's shape after the node returns (so after
+    recomputed saved tensors are released). Autocast's wrapper casts its arguments right to left (GCC
+    evaluates the ``cached_cast(args)...`` pack from the last argument): for ``addmm`` the weight
+    (cached), the input, then the bias (cached); for ``linear`` the bias, the weight, the input."""
     if ctx.autocast is None:
         xc, wc, bc = g.hold(x), g.hold(w), g.hold(b)
     elif linear_casts:
