@@ -61,6 +61,18 @@ def test_adapters_are_fp32_on_a_16_bit_base_and_only_they_have_optimizer_state(m
     assert est.detail_bytes["optimizer_states"] < 2 * 4 * est.n_trainable_params * 1.05
 
 
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_adapters_in_the_base_dtype_halve_their_weights_gradients_and_states(method: str) -> None:
+    kw = dict(KW, method=method, precision="bf16-true", lora_targets="all-linear")
+    fp32 = tm.estimate("llama-2-7b", **kw)
+    base = tm.estimate("llama-2-7b", lora_dtype="base", **kw)
+    assert base.n_trainable_params == fp32.n_trainable_params
+    assert base.breakdown_bytes["optimizer_states"] * 2 == pytest.approx(fp32.breakdown_bytes["optimizer_states"], rel=1e-3)
+    assert base.peak_allocated_bytes < fp32.peak_allocated_bytes
+    with pytest.raises(tm.SpecError, match="lora_dtype"):
+        tm.estimate("llama-2-7b", lora_dtype="bf17", **kw)
+
+
 def test_8bit_adamw_keeps_about_a_quarter_of_adamws_state() -> None:
     kw = dict(micro_batch=1, seq_len=512, precision="bf16-mixed", device="cuda")
     fp32_states = tm.estimate("llama-3.2-1b", optimizer="adamw", **kw).detail_bytes["optimizer_states"]

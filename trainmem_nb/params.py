@@ -265,16 +265,17 @@ def quantized(p: ParamTensor) -> bool:
 def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int, bool]]:
     """Every weight tensor of the training run as ``(tensor, bytes per element, trainable)``:
     the base model in the recipe's dtype (frozen under LoRA; NF4 under QLoRA, a fractional element
-    size) plus LoRA adapters, which peft keeps in fp32 on a 16-bit base (``autocast_adapter_dtype=True``)."""
+    size) plus LoRA adapters, which peft keeps in fp32 on a 16-bit base (``autocast_adapter_dtype=True``) unless
+    ``lora_dtype='base'``."""
     full = t.method is Method.FULL
     if t.method is Method.QLORA:
         out = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else t.param_bytes, False)
                for p in param_inventory(m)]
-        out += [(p, 4, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
+        out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
         return out  # type: ignore[return-value]
     out = [(p, t.param_bytes, full) for p in param_inventory(m)]
     if not full:
-        out += [(p, 4, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
+        out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
     return out
 
 

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "AdapterDtype",
     "Attention",
     "Checkpointing",
     "Device",
@@ -142,6 +143,13 @@ class Method(_Choice):
     FULL = "full"  #: every parameter
     LORA = "lora"  #: low-rank adapters on a frozen base
     QLORA = "qlora"  #: LoRA on an NF4-quantized frozen base
+
+
+class AdapterDtype(_Choice):
+    """The dtype peft stores LoRA adapters in."""
+
+    FP32 = "fp32"  #: peft's default on a 16-bit base (``autocast_adapter_dtype=True``)
+    BASE = "base"  #: the base weights' dtype (``autocast_adapter_dtype=False``): bf16 under bf16-true
 
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid", validate_default=True)
@@ -462,6 +470,8 @@ class TrainingSpec(SpecModel):
     lora_alpha: float = Field(default=32.0, gt=0.0)
     lora_targets: str = Field(default="qv", description="'qv', 'all-linear' or comma-separated module names")
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    lora_dtype: AdapterDtype = Field(
+        default=AdapterDtype.FP32, description="adapter dtype: 'fp32' (peft's default) or 'base' (the base weights')")
     qlora_double_quant: bool = Field(
         default=True, description="QLoRA: quantize the NF4 block scales again (bnb_4bit_use_double_quant)")
     first_step: bool = Field(
@@ -477,7 +487,7 @@ class TrainingSpec(SpecModel):
         data = dict(data)
         for key, enum in (
             ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
-            ("attention", Attention), ("device", Device), ("method", Method),
+            ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
         ):
             if key in data and data[key] is not None:
                 data[key] = enum.parse(data[key], key)
@@ -521,6 +531,11 @@ class TrainingSpec(SpecModel):
     def param_bytes(self) -> int:
         """Bytes per element of the stored weights (and their gradients)."""
         return 2 if self.precision in (Precision.BF16_TRUE, Precision.FP16_TRUE) else 4
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes per element of LoRA adapters (and their gradients and optimizer states' dtype)."""
+        return 4 if self.lora_dtype is AdapterDtype.FP32 else self.param_bytes
 
     @property
     def compute_bytes(self) -> int:

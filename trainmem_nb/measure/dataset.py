@@ -201,7 +201,8 @@ def _case_id(group: str, m: ModelSpec, t: TrainingSpec, mode: str) -> str:
         parts.append(f"drop{t.dropout:g}")
     if t.method.value != "full":
         parts.append(f"lora{t.lora_rank}-{t.lora_targets.replace(',', '+')}"
-                     + (f"-ld{t.lora_dropout:g}" if t.lora_dropout else ""))
+                     + (f"-ld{t.lora_dropout:g}" if t.lora_dropout else "")
+                     + ("-base-dtype" if t.lora_dtype.value == "base" else ""))
     return f"{group}/{m.name}/{'-'.join(parts)}/b{t.micro_batch}s{t.seq_len}/{mode}"
 
 
@@ -235,6 +236,8 @@ def _sweep_options() -> list[TrainingSpec]:
               "precision": "bf16-true"}),
         _t(**{**b, "method": "lora", "lora_rank": 16, "lora_alpha": 32, "lora_targets": "qv",
               "checkpointing": "full", "lora_dropout": 0.05}),
+        _t(**{**b, "method": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_targets": "all-linear",
+              "precision": "bf16-true", "lora_dtype": "base"}),
         _t(micro_batch=1, seq_len=1024, precision="bf16-mixed"),
         _t(micro_batch=8, seq_len=128, precision="bf16-mixed", checkpointing="full"),
     ]

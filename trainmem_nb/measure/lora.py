@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..specs import Family, Method, ModelSpec, SpecError, TrainingSpec
+from ..specs import AdapterDtype, Family, Method, ModelSpec, SpecError, TrainingSpec
 
 __all__ = ["QV_TARGETS", "apply_lora", "lora_target_modules"]
 
@@ -51,7 +51,8 @@ def apply_lora(model: Any, model_spec: ModelSpec, training_spec: TrainingSpec) -
     """Wrap `model` with peft LoRA adapters (rank, alpha, dropout, targets from `training_spec`).
 
     The base model is frozen; only adapter parameters require gradients. peft keeps adapters in fp32
-    even on a 16-bit base (``autocast_adapter_dtype=True``, its default), which the measurement shows.
+    even on a 16-bit base (``autocast_adapter_dtype=True``, its default); ``lora_dtype='base'`` turns
+    that off, so the adapters take the base weights' dtype.
     """
     if training_spec.method is Method.QLORA:
         raise RuntimeError(
@@ -78,6 +79,7 @@ def apply_lora(model: Any, model_spec: ModelSpec, training_spec: TrainingSpec) -
             warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
             # peft's default rank pattern for MoE expert weights, when 'all-linear' does not reach them.
             warnings.filterwarnings("ignore", message="The following (rank|alpha)_pattern keys did not match", category=RuntimeWarning)
-            return get_peft_model(model, config)
+            return get_peft_model(model, config,
+                                  autocast_adapter_dtype=training_spec.lora_dtype is AdapterDtype.FP32)
     except ValueError as exc:  # peft: "Target modules {...} not found in the base model"
         raise SpecError(f"lora_targets={training_spec.lora_targets!r}: {str(exc).splitlines()[0]}") from None
