@@ -7,6 +7,7 @@ import doctest
 import json
 import re
 import sys
+from datetime import date, datetime
 from importlib import resources
 from pathlib import Path
 
@@ -186,3 +187,22 @@ def test_gpu_is_frozen_and_rejects_unknown_fields() -> None:
 
 def test_module_examples_run() -> None:
     assert doctest.testmod(gpus_module).failed == 0
+
+
+def test_an_unquoted_yaml_date_seen_is_read_as_iso_text(tmp_path: Path) -> None:
+    # YAML loads `date_seen: 2025-01-01` as a datetime.date, not a string
+    pytest.importorskip("yaml")
+    (tmp_path / "p.yaml").write_text("- gpu: H100\n  provider: lab\n  on_demand_usd_per_gpu_hour: 2.0\n"
+                                     "  date_seen: 2025-01-01\n")
+    (p,) = load_prices(tmp_path / "p.yaml")
+    assert p.date_seen == "2025-01-01" and snapshot_date([p]) == "2025-01-01"
+
+
+def test_date_and_datetime_cells_become_iso_text_in_prices_and_gpus() -> None:
+    (p,) = load_prices([{"gpu": "H100", "on_demand_usd_per_gpu_hour": 2.0, "date_seen": date(2025, 1, 1)}])
+    assert p.date_seen == "2025-01-01"
+    (q,) = load_prices([{"gpu": "H100", "on_demand_usd_per_gpu_hour": 2.0,
+                         "date_seen": datetime(2025, 1, 2, 9, 30)}])
+    assert q.date_seen == "2025-01-02T09:30:00" and snapshot_date([p, q]) == "2025-01-02"
+    (g,) = load_gpus([{"name": "lab-card", "memory_gib": 24, "notes": date(2025, 3, 4)}])
+    assert g.notes == "2025-03-04"

@@ -19,7 +19,7 @@ import io
 import json
 import re
 from collections.abc import Iterable, Mapping
-from datetime import date
+from datetime import date, datetime
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -174,6 +174,16 @@ def _blank(value: Any) -> bool:
     return value is None or (isinstance(value, str) and not value.strip())
 
 
+def _plain(value: Any) -> Any:
+    """A cell as the models take it: strings stripped, YAML's unquoted dates (``date_seen: 2025-01-01``
+    loads as a `datetime.date`) back to ISO text."""
+    if isinstance(value, str):
+        return value.strip()
+    if isinstance(value, (date, datetime)):
+        return value.isoformat()
+    return value
+
+
 def _bool(value: Any, field: str) -> bool:
     if isinstance(value, bool):
         return value
@@ -220,7 +230,7 @@ def gpu_from_row(row: Mapping[str, Any]) -> GPU:
         if field not in fields:
             valid = sorted(set(fields) | set(_COLUMN_TO_FIELD) | _DERIVED_COLUMNS)
             raise SpecError(f"unknown GPU column {key!r}{did_you_mean(key, valid)}; valid columns: {', '.join(valid)}")
-        data[field] = value.strip() if isinstance(value, str) else value
+        data[field] = _plain(value)
     full = str(data.get("name", "")).strip()
     short = str(row.get("short_name") or "").strip()
     if not full:
@@ -401,7 +411,7 @@ def _billing_seconds(text: str) -> tuple[int | None, int]:
 
 def price_from_row(row: Mapping[str, Any], catalog: Iterable[GPU] | None = None) -> list[Price]:
     """`Price` rows from one snapshot-style row (one per catalog GPU it names)."""
-    data = {str(k).strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items() if not _blank(v)}
+    data = {str(k).strip(): _plain(v) for k, v in row.items() if not _blank(v)}
     label = str(data.pop("gpu", "") or data.get("gpu_label", ""))
     data.pop("catalog_gpu", None)
     targets = row.get("catalog_gpu") if "catalog_gpu" in row else None  # blank: the source does not say which
@@ -473,7 +483,6 @@ def list_prices(gpu: str | GPU | None = None) -> list[Price]:
 
 
 def snapshot_date(prices: Iterable[Price] | None = None) -> str:
-    """The latest ``date_seen`` (ISO) among `prices` (default: the built-in snapshot); '' when undated."""
-    dates = [p.date_seen for p in (prices if prices is not None else _snapshot())
-             if re.fullmatch(r"\d{4}-\d{2}-\d{2}", p.date_seen)]
-    return max(dates, default="")
+    """The latest ``date_seen`` (ISO day) among `prices` (default: the built-in snapshot); '' when undated."""
+    found = (re.match(r"\d{4}-\d{2}-\d{2}(?!\d)", p.date_seen) for p in (prices if prices is not None else _snapshot()))
+    return max((m.group() for m in found if m), default="")
