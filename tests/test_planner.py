@@ -283,6 +283,34 @@ def test_pcie_only_gradient_all_reduce_is_slower_than_nvlink() -> None:
     assert pcie.overlapped_comm_s > 5 * nvl.overlapped_comm_s
 
 
+def test_a_group_inside_a_rack_scale_nvlink_domain_talks_over_nvlink_across_nodes() -> None:
+    # GB200 NVL72: 72 GPUs share NVLink, 4 per node (catalog). Eight GPUs on two nodes sit in one domain, so
+    # ZeRO-3 traffic runs at NVLink speed, as on one node; two 8-GPU H100 HGX nodes talk over the network.
+    gb200, h100 = get_gpu("GB200"), get_gpu("H100")
+    assert (gb200.gpus_per_node, gb200.nvlink_domain) == (4, 72)
+    nvlink = gb200.interconnect_bidir_gbs / 2 * planner.COMM_EFFICIENCY[gb200.interconnect_kind]  # type: ignore[operator]
+    network = planner.INTER_NODE_GBS_PER_GPU * planner.COMM_EFFICIENCY["network"]
+    assert planner._link_gbs(gb200, 8, 2, planner.INTER_NODE_GBS_PER_GPU) == pytest.approx(nvlink)
+    assert planner._link_gbs(gb200, 144, 36, planner.INTER_NODE_GBS_PER_GPU) == pytest.approx(network)
+    assert planner._link_gbs(h100, 16, 2, planner.INTER_NODE_GBS_PER_GPU) == pytest.approx(network)
+    t = TrainingSpec(micro_batch=1, seq_len=2048)
+    m = get_model("llama-2-7b")
+    two_nodes = step_time(m, t, ParallelSpec(gpus=8, nodes=2, engine="fsdp", zero=3), gb200)
+    one_node = step_time(m, t, ParallelSpec(gpus=8, nodes=1, engine="fsdp", zero=3), gb200)
+    assert two_nodes is not None and one_node is not None
+    assert two_nodes.overlapped_comm_s == pytest.approx(one_node.overlapped_comm_s)
+
+
+def test_a_comm_bound_option_inside_an_nvlink_domain_does_not_blame_the_network() -> None:
+    p = ParallelSpec(gpus=8, nodes=2, engine="fsdp", zero=3)
+    row = {"comm_bound": True, "compute_time_s": 1.0, "comm_time_s": 2.0, "step_time_s": 2.0,
+           "price_on_demand_usd_per_gpu_hour": 1.0}
+    gb200 = planner._row_warnings(get_gpu("GB200"), p, TrainingSpec(), row)
+    h100 = planner._row_warnings(get_gpu("H100"), p, TrainingSpec(), row)
+    assert any("over nvswitch" in w for w in gb200) and not any("network" in w for w in gb200)
+    assert any("the network between nodes" in w for w in h100)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # checkpoints and cost
 
@@ -425,6 +453,79 @@ def test_an_impossible_request_is_a_clear_error() -> None:
         plan("gpt2", gpus=["H100"], engine="horovod")
 
 
+def _offer(provider: str, od: float | None, spot: float | None, seen: str, **kw: Any) -> dict[str, Any]:
+    row = {"provider": provider, "gpu": "H100", "on_demand_usd_per_gpu_hour": od, "spot_usd_per_gpu_hour": spot,
+           "date_seen": seen, **kw}
+    return {k: v for k, v in row.items() if v is not None}
+
+
+def test_spot_is_priced_at_the_provider_of_the_on_demand_offer_when_it_has_spot() -> None:
+    # the cheapest on-demand (A, 2.0) has no spot price on that offer; A's other offer has spot (2.5): that is
+    # the spot to compare with, not B's cheaper spot from a different provider
+    prices = [_offer("A", 2.0, None, "2026-01-01"), _offer("B", 5.0, 1.5, "2026-02-01"),
+              _offer("A", 3.0, 2.5, "2026-03-01", instance="A spot box")]
+    r = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices).rows[0]
+    assert (r["price_provider"], r["price_on_demand_usd_per_gpu_hour"]) == ("A", 2.0)
+    assert (r["spot_provider"], r["price_spot_usd_per_gpu_hour"], r["spot_date_seen"]) == ("A", 2.5, "2026-03-01")
+    assert not any("another provider" in w for w in r["warnings"])
+
+
+def test_the_on_demand_offers_own_spot_price_comes_first() -> None:
+    prices = [_offer("A", 2.0, 1.8, "2026-01-01"), _offer("A", 4.0, 1.0, "2026-02-01")]
+    r = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices).rows[0]
+    assert (r["price_spot_usd_per_gpu_hour"], r["spot_date_seen"]) == (1.8, "2026-01-01")
+
+
+def test_spot_from_another_provider_is_named_with_its_date_and_a_note() -> None:
+    prices = [_offer("A", 2.0, None, "2026-01-01"), _offer("B", 5.0, 4.0, "2026-02-01")]
+    p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices)
+    r = p.rows[0]
+    assert (r["price_provider"], r["spot_provider"], r["spot_date_seen"]) == ("A", "B", "2026-02-01")
+    assert any("spot priced at another provider" in w for w in r["warnings"])
+    out = p.summary()
+    assert "A 2026-01-01; spot B 2026-02-01" in out and "spot priced at another provider" in out
+    o = p.to_dict()["options"][0]
+    assert {"gpu", "n_gpus", "fits", "headroom_fraction", "max_micro_batch", "time_hours", "cost_usd_on_demand",
+            "cost_usd_spot", "spot_provider", "spot_date_seen"} <= set(o)
+
+
+def test_multi_gpu_options_priced_from_single_gpu_offers_say_so() -> None:
+    def warned(prices: list[dict[str, Any]]) -> bool:
+        p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=8, engine="fsdp", zero=3, prices=prices)
+        return any("offers smaller than the plan's nodes" in w for r in p.rows for w in r["warnings"])
+
+    assert warned([_offer("Market", 2.0, None, "2026-01-01", gpus_per_instance=1)])
+    assert not warned([_offer("Cloud", 2.0, None, "2026-01-01", gpus_per_instance=8)])
+    assert not warned([_offer("Unsaid", 2.0, None, "2026-01-01")])  # instance size not stated: nothing to say
+    one = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
+               prices=[_offer("Market", 2.0, None, "2026-01-01", gpus_per_instance=1)])
+    assert not any("offers smaller" in w for w in one.rows[0]["warnings"])
+
+
+def test_your_undated_prices_are_called_yours_not_a_dated_snapshot() -> None:
+    p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
+             prices=[{"gpu": "H100", "on_demand_usd_per_gpu_hour": 2.0}])
+    assert p.prices_source == "yours" and p.prices_date == ""
+    assert "costs use your prices (undated)" in p.notes
+    out = p.summary()
+    assert "prices: your prices (undated)" in out and "snapshot" not in out and "seen up to )" not in out
+    assert "yours undated" in out  # the row says who and when
+
+
+def test_your_dated_prices_show_their_date() -> None:
+    p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
+             prices=[_offer("lab", 2.0, None, "2025-01-01")])
+    assert "costs use your prices (seen up to 2025-01-01)" in p.notes
+    assert "prices: your prices (seen up to 2025-01-01)" in p.summary()
+    assert p.to_dict()["prices_source"] == "yours"
+
+
+def test_the_snapshot_is_still_called_a_dated_snapshot() -> None:
+    p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1)
+    assert p.prices_source == "snapshot" and any(n.startswith("prices are a dated snapshot (seen up to 20") for n in p.notes)
+    assert plan("gpt2", gpus=["H100"], seq_len=512, n_gpus=1, prices=False).prices_source == "none"
+
+
 @pytest.mark.skipif(not _has_distributed(), reason="the per-rank simulation (trainmem_nb.distributed) has not landed")
 def test_the_seed_example_gives_a_per_device_breakdown_and_the_gpus_it_fits() -> None:
     # The seed's request: a 13B model with ZeRO Stage 3, activation checkpointing, BF16 mixed precision and a
@@ -455,6 +556,42 @@ def test_cli_plan_table_shows_the_price_dates(capsys: pytest.CaptureFixture[str]
     assert main(["plan", "--model", "gpt2", "--gpu", "H100", "--seq-len", "512", "--tokens", "1e8"]) == 0
     out = capsys.readouterr().out
     assert "smallest scale that fits" in out and "prices: snapshot seen up to" in out
+
+
+def test_cli_plan_table_shows_the_spot_provider_and_date(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    (tmp_path / "p.csv").write_text("provider,gpu,on_demand_usd_per_gpu_hour,spot_usd_per_gpu_hour,date_seen\n"
+                                    "A,H100,2.0,,2026-01-01\nB,H100,5.0,4.0,2026-02-01\n")
+    assert main(["plan", "--model", "gpt2", "--gpu", "H100", "--seq-len", "512", "--tokens", "1e8", "--gpus", "1",
+                 "--prices", str(tmp_path / "p.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "A 2026-01-01; spot B 2026-02-01" in out
+
+
+def test_cli_plan_with_undated_prices_says_your_prices_undated(capsys: pytest.CaptureFixture[str],
+                                                                tmp_path: Any) -> None:
+    (tmp_path / "p.csv").write_text("gpu,on_demand_usd_per_gpu_hour\nH100,2.5\n")
+    assert main(["plan", "--model", "gpt2", "--gpu", "H100", "--seq-len", "512", "--tokens", "1e8",
+                 "--prices", str(tmp_path / "p.csv")]) == 0
+    out = capsys.readouterr().out
+    assert "your prices (undated)" in out and "seen up to )" not in out and "dated snapshot" not in out
+
+
+def test_cli_plan_with_an_unquoted_yaml_date_reads_it(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
+    pytest.importorskip("yaml")
+    (tmp_path / "p.yaml").write_text("- gpu: H100\n  provider: lab\n  on_demand_usd_per_gpu_hour: 2.5\n"
+                                     "  date_seen: 2025-01-01\n")
+    assert main(["plan", "--model", "gpt2", "--gpu", "H100", "--seq-len", "512", "--tokens", "1e8",
+                 "--prices", str(tmp_path / "p.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "your prices (seen up to 2025-01-01)" in out and "lab 2025-01-01" in out
+
+
+def test_cli_plan_table_shows_checkpoint_size_and_storage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "gpt2", "--gpu", "H100", "--seq-len", "512", "--tokens", "1e8"]) == 0
+    out = capsys.readouterr().out
+    ck = checkpoint_bytes(get_model("gpt2"), TrainingSpec(seq_len=512))
+    line = next(ln for ln in out.splitlines() if ln.startswith("checkpoints to resume from:"))
+    assert tm.format_bytes(ck) in line and tm.format_bytes(2 * ck) in line and "keeping 2" in line
 
 
 def test_cli_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

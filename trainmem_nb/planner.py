@@ -481,12 +481,22 @@ def _mfu_for(g: GPU, mfu: float | Mapping[str, float] | None) -> tuple[float, st
     return value, source
 
 
+def _in_fast_domain(g: GPU, group: int, nodes: int) -> bool:
+    """Whether `group` ranks on `nodes` nodes all share one scale-up domain. Usually a domain is one node
+    (HGX: 8 GPUs); rack-scale domains span nodes (GB200 NVL72: 72 GPUs on 18 nodes of 4; TPU pods over
+    ICI), so a group of a few such nodes still talks over NVLink/ICI, assuming they sit in one domain."""
+    if g.nvlink_domain <= 1 or not g.interconnect_bidir_gbs:
+        return False
+    span = group if nodes <= 1 else max(group, nodes * g.gpus_per_node)
+    return span <= g.nvlink_domain
+
+
 def _link_gbs(g: GPU, group: int, nodes: int, inter_node_gbs: float) -> float:
     """Achieved one-way GB/s per GPU of a collective over `group` ranks spread on `nodes` nodes."""
+    if _in_fast_domain(g, group, nodes):
+        return (g.interconnect_bidir_gbs or 0.0) / 2 * COMM_EFFICIENCY.get(g.interconnect_kind, 0.8)
     if nodes > 1:
         return inter_node_gbs * COMM_EFFICIENCY["network"]
-    if group <= g.nvlink_domain and g.interconnect_bidir_gbs:
-        return g.interconnect_bidir_gbs / 2 * COMM_EFFICIENCY.get(g.interconnect_kind, 0.8)
     pcie = g.pcie_bidir_gbs or g.interconnect_bidir_gbs or 32.0
     return pcie / 2 * COMM_EFFICIENCY["pcie"]
 
@@ -624,7 +634,13 @@ def run_cost(run_s: float, n_gpus: int, nodes: int, usd_per_gpu_hour: float | No
 
 
 def _best_prices(prices: Sequence[Price], gpu_name: str, n_gpus: int, provider: str | None) -> tuple[Price | None, Price | None]:
-    """The cheapest on-demand and the cheapest spot offer for `n_gpus` (whole instances paid)."""
+    """``(on_demand, spot)`` offers for `n_gpus` (whole instances paid): the cheapest on-demand offer, and
+    the spot offer to compare it with, from the same provider where it has one (the same offer first), else
+    the cheapest spot offer elsewhere, whose provider the option row reports as ``spot_provider``.
+
+    Cheapest on-demand and cheapest spot from different providers would compare a marketplace's
+    on-demand with a hyperscaler's spot: spot would look dearer for reasons that have nothing to do with
+    interruptions."""
     rows = [p for p in prices if p.gpu == gpu_name and (provider is None or p.provider.lower() == provider.lower())]
 
     def paid(p: Price, price: float) -> float:
@@ -633,8 +649,34 @@ def _best_prices(prices: Sequence[Price], gpu_name: str, n_gpus: int, provider: 
     od = [p for p in rows if p.on_demand_usd_per_gpu_hour is not None]
     sp = [p for p in rows if p.spot_usd_per_gpu_hour is not None]
     best_od = min(od, key=lambda p: paid(p, p.on_demand_usd_per_gpu_hour or 0.0), default=None)
+    if best_od is not None:
+        if best_od.spot_usd_per_gpu_hour is not None:
+            return best_od, best_od
+        same = [p for p in sp if p.provider.lower() == best_od.provider.lower()]
+        sp = same or sp
     best_sp = min(sp, key=lambda p: paid(p, p.spot_usd_per_gpu_hour or 0.0), default=None)
     return best_od, best_sp
+
+
+def _price_warnings(g: GPU, p: ParallelSpec, od: Price | None, sp: Price | None) -> list[str]:
+    """What the reader of a price must know: spot from another provider; offers smaller than the plan's nodes."""
+    out = []
+    if od is not None and sp is not None and sp.provider.lower() != od.provider.lower():
+        out.append(f"spot priced at another provider than on-demand (no spot offer from the on-demand one; "
+                   f"spot_provider says which) for {g.name}")
+    per_node = min(p.gpus, p.gpus_per_node)
+    for market, offer in (("on-demand", od), ("spot", sp if sp is not od else None)):
+        if offer is None or per_node <= 1 or "gpus_per_instance" not in offer.model_fields_set:
+            continue
+        if offer.gpus_per_instance < per_node:  # e.g. a marketplace's 1x offer for an 8-GPU NVLink node
+            size = "" if offer.gpus_per_instance == 1 else f" ({offer.gpus_per_instance}-GPU)"
+            out.append(f"{_SMALL_OFFERS}: {g.name}{' spot' if market == 'spot' else ''} at {offer.provider}{size}")
+    return out
+
+
+#: The note for multi-GPU options priced from offers smaller than their nodes (single-GPU unless it says).
+_SMALL_OFFERS = ("priced per GPU from offers smaller than the plan's nodes (the time assumes whole nodes, which may "
+                 "cost more or not be offered)")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -707,6 +749,8 @@ class Plan:
     assumptions: dict[str, Any]
     prices_date: str
     estimates: dict[tuple[str, int, str], MemoryEstimate] = field(default_factory=dict, repr=False)
+    #: where the prices came from: 'snapshot' (the built-in dated one), 'yours' (prices=) or 'none'
+    prices_source: Literal["snapshot", "yours", "none"] = "snapshot"
 
     @property
     def options(self) -> pd.DataFrame:
@@ -748,6 +792,7 @@ class Plan:
             "notes": self.notes,
             "assumptions": self.assumptions,
             "prices_snapshot_date": self.prices_date,
+            "prices_source": self.prices_source,
         }
 
     def summary(self, max_rows: int = 12) -> str:
@@ -760,21 +805,24 @@ class Plan:
             lines.append("no option fits: see `rejected` for the closest misses")
             return "\n".join(lines)
         header = (f"{'gpu':<24} {'n':>4} {'layout':<22} {'ckpt':<5} {'mb x ga':>9} {'spare':>6} {'max mb':>6} "
-                  f"{'hours':>8} {'$ on-demand':>12} {'$ spot':>9}  on-demand price (seen)")
+                  f"{'hours':>8} {'$ on-demand':>12} {'$ spot':>9}  prices from (seen)")
         lines.append(header)
         for r in self.rows[:max_rows]:
-            seen = (f"{r['price_provider']} {r['price_date_seen']}" if r.get("price_provider") else "")
+            seen = _price_sources(r)
             lines.append(
                 f"{r['gpu'][:24]:<24} {r['n_gpus']:>4} {r['layout'][:22]:<22} {r['checkpointing'][:5]:<5} "
                 f"{r['micro_batch']:>4} x {r['grad_accum']:<3} {r['headroom_fraction']:>6.0%} {r['max_micro_batch']:>6} "
                 f"{_fmt(r['time_hours'], '.1f'):>8} {_fmt(r['cost_usd_on_demand'], ',.0f'):>12} "
                 f"{_fmt(r['cost_usd_spot'], ',.0f'):>9}  {seen}"
             )
+        lines.extend(_checkpoint_lines(self.rows[:max_rows], max(1, int(self.assumptions.get("keep_checkpoints", 1)))))
         lines.extend(f"note: {w}" for w in _condense([w for r in self.rows[:max_rows] for w in r.get("warnings", [])]))
         if len(self.rows) > max_rows:
             lines.append(f"... {len(self.rows) - max_rows} more options (Plan.options)")
-        if self.prices_date:
+        if self.prices_source == "snapshot" and self.prices_date:
             lines.append(f"prices: snapshot seen up to {self.prices_date}; indicative only, re-check before you rely on them")
+        elif self.prices_source == "yours":
+            lines.append(f"prices: {_your_prices(self.prices_date)}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -784,6 +832,40 @@ class Plan:
         import html
 
         return f"<pre>{html.escape(self.summary())}</pre>"
+
+
+def _your_prices(date: str) -> str:
+    return f"your prices (seen up to {date})" if date else "your prices (undated)"
+
+
+def _price_sources(r: Mapping[str, Any]) -> str:
+    """'Vast.ai 2026-10-19; spot GCP 2026-09-26': who each price shown in a row is from, and when."""
+    def who(provider: str | None, seen: str | None) -> str:
+        return f"{provider} {seen or 'undated'}"
+
+    od = who(r["price_provider"], r["price_date_seen"]) if r.get("price_provider") else ""
+    if r.get("price_spot_usd_per_gpu_hour") is None:
+        return od
+    if od and (r["spot_provider"], r["spot_date_seen"]) == (r["price_provider"], r["price_date_seen"]):
+        return f"{od} (both)"
+    spot = "spot " + who(r["spot_provider"], r["spot_date_seen"])
+    return f"{od}; {spot}" if od else spot
+
+
+def _checkpoint_lines(rows: Sequence[Mapping[str, Any]], keep: int) -> list[str]:
+    """Checkpoint size and storage of the rows shown (one line when they agree, as they do for one recipe)."""
+    sizes = sorted({(r["checkpoint_bytes"], r["storage_bytes"]) for r in rows if r.get("checkpoint_bytes")})
+    if not sizes:
+        return []
+    writes = [r["checkpoint_write_s"] for r in rows if r.get("checkpoint_write_s") is not None]
+    each = " to ".join(dict.fromkeys(format_bytes(c) for c, _ in (sizes[0], sizes[-1])))
+    store = " to ".join(dict.fromkeys(format_bytes(b) for _, b in (sizes[0], sizes[-1])))
+    line = f"checkpoints to resume from: {each} each (trained weights + optimizer states), {store} of storage " \
+           f"keeping {keep}"
+    if writes:
+        lo, hi = (f"{s:,.0f}" if s >= 10 else f"{s:.1f}" for s in (min(writes), max(writes)))
+        line += f"; {lo}-{hi} s to write one" if lo != hi else f"; {hi} s to write one"
+    return [line]
 
 
 def _breakdown_lines(est: MemoryEstimate) -> list[str]:
@@ -805,7 +887,11 @@ def _breakdown_lines(est: MemoryEstimate) -> list[str]:
 
 
 _GROUPED = (
+    (re.compile(r"^" + re.escape(_SMALL_OFFERS) + r": (.+)$"), _SMALL_OFFERS + ": {}"),
     (re.compile(r"^no price for (.+?) in the snapshot"), "no price in the snapshot for {}: pass prices= to cost them"),
+    (re.compile(r"^no price for (.+?) in your prices"), "no price in your prices for {}: add them to cost them"),
+    (re.compile(r"^spot priced at another provider than on-demand .*\) for (.+)$"),
+     "spot priced at another provider than on-demand, which has no spot offer (see 'prices from') for {}"),
     (re.compile(r"^(.+?)'s usable memory is derived"), "usable memory derived from the marketed size for {}"),
     (re.compile(r"on (.+?) treat the fit as approximate$"), "the estimate models PyTorch's CUDA allocator: "
                                                             "approximate on {}"),
@@ -914,6 +1000,7 @@ def plan(
     cat = list(catalog or ())
     gpu_types = _gpu_list(gpus, cat)
     price_rows = _price_list(prices, cat + gpu_types)
+    source: Literal["snapshot", "yours", "none"] = "snapshot" if prices is None else "none" if prices is False else "yours"
     train_opts, par_opts = _split_options(options)
     given = _training_dict(training, train_opts)
     fixed: dict[str, Any] = {}
@@ -943,7 +1030,7 @@ def plan(
                        prices=price_rows, mfu=mfu, headroom=headroom, provider=provider,
                        inter_node_gbs=inter_node_gbs, storage_gbs=storage_gbs,
                        spot_rate=spot_interruptions_per_node_hour, restart_s=restart_minutes * 60,
-                       interval_h=checkpoint_interval_hours, keep=keep_checkpoints)
+                       interval_h=checkpoint_interval_hours, keep=keep_checkpoints, prices_source=source)
     rows: list[dict[str, Any]] = []
     rejected: list[dict[str, Any]] = []
     for g in gpu_types:
@@ -952,7 +1039,7 @@ def plan(
     _mark_pareto(rows)
     rows.sort(key=lambda r: (not r["fits"], r["cost_usd_on_demand"] if r["cost_usd_on_demand"] is not None else math.inf,
                              r["time_hours"] if r["time_hours"] is not None else math.inf, r["n_gpus"]))
-    notes = _plan_notes(m, rows, gpu_types, tokens, price_rows, fixed.get("gpus"))
+    notes = _plan_notes(m, rows, gpu_types, tokens, price_rows, fixed.get("gpus"), source)
     if as_given is None and "gpus" in fixed:
         notes.insert(0, f"the step as given could not be estimated: {as_given_error}")
     assumptions = {
@@ -964,7 +1051,7 @@ def plan(
         "keep_checkpoints": keep_checkpoints, "comm_efficiency": COMM_EFFICIENCY,
     }
     return Plan(m, as_given, rows, rejected, notes, assumptions, snapshot_date(price_rows) if price_rows else "",
-                ctx.kept)
+                ctx.kept, source)
 
 
 @dataclass
@@ -985,6 +1072,7 @@ class _PlanContext:
     restart_s: float
     interval_h: float | None
     keep: int
+    prices_source: str = "snapshot"
     kept: dict[tuple[str, int, str], MemoryEstimate] = field(default_factory=dict)
 
 
@@ -1085,8 +1173,10 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
     if f.verdict == "oom":
         return row
     ctx.kept[(g.name, p.gpus, label)] = est
-    row.update(_time_and_cost(ctx, g, p, t))
-    row["warnings"] = list(f.notes) + _row_warnings(g, p, t, row)
+    od_price, sp_price = _best_prices(ctx.prices, g.name, p.gpus, ctx.provider)
+    row.update(_time_and_cost(ctx, g, p, t, od_price, sp_price))
+    row["warnings"] = (list(f.notes) + _row_warnings(g, p, t, row, ctx.prices_source)
+                       + _price_warnings(g, p, od_price, sp_price))
     asked = str(ctx.given.get("precision", "bf16-mixed"))
     if asked != t.precision.value:
         row["warnings"].insert(0, f"{g.name} has no bf16: planned as {t.precision.value} (same memory, loss scaling)")
@@ -1094,7 +1184,8 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
     return row
 
 
-def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec) -> dict[str, Any]:
+def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec, od_price: Price | None,
+                   sp_price: Price | None) -> dict[str, Any]:
     st = step_time(ctx.m, t, p, g, ctx.mfu, ctx.inter_node_gbs)
     ck = checkpoint_bytes(ctx.m, t)
     writers = p.nodes if (p.zero >= 1 or p.tp * p.pp > 1) else 1
@@ -1115,7 +1206,6 @@ def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec) 
         "price_provider": None, "price_instance": None, "price_date_seen": None,
         "spot_provider": None, "spot_date_seen": None, "billing_granularity_s": None,
     }
-    od_price, sp_price = _best_prices(ctx.prices, g.name, p.gpus, ctx.provider)
     if od_price:
         out.update(price_on_demand_usd_per_gpu_hour=od_price.on_demand_usd_per_gpu_hour,
                    price_provider=od_price.provider, price_instance=od_price.instance,
@@ -1150,7 +1240,8 @@ def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec) 
     return out
 
 
-def _row_warnings(g: GPU, p: ParallelSpec, t: TrainingSpec, row: Mapping[str, Any]) -> list[str]:
+def _row_warnings(g: GPU, p: ParallelSpec, t: TrainingSpec, row: Mapping[str, Any],
+                  prices_source: str = "snapshot") -> list[str]:
     out = []
     compute, comm = row.get("compute_time_s"), row.get("comm_time_s")
     if (g.interconnect_kind == "pcie" and p.nodes == 1 and p.gpus > 1 and compute and comm
@@ -1158,15 +1249,16 @@ def _row_warnings(g: GPU, p: ParallelSpec, t: TrainingSpec, row: Mapping[str, An
         out.append(f"PCIe-only {g.name} box: {p.gpus} GPUs exchange gradients/parameters for {comm:.2f} s per step "
                    f"against {compute:.2f} s of compute; an NVLink node or fewer, larger GPUs would be faster")
     if row.get("comm_bound"):
-        where = "the network between nodes" if p.nodes > 1 else f"{g.interconnect_kind}"
+        where = g.interconnect_kind if _in_fast_domain(g, p.gpus, p.nodes) or p.nodes == 1 else "the network between nodes"
         out.append(f"communication-bound on {p.gpus}x {g.name}: {comm:.2f} s of collectives over {where} vs "
                    f"{compute:.2f} s of compute per step")
     if p.tp > g.nvlink_domain:
         out.append(f"tp={p.tp} spans more than the {g.nvlink_domain}-GPU fast domain of {g.name}")
     if row.get("step_time_s") is None:
         out.append(f"no dense {t.precision.value} TFLOPS for {g.name} in the catalog: time and cost unknown")
-    elif row.get("price_on_demand_usd_per_gpu_hour") is None:
-        out.append(f"no price for {g.name} in the snapshot: pass prices= to cost it")
+    elif row.get("price_on_demand_usd_per_gpu_hour") is None and prices_source != "none":
+        where = "your prices" if prices_source == "yours" else "the snapshot"
+        out.append(f"no price for {g.name} in {where}: pass prices= to cost it")
     if t.method is Method.QLORA and row.get("step_time_s") is not None:
         out.append("QLoRA's dequantization is not in the FLOP count: expect it slower than estimated")
     return out
@@ -1184,7 +1276,7 @@ def _mark_pareto(rows: list[dict[str, Any]]) -> None:
 
 
 def _plan_notes(m: ModelSpec, rows: list[dict[str, Any]], gpu_types: list[GPU], tokens: float | None,
-                prices: list[Price], given_gpus: int | None) -> list[str]:
+                prices: list[Price], given_gpus: int | None, prices_source: str = "snapshot") -> list[str]:
     """The honest answer first: the smallest scale anything fits at, and on which GPUs."""
     notes = []
     ok = [r for r in rows if r["fits"]]
@@ -1211,7 +1303,9 @@ def _plan_notes(m: ModelSpec, rows: list[dict[str, Any]], gpu_types: list[GPU], 
                      + (" ..." if len(missing) > 10 else ""))
     if tokens is None:
         notes.append("pass tokens= (total training tokens) for time and cost")
-    if prices:
+    if prices and prices_source == "yours":
+        notes.append(f"costs use {_your_prices(snapshot_date(prices))}")
+    elif prices:
         notes.append(f"prices are a dated snapshot (seen up to {snapshot_date(prices)}): indicative only")
     return notes
 
