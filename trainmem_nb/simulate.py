@@ -441,11 +441,20 @@ _FIELDS = ("c0", "b_", "s_", "bs", "ss", "bss")
 
 def _terms(sz: Sz) -> tuple[int, float]:
     """An event's size as (monomial index, coefficient) when it has one term, else (-1, 0)."""
-    nz = [(i, getattr(sz, f)) for i, f in enumerate(_FIELDS) if getattr(sz, f)]
-    if len(nz) == 1:
-        coef = nz[0][1]
-        return nz[0][0], int(coef) if float(coef).is_integer() else coef
-    return (-1, 0) if nz else (0, 0)
+    hit = _TERMS.get(sz)
+    if hit is None:
+        nz = [(i, c) for i, c in enumerate((sz.c0, sz.b_, sz.s_, sz.bs, sz.ss, sz.bss)) if c]
+        if len(nz) == 1:
+            coef = nz[0][1]
+            hit = nz[0][0], int(coef) if float(coef).is_integer() else coef
+        else:
+            hit = (-1, 0) if nz else (0, 0)
+        if len(_TERMS) < 1 << 16:  # sizes recur across layers and programs; bound the memo all the same
+            _TERMS[sz] = hit
+    return hit
+
+
+_TERMS: dict[Sz, tuple[int, float]] = {}
 
 
 def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> list[int]:

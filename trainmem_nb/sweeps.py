@@ -147,7 +147,8 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
     keys = list(axes)
     base = build_training(training) if training is not None else None
     rows: list[dict[str, Any]] = []
-    groups: dict[tuple[ModelSpec, TrainingSpec], list[tuple[int, TrainingSpec]]] = {}
+    # rows sharing a step program: (model, program key) -> (a member's spec, [(row, micro_batch, seq_len)])
+    groups: dict[tuple[ModelSpec, TrainingSpec], tuple[TrainingSpec, list[tuple[int, int, int]]]] = {}
     shape_keys = [k for k in ("micro_batch", "seq_len") if k in axes]
     other_keys = [k for k in keys if k not in shape_keys]
     for shape_key in shape_keys:  # validate each batch-shape value once
@@ -155,20 +156,26 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
             build_training(base, **{shape_key: value})
     for m in models:
         for other in itertools.product(*(axes[k] for k in other_keys)):
-            t_base = build_training(base, **dict(zip(other_keys, other, strict=True)))
+            fixed = dict(zip(other_keys, other, strict=True))
+            t_base = build_training(base, **fixed)
+            plain = {k: _plain(v) for k, v in fixed.items()}
+            keyed: dict[tuple[bool, bool], TrainingSpec] = {}  # the program key only sees b == 1 and s >= window
             for shape in itertools.product(*(axes[k] for k in shape_keys)):
                 update = dict(zip(shape_keys, shape, strict=True))
-                # model_copy skips validation: every value was validated above
-                t = t_base.model_copy(update=update) if update else t_base
-                if t.seq_len > m.max_positions:
-                    raise SpecError(f"seq_len={t.seq_len} exceeds {m.name}'s max_positions={m.max_positions}")
-                values = {**dict(zip(other_keys, other, strict=True)), **update}
-                rows.append({"model": m.name, **{k: _plain(values[k]) for k in keys}})
-                groups.setdefault((m, program_key(t, m)), []).append((len(rows) - 1, t))
-    for (m, key), members in groups.items():
+                b, s = update.get("micro_batch", t_base.micro_batch), update.get("seq_len", t_base.seq_len)
+                if s > m.max_positions:
+                    raise SpecError(f"seq_len={s} exceeds {m.name}'s max_positions={m.max_positions}")
+                rows.append({"model": m.name, **plain, **update})
+                cls = (b == 1, bool(m.sliding_window) and s >= m.sliding_window)
+                if cls not in keyed:
+                    # model_copy skips validation: every value was validated above
+                    keyed[cls] = program_key(t_base.model_copy(update=update) if update else t_base, m)
+                _, members = groups.setdefault((m, keyed[cls]), (t_base, []))
+                members.append((len(rows) - 1, b, s))
+    for (m, key), (t, members) in groups.items():
         prog = compile_step(m, key)
-        res = evaluate_many(prog, [t.micro_batch for _, t in members], [t.seq_len for _, t in members])
-        for j, (r, t) in enumerate(members):
+        res = evaluate_many(prog, [b for _, b, _ in members], [s for _, _, s in members])
+        for j, (r, _, _) in enumerate(members):
             peak = int(res["peak"][j])
             tops = {f"{k}_bytes": int(res["breakdown"][i][j]) for i, k in enumerate(TOP_KEYS)}
             reserved, total = reserved_and_total(t, peak, tops["activations_bytes"] + tops["transient_bytes"], None)
