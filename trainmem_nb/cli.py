@@ -65,6 +65,8 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     f.add_argument("--lora-alpha", type=float, default=32.0)
     f.add_argument("--lora-targets", default="qv", help="'qv', 'all-linear' or comma-separated module names")
     f.add_argument("--lora-dropout", type=float, default=0.0)
+    f.add_argument("--lora-dtype", default="fp32", metavar="fp32|base",
+                   help="adapter dtype: fp32 (peft's default) or the base weights' dtype")
     f.add_argument("--qlora-single-quant", action="store_true",
                    help="QLoRA without double quantization of the NF4 block scales")
     parser.add_argument("--first-step", action="store_true",
@@ -91,7 +93,7 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         "checkpointing": args.checkpointing, "attention": args.attention, "dropout": args.dropout,
         "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
-        "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
+        "lora_dtype": args.lora_dtype, "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
     }
 
 
