@@ -96,6 +96,14 @@ def test_the_size_slider_scales_a_llama_shape_from_100m_to_400b(app: Explorer) -
         assert 0.9 * target < app.estimate.n_params < 1.1 * target
 
 
+def test_the_size_source_offers_only_the_families_it_can_scale(app: Explorer) -> None:
+    app.set(model=7e9)
+    assert list(app.controls["size_family"].options) == ["llama", "mistral", "qwen2"]
+    for family in app.controls["size_family"].options:
+        app.controls["size_family"].value = family
+        assert app.message == "" and app.estimate.model.family.value == family
+
+
 def test_custom_dimensions_start_from_the_model_shown_and_are_validated(app: Explorer) -> None:
     shown = app.model_spec()
     app.controls["source"].value = "custom"
@@ -175,7 +183,6 @@ INVALID_COMBINATIONS: list[dict[str, Any]] = [
     {"tp": 8, "gpus": 4},  # tp does not divide gpus
     {"pp": 32, "gpus": 1},  # pp does not divide gpus
     {"model": "gpt2", "seq_len": 131072},  # beyond gpt2's positions
-    {"source": "size", "family": "gemma"},  # the size slider scales llama-shaped families
     {"source": "custom", "hidden": 1000, "n_heads": 32},  # heads do not divide hidden
     {"source": "custom", "n_kv_heads": 3, "n_heads": 32, "hidden": 4096},  # kv heads do not divide heads
 ]

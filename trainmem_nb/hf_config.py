@@ -220,7 +220,8 @@ def shape_for_params(n_params: int | float, family: str | Family = "llama", name
     """
     fam = Family.parse(family, "family")
     if fam not in (Family.LLAMA, Family.MISTRAL, Family.QWEN2):
-        raise SpecError(f"--params builds llama-style shapes; family={fam.value!r} is not one (use llama)")
+        raise SpecError(f"a bare parameter count scales llama-style shapes; family={fam.value!r} is not one "
+                        f"(use llama, mistral or qwen2)")
     try:
         target = float(n_params)
     except (TypeError, ValueError):

@@ -69,7 +69,8 @@ PARALLEL_CONTROLS: tuple[str, ...] = ("gpus", "zero", "engine", "tp", "pp")
 #: The dimensions the custom model source edits.
 CUSTOM_DIMS: tuple[str, ...] = ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab")
 MODEL_CONTROLS: tuple[str, ...] = (
-    "source", "preset", "params", "family", "n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab", "upload",
+    "source", "preset", "params", "size_family", "family", "n_layers", "hidden", "n_heads", "n_kv_heads", "ffn",
+    "vocab", "upload",
 )
 
 
@@ -137,6 +138,8 @@ class Explorer:
             "params": w.FloatLogSlider(value=min(max(float(spec.n_params), PARAMS_RANGE[0]), PARAMS_RANGE[1]),
                                        base=10, min=lo, max=hi, step=0.01, readout=False, description="size",
                                        **slow),
+            "size_family": w.Dropdown(options=list(SIZE_FAMILIES), description="family",
+                                      value=spec.family.value if spec.family.value in SIZE_FAMILIES else "llama"),
             "family": w.Dropdown(options=[f.value for f in Family], value=spec.family.value, description="family"),
             "n_layers": w.BoundedIntText(value=spec.n_layers, min=1, max=10_000, description="layers"),
             "hidden": w.BoundedIntText(value=spec.hidden, min=1, max=1 << 20, description="hidden"),
@@ -189,7 +192,7 @@ class Explorer:
             widget.style.description_width = "6.5em"
         self._model_boxes = {
             "preset": w.VBox([c["preset"]]),
-            "size": w.VBox([w.HBox([c["params"], self._size_label]), c["family"]]),
+            "size": w.VBox([w.HBox([c["params"], self._size_label]), c["size_family"]]),
             "custom": w.VBox([c["family"], c["n_layers"], c["hidden"], c["n_heads"], c["n_kv_heads"], c["ffn"],
                               c["vocab"]]),
             "upload": w.VBox([c["upload"], self._upload_label]),
@@ -254,7 +257,7 @@ class Explorer:
         if source == "preset":
             return resolve_model(c["preset"].value)
         if source == "size":
-            return ModelSpec.from_params(c["params"].value, family=c["family"].value)
+            return ModelSpec.from_params(c["params"].value, family=c["size_family"].value)
         if source == "custom":
             dims = {k: c[k].value for k in CUSTOM_DIMS}
             base = self._custom_base
@@ -345,7 +348,7 @@ class Explorer:
                 self._sync_lora()
             elif owner is c["upload"]:
                 self._read_upload()
-            elif owner in (c["params"], c["family"]) and c["source"].value == "size":
+            elif owner in (c["params"], c["size_family"]) and c["source"].value == "size":
                 self._update_size_label()
             self._pending = True
 
@@ -386,7 +389,7 @@ class Explorer:
 
     def _update_size_label(self) -> None:
         try:
-            m = ModelSpec.from_params(self.controls["params"].value, family=self.controls["family"].value)
+            m = ModelSpec.from_params(self.controls["params"].value, family=self.controls["size_family"].value)
         except SpecError as exc:
             self._size_label.value = html.escape(str(exc))
             return
