@@ -162,6 +162,21 @@ def test_saved_calibration_is_read_by_the_estimator(tmp_path: Path) -> None:
     assert json.loads(path.read_text())["measurement"]["calibration"] == cal.model_dump(mode="json")
 
 
+def test_a_calibrations_workspace_replaces_the_default_in_peak_breakdown_and_timeline() -> None:
+    import trainmem_nb as tm
+    from trainmem_nb.device import CUBLAS_WORKSPACE_BYTES
+
+    kw = dict(micro_batch=1, seq_len=512, precision="bf16-mixed", device="cuda")
+    default = tm.estimate("gpt2", **kw)
+    extra = 32 << 20
+    cal = {"gpu_name": "test", "cuda_context_bytes": 500 << 20, "reserved_churn_fraction": 0.1,
+           "workspace_bytes": CUBLAS_WORKSPACE_BYTES["default"] + extra}
+    calibrated = tm.estimate("gpt2", calibration=cal, **kw)
+    assert calibrated.peak_allocated_bytes == default.peak_allocated_bytes + extra
+    assert calibrated.detail_bytes["overhead/workspaces"] == default.detail_bytes["overhead/workspaces"] + extra
+    assert max(p.total_bytes for p in calibrated.timeline()) == calibrated.peak_allocated_bytes
+
+
 def test_calibration_needs_a_cuda_measurement() -> None:
     from dataclasses import replace
 

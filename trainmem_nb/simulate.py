@@ -135,9 +135,11 @@ _SINGLE = EngineHooks()
 
 
 @lru_cache(maxsize=1024)
-def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) -> Program:
+def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
+                 workspace_bytes: int | None = None) -> Program:
     """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic);
-    `hooks` adds a parallel engine's buffers and sharding (hashable: part of the cache key)."""
+    `hooks` adds a parallel engine's buffers and sharding (hashable: part of the cache key);
+    `workspace_bytes`, a calibration's cuBLAS workspaces (None: `CUBLAS_WORKSPACE_BYTES`)."""
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
     g = Graph()
@@ -341,7 +343,8 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE) ->
         init.append((CAT_INDEX["weights/buffers"], const(nbytes), count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
     if t.device is Device.CUDA:
-        init.append((CAT_INDEX["overhead/workspaces"], const(CUBLAS_WORKSPACE_BYTES["default"]), 1))
+        workspace = CUBLAS_WORKSPACE_BYTES["default"] if workspace_bytes is None else workspace_bytes
+        init.append((CAT_INDEX["overhead/workspaces"], const(workspace), 1))
     n_params = sum(p.numel * p.count for p, _, _ in weights)
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     return Program(tuple(init), tuple(segs), n_params, n_train)
@@ -567,7 +570,7 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
 
         return simulate_parallel(m, t, parallel, calibration)
 
-    prog = compile_step(m, program_key(t, m))
+    prog = compile_step(m, program_key(t, m), _SINGLE, calibration.workspace_bytes if calibration else None)
     ev = evaluate(prog, t.micro_batch, t.seq_len)
     tops = dict.fromkeys(TOP_KEYS, 0)
     for k, v in ev.detail.items():
