@@ -95,6 +95,9 @@ def test_cli_reads_an_hf_config_file(tmp_path, capsys: pytest.CaptureFixture[str
     (["--model", "nope-13b"], "model='nope-13b' is not a known preset"),
     (["--params", "lots"], "--params='lots' is not a number"),
     (["--model", "gpt2", "--micro-batch", "0"], "micro_batch=0"),
+    (["--model", "gpt2", "--micro-batch", "abc"], "invalid int value: 'abc'"),  # argparse's own checks too
+    (["--model", "gpt2", "--device", "tpu"], "invalid choice: 'tpu'"),
+    ([], "one of the arguments --model --hf-config --params is required"),
 ])
 def test_cli_bad_input_prints_one_line_and_exits_2(args: list[str], message: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "trainmem_nb.cli", "estimate", *args],

@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from .specs import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision, SpecError
 
@@ -221,9 +221,16 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag gets one line (not the whole usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``trainmem`` argument parser with all subcommands."""
-    parser = argparse.ArgumentParser(
+    """The ``trainmem`` argument parser with all subcommands (they inherit its class)."""
+    parser = _Parser(
         prog="trainmem", description="How much GPU memory does one training step need, and where does it go?"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
