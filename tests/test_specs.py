@@ -79,6 +79,22 @@ def test_config_value_of_wrong_type_is_named() -> None:
         ModelSpec.from_hf_config(cfg)
 
 
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"model_type": 5}, r"config.json has model_type=5, not a name; supported model types: llama"),
+    ({"tie_word_embeddings": "yes"}, r"tie_word_embeddings='yes'; it must be true or false"),
+])
+def test_config_model_type_and_flags_of_the_wrong_type_are_named(extra: dict, message: str) -> None:
+    cfg = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, **extra}
+    with pytest.raises(SpecError, match=message):
+        ModelSpec.from_hf_config(cfg)
+
+
+def test_a_bare_parameter_count_below_the_smallest_shape_names_the_minimum() -> None:
+    with pytest.raises(SpecError, match=r"params=1000000.0 must be between 8.27e\+06"):
+        ModelSpec.from_params(1e6)
+    assert ModelSpec.from_params(8.3e6).n_layers == 1
+
+
 def test_config_read_from_a_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4}))
     m = ModelSpec.from_hf_config(tmp_path)

@@ -79,9 +79,8 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
     """
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str):
-        raise SpecError(
-            "config.json has no 'model_type'; supported model types: " + ", ".join(SUPPORTED_MODEL_TYPES)
-        )
+        found = "has no 'model_type'" if model_type is None else f"has model_type={model_type!r}, not a name"
+        raise SpecError(f"config.json {found}; supported model types: " + ", ".join(SUPPORTED_MODEL_TYPES))
     family = SUPPORTED_MODEL_TYPES.get(model_type)
     if family is None:
         raise SpecError(
@@ -192,7 +191,10 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
             use = cfg.get("use_sliding_window", family is not Family.QWEN2)
             if isinstance(window, int) and window > 0 and use:
                 kw["sliding_window"] = window
-    kw["tie_embeddings"] = bool(cfg.get("tie_word_embeddings", _TIE_DEFAULT[family]))
+    tie = cfg.get("tie_word_embeddings", _TIE_DEFAULT[family])
+    if not isinstance(tie, bool):
+        raise SpecError(f"config.json has tie_word_embeddings={tie!r}; it must be true or false")
+    kw["tie_embeddings"] = tie
     for key, limit in (("n_layers", _ABSURD["layers"]), ("hidden", _ABSURD["hidden"]),
                        ("n_heads", _ABSURD["heads"]), ("vocab", _ABSURD["vocab"])):
         if kw.get(key, 0) > limit:
@@ -226,8 +228,10 @@ def shape_for_params(n_params: int | float, family: str | Family = "llama", name
         target = float(n_params)
     except (TypeError, ValueError):
         raise SpecError(f"params={n_params!r} is not a number") from None
-    if not math.isfinite(target) or target < 1e6 or target > 1e13:
-        raise SpecError(f"params={n_params!r} must be between 1e6 and 1e13 parameters")
+    smallest = _smallest_shape_params()
+    if not math.isfinite(target) or target < smallest or target > 1e13:
+        raise SpecError(f"params={n_params!r} must be between {smallest:.3g} (one layer of hidden 128 with a "
+                        f"{_VOCAB:,}-token vocabulary) and 1e13 parameters")
     best: tuple[float, dict[str, Any]] | None = None
     for hidden in range(128, 32_768 + 1, 128):
         heads = max(1, hidden // _HEAD_DIM)
@@ -251,6 +255,15 @@ def shape_for_params(n_params: int | float, family: str | Family = "llama", name
     shape = best[1]
     shape["name"] = name or f"llama-like-{_human_count(target)}"
     return shape
+
+
+def _smallest_shape_params() -> float:
+    """The smallest count `shape_for_params` can build: where its one-layer, hidden-128 shape rounds to a layer."""
+    hidden = 128
+    heads = hidden // _HEAD_DIM
+    ffn = max(256, round(hidden * 8 / 3 / 256) * 256)
+    fixed = _llama_like_params(0, hidden, ffn, heads, heads)
+    return float(math.ceil(fixed + 0.5 * (_llama_like_params(1, hidden, ffn, heads, heads) - fixed)) + 1)
 
 
 def _human_count(n: float) -> str:
