@@ -5,6 +5,7 @@ and offload behaviour, and layout errors that say what would work."""
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 
 import pytest
 
@@ -192,3 +193,148 @@ def test_trainmem_measure_runs_one_fsdp_rank_and_matches_the_per_rank_estimate(c
     t = TrainingSpec(micro_batch=2, seq_len=128, precision="bf16-mixed", device="cpu")
     est = simulate_parallel(get_model("gpt2"), t, ParallelSpec(gpus=4, engine="fsdp", zero=3), None, backend="nccl")
     assert measured["peak_allocated_bytes"] == est.peak_allocated_bytes
+
+
+# --- offload -------------------------------------------------------------------------------------
+
+
+def test_fsdp_cannot_offload_only_the_optimizer_and_says_what_would() -> None:
+    """FSDP2's CPUOffloadPolicy moves parameters, their gradients and the optimizer step to the CPU
+    together; only DeepSpeed can offload the optimizer alone."""
+    with pytest.raises(SpecError, match=r"FSDP offloads parameters, gradients and optimizer together: use "
+                                        r"offload='optimizer\+params', or engine='deepspeed'"):
+        tm.estimate("llama-2-7b", micro_batch=1, seq_len=1024, gpus=8, engine="fsdp", zero=3, offload="optimizer")
+
+
+def test_fsdp_cpu_offload_keeps_only_gathered_units_on_the_gpu_like_cpu_offload_policy() -> None:
+    """CPUOffloadPolicy (torch/distributed/fsdp/_fully_shard): sharded parameters live on the CPU and are
+    all-gathered per unit; foreach_reduce copies each gradient shard to the CPU and drops the GPU copy;
+    the optimizer steps on the CPU. So the GPU holds no parameter shard, gradient shard, optimizer state
+    or optimizer temporary, and the host holds all three for the rank's shard: fp32 parameters (4 B),
+    fp32 gradients (4 B) and AdamW's two moments (8 B) = 16 B per parameter per shard."""
+    kw = dict(micro_batch=1, seq_len=1024, precision="bf16-mixed", gpus=8, engine="fsdp", zero=3, device="cuda")
+    on_gpu = tm.estimate("llama-2-7b", **kw)
+    off = tm.estimate("llama-2-7b", offload="optimizer+params", **kw)
+    for key in ("weights/params", "gradients", "optimizer_states", "transient/optimizer"):
+        assert off.detail_bytes.get(key, 0) == 0, key
+        assert all(r.detail_bytes.get(key, 0) == 0 for r in off.per_rank), key
+    assert off.detail_bytes["weights/gathered"] > 0  # layers are still all-gathered onto the GPU
+    assert abs(off.host_bytes / (16 * off.n_params / 8) - 1) < 0.01
+    assert off.peak_allocated_bytes < on_gpu.peak_allocated_bytes - 8 * on_gpu.n_params // 8
+
+
+@pytest.mark.parametrize(("zero", "precision", "grad_bytes"), [
+    (1, "bf16-mixed", 4), (2, "bf16-mixed", 4), (2, "fp32", 4), (3, "bf16-mixed", 2), (3, "fp32", 4)])
+def test_deepspeed_optimizer_offload_keeps_the_gradient_partition_on_the_host(zero: int, precision: str,
+                                                                             grad_bytes: int) -> None:
+    """ZeRO-Offload's host memory is the fp32 master weights and Adam moments (12 B per parameter of the
+    rank's partition) plus the gradient partition the CPU optimizer reads: ZeRO-1/2 keep it in fp32
+    (stage_1_and_2.py, initialize_optimizer_states: ``single_grad_partition``, pinned, kept as
+    ``single_partition_of_fp32_groups[i].grad`` when cpu_offload), ZeRO-3 in the gradient accumulation
+    dtype, the model's by default (stage3.py ``grad_partitions_flat_buffer``; engine.py get_data_types).
+    The GPU then keeps no gradient partition (copy_grads_in_partition returns early with cpu_offload)."""
+    kw = dict(micro_batch=1, seq_len=1024, precision=precision, gpus=8, engine="deepspeed", device="cuda")
+    e = tm.estimate("llama-2-7b", zero=zero, offload="optimizer", **kw)
+    shard = e.n_trainable_params / 8
+    assert abs(e.host_bytes / ((12 + grad_bytes) * shard) - 1) < 0.001
+    assert e.detail_bytes.get("optimizer_states", 0) == 0
+    if zero >= 2:
+        assert e.detail_bytes.get("gradients", 0) == 0
+        assert tm.estimate("llama-2-7b", zero=zero, **kw).detail_bytes["gradients"] > 0
+
+
+# --- DDP -----------------------------------------------------------------------------------------
+
+
+def test_ddp_bucket_view_makes_gradients_views_of_the_buckets_and_saves_one_gradient_copy() -> None:
+    """torch DDP's ``gradient_as_bucket_view=True``: "gradients will be views pointing to different offsets
+    of allreduce communication buckets ... the saved memory size will be equal to the total gradients
+    size". With gradient accumulation both layouts peak in backward with every gradient alive, so the
+    saving is exactly the gradients' bytes."""
+    kw = dict(micro_batch=1, seq_len=512, precision="fp32", gpus=2, device="cuda")
+    grads = tm.estimate("gpt2", **kw).n_trainable_params * 4
+    copy = tm.estimate("gpt2", grad_accum=2, **kw)
+    view = tm.estimate("gpt2", grad_accum=2, ddp_bucket_view=True, **kw)
+    assert copy.detail_bytes["overhead/communication"] >= grads  # the buckets, beside .grad
+    assert copy.detail_bytes["gradients"] >= grads
+    assert view.detail_bytes.get("overhead/communication", 0) == 0  # .grad *is* the bucket
+    assert view.detail_bytes["gradients"] == copy.detail_bytes["gradients"]
+    assert copy.peak_allocated_bytes - view.peak_allocated_bytes == copy.detail_bytes["overhead/communication"]
+    one_step = tm.estimate("gpt2", ddp_bucket_view=True, **kw)
+    assert one_step.peak_allocated_bytes < tm.estimate("gpt2", **kw).peak_allocated_bytes
+    assert ParallelSpec(gpus=2, ddp_bucket_view=True).ddp_bucket_view
+    with pytest.raises(SpecError, match=r"gradient_as_bucket_view: use engine='ddp'"):
+        ParallelSpec(gpus=8, engine="fsdp", zero=3, ddp_bucket_view=True)
+
+
+def test_ddp_gradient_accumulation_keeps_every_gradient_beside_the_buckets() -> None:
+    """A later micro-step adds into existing ``.grad`` tensors: DDP then holds the gradients and the
+    buckets, never less than one GPU's step plus the buckets."""
+    kw = dict(micro_batch=1, seq_len=512, precision="fp32", device="cuda", grad_accum=2)
+    single = tm.estimate("gpt2", **kw)
+    ddp = tm.estimate("gpt2", gpus=2, **kw)
+    assert ddp.detail_bytes["gradients"] == single.detail_bytes["gradients"]
+    assert ddp.peak_allocated_bytes >= single.peak_allocated_bytes + ddp.detail_bytes["overhead/communication"]
+
+
+# --- pipeline schedules --------------------------------------------------------------------------
+
+
+def _megatron_in_flight(pp: int, v: int, rank: int, micro_batches: int) -> float:
+    """Model chunks in flight on `rank` per Megatron-LM's schedules.py (get_pp_rank_microbatches:
+    warm-up, then one more forward before the first backward), in micro-batches of the whole stage."""
+    total = micro_batches * v
+    warmup = pp - rank - 1 if v == 1 else (pp - rank - 1) * 2 + (v - 1) * pp
+    return min(warmup + 1, total) / v
+
+
+@pytest.mark.parametrize(("pp", "v"), [(2, 2), (4, 2), (4, 4), (8, 3)])
+def test_interleaved_in_flight_follows_megatrons_warmup_and_the_papers_first_stage(pp: int, v: int) -> None:
+    from trainmem_nb.distributed import _in_flight
+
+    p = ParallelSpec(gpus=pp, pp=pp, pp_schedule="interleaved", virtual_stages=v)
+    one_f_one_b = ParallelSpec(gpus=pp, pp=pp)
+    for rank in range(pp):
+        assert float(_in_flight(p, rank, 64)) == _megatron_in_flight(pp, v, rank, 64)
+        assert _in_flight(one_f_one_b, rank, 64) == pp - rank
+    # Narayanan et al. 2021, sec. 2.2: the first stage holds pp * (1 + (pp-1)/(pp*v)) micro-batches
+    assert _in_flight(p, 0, 64) == pp * (1 + Fraction(pp - 1, pp * v))
+    assert _in_flight(p, 0, 1) == 1  # a single micro-batch: all warm-up, nothing else to hold
+
+
+@pytest.mark.parametrize("v", [2, 4])
+def test_interleaved_schedule_peaks_above_1f1b_by_the_extra_model_chunks(v: int) -> None:
+    """--pp 2 --pp-schedule interleaved --grad-accum 8: rank 0 holds 2 + 1/v micro-batches, rank 1
+    2 - 1/v, against 1F1B's 2 and 1 and GPipe's 8 (one micro-batch's activations of each stage are
+    measured as GPipe's excess over 1F1B: 6 micro-batches on rank 0, 7 on rank 1)."""
+    kw = dict(micro_batch=1, seq_len=2048, precision="bf16-mixed", grad_accum=8, gpus=2, pp=2, device="cuda")
+    base = tm.estimate("llama-2-7b", **kw)
+    gpipe = tm.estimate("llama-2-7b", pp_schedule="gpipe", **kw)
+    inter = tm.estimate("llama-2-7b", pp_schedule="interleaved", virtual_stages=v, **kw)
+    for stage, (a, b) in enumerate(zip(base.per_rank, inter.per_rank, strict=True)):
+        assert b.peak_allocated_bytes > a.peak_allocated_bytes, stage
+        assert b.detail_bytes["weights/params"] == a.detail_bytes["weights/params"]
+
+    def held(e: tm.MemoryEstimate, stage: int) -> int:
+        return e.per_rank[stage].detail_bytes["activations/layers"]
+
+    one = [(held(gpipe, 0) - held(base, 0)) / 6, (held(gpipe, 1) - held(base, 1)) / 7]
+    assert held(inter, 0) - held(base, 0) == pytest.approx(one[0] / v, rel=1e-6)
+    assert held(inter, 1) - held(base, 1) == pytest.approx(one[1] * (1 - 1 / v), rel=1e-6)
+    assert inter.peak_allocated_bytes > base.peak_allocated_bytes
+
+
+@pytest.mark.parametrize(("layout", "message"), [
+    (dict(pp=2, virtual_stages=2), r"virtual_stages=2 splits each stage into model chunks.*use "
+                                   r"pp_schedule='interleaved', or virtual_stages=1"),
+    (dict(pp=2, pp_schedule="gpipe", virtual_stages=4), r"only the interleaved schedule runs"),
+    (dict(pp=2, pp_schedule="interleaved", virtual_stages=1), r"needs virtual_stages >= 2"),
+    (dict(pp=2, pp_schedule="interleaved", virtual_stages=3),
+     r"n_layers=32 into pp\*virtual_stages = 2\*3 = 6 equal chunks, which does not divide it; "
+     r"use virtual_stages in \[2, 4, 8, 16\]"),
+])
+def test_interleaved_layouts_need_the_schedule_and_equal_model_chunks(layout: dict, message: str) -> None:
+    """Megatron-LM runs model chunks only in its interleaved schedule and needs them equal
+    (megatron/training/arguments.py: layers divisible by pp, layers per stage by layers per chunk)."""
+    with pytest.raises(SpecError, match=message):
+        tm.estimate("llama-2-7b", micro_batch=1, seq_len=1024, gpus=2, grad_accum=8, **layout)

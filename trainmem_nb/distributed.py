@@ -14,7 +14,8 @@ timeline where the engine allocates them:
   bit, reduce_dtype=fp32)`` without autocast. Verified against one-process fake-process-group runs.
 * **DDP** (torch DistributedDataParallel): gradient buckets of ``bucket_cap_mb`` = 25 MiB; without
   ``gradient_as_bucket_view`` the buckets are a second copy of every gradient (torch/nn/parallel/
-  distributed.py, reducer.cpp).
+  distributed.py, reducer.cpp); with it (``ParallelSpec(ddp_bucket_view=True)``) the gradients are
+  views into the buckets, which persist, and ``zero_grad`` frees nothing.
 * **DeepSpeed ZeRO** 1-3 with its 16-bit optimizer: 16-bit parameters and gradients, fp32 master
   weights and Adam moments (K = 12 bytes per parameter, Rajbhandari et al. 2020, Table 1), sharded by
   stage; reduce bucket (``reduce_bucket_size``), all-gather bucket (``allgather_bucket_size``) and
@@ -25,14 +26,16 @@ timeline where the engine allocates them:
 
 Tensor parallelism splits heads, kv heads, the MLP and the vocabulary (Megatron's column/row split);
 sequence parallelism also splits the norm/residual regions' activations; context parallelism splits
-the sequence; pipeline stages hold their layers and ``in_flight`` micro-batches of activations (1F1B:
-pp - stage on stage ``stage``, Narayanan et al. 2021). These are modelled (no GPU here to measure).
+the sequence; pipeline stages hold their layers and ``_in_flight`` micro-batches of activations (1F1B:
+pp - stage on stage ``stage``; interleaved: Megatron's warm-up plus one model chunk, Narayanan et al.
+2021). These are modelled (no GPU here to measure).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 from .breakdown import DETAIL_KEYS
@@ -111,6 +114,8 @@ class FSDP2Hooks(EngineHooks):
     units: tuple[tuple[str, tuple[_Param, ...]], ...]  # "root" and "layer" -> their parameters
     accumulate: bool = False  # gradient accumulation: sharded gradients exist and new ones are added
     gloo: bool = False  # the CPU backend: its reduce-scatter works on a full copy of the input
+    #: CPUOffloadPolicy: sharded parameters, their gradients and the optimizer live on the CPU
+    offload: bool = False
     autocast: bool = False
     local_grads_accumulate: bool = False
     first_stage: bool = True
@@ -206,7 +211,10 @@ class FSDP2Hooks(EngineHooks):
             copy = g.alloc(rs_in.bytes, 1, "gloo reduce-scatter copy")
             copy.region = "communication"
             g.drop(copy)
-        if self.accumulate:  # foreach_reduce adds the reduce-scatter output to .grad and drops it
+        if self.accumulate or self.offload:
+            # foreach_reduce adds the reduce-scatter output to .grad and drops it; with CPU offload it
+            # copies it to the CPU and drops the GPU copy without waiting (_fsdp_collectives.py,
+            # foreach_reduce: ``new_sharded_grad.to(torch.device("cpu"))``)
             g.drop(rs_out)
         else:
             rs_out.is_grad = True
@@ -227,6 +235,10 @@ class FSDP2Hooks(EngineHooks):
         out: list[tuple[str, Sz, int]] = []
         for p, dt, _trainable in weights:
             out.append(("weights/params", const(_padded_shard(p, self.world) * dt), p.count))
+        if self.offload:
+            # the parameter shards are listed so the caller moves them to host memory (`_host_bytes`);
+            # the gradient shards and the optimizer states never reach the GPU
+            return out
         if self.accumulate:
             out += [("gradients", const(n), c) for n, c in self._grads(m)]
         if not t.first_step:
@@ -234,6 +246,9 @@ class FSDP2Hooks(EngineHooks):
         return out
 
     def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
+        if self.offload:  # the optimizer steps on the CPU's parameter and gradient shards
+            return []
+
         def shard(p: ParamTensor) -> ParamTensor | None:
             return _row_shard(p, self.world) if _held(self, p, m) else None
 
@@ -259,7 +274,14 @@ def _sharded_states(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, world: in
 
 @dataclass(frozen=True)
 class DDPHooks(EngineHooks):
-    """torch DistributedDataParallel: gradient buckets beside the gradients, optional ZeRO-1."""
+    """torch DistributedDataParallel: gradient buckets beside the gradients, optional ZeRO-1.
+
+    Without ``gradient_as_bucket_view`` the reducer's flat buckets persist between steps beside the
+    ``.grad`` tensors autograd makes: two copies of every gradient at the optimizer step. With it
+    (`bucket_view`), ``.grad`` is a view into its bucket: the reducer copies each new gradient into the
+    bucket and points ``.grad`` there, so one copy persists and ``zero_grad(set_to_none=True)`` frees
+    nothing (torch/nn/parallel/distributed.py, ``gradient_as_bucket_view``: "the saved memory size
+    will be equal to the total gradients size"; reducer.cpp, ``mark_variable_ready_dense``)."""
 
     world: int
     zero: int
@@ -268,18 +290,37 @@ class DDPHooks(EngineHooks):
     last_stage: bool = True
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
+    def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
+        if self.bucket_view:  # copied into the bucket view that becomes .grad; autograd's copy goes
+            for grad in grads:
+                grad.is_grad = False
+            g.drop(*grads)
+
+    def _grads(self, m: ModelSpec, t: TrainingSpec) -> list[tuple[int, int]]:
+        return [(p.numel * dt, p.count) for p, dt in _trainable(self, m, t)]
+
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
-        out: list[tuple[str, Sz, int]] = []
-        grad_bytes = 0
-        for p, dt, trainable in weights:
-            out.append(("weights/params", const(p.numel * dt), p.count))
-            if trainable:
-                grad_bytes += _round(p.numel * dt) * p.count
-        if not self.bucket_view:
+        out: list[tuple[str, Sz, int]] = [("weights/params", const(p.numel * dt), p.count) for p, dt, _ in weights]
+        grads = self._grads(m, t)
+        buckets = sum(_round(n) * c for n, c in grads)
+        if self.bucket_view:  # the buckets are the gradients
+            out.append(("gradients", const(buckets), 1))
+        else:
             # the reducer's flat buckets persist between steps: a second copy of every gradient
-            out.append(("overhead/communication", const(grad_bytes), 1))
+            out.append(("overhead/communication", const(buckets), 1))
+            if t.grad_accum > 1:  # a later micro-step: every .grad exists and new ones are added in place
+                out += [("gradients", const(n), c) for n, c in grads]
         world = self.world if self.zero >= 1 else 1
         return out + _sharded_states(self, m, t, world)
+
+    def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
+        world = self.world if self.zero >= 1 else 1
+
+        def shard(p: ParamTensor) -> ParamTensor | None:  # ZeroRedundancyOptimizer steps on its shard
+            return _row_shard(p, world) if _held(self, p, m) else None
+
+        # zero_grad frees the full .grad tensors, or nothing when they are views of the buckets
+        return optimizer_program(m, t, shard, [] if self.bucket_view else self._grads(m, t))
 
 
 @dataclass(frozen=True)
@@ -334,7 +375,10 @@ class DeepSpeedHooks(EngineHooks):
             out.append(("optimizer_states", const(-(-n_train // shard_s) * per), 1))
         # reduce bucket and, for ZeRO-1/2, the all-gather bucket for the updated parameters
         out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
-        if self.zero >= 2:
+        if self.zero >= 2 and self.offload == "none":
+            # the rank's gradient partition; with an offloaded optimizer it is on the host instead
+            # (stage_1_and_2.py copy_grads_in_partition returns before allocating grads_in_partition
+            # when cpu_offload; stage3.py puts grad_partitions_flat_buffer on self.device, the CPU)
             n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
             out.append(("gradients", const(-(-n_train // world) * self.model_dt), 1))
         return out
@@ -412,17 +456,32 @@ def _stages(m: ModelSpec, p: ParallelSpec) -> list[tuple[int, int]]:
     return [(s, base + (1 if s < extra else 0)) for s in range(p.pp)]
 
 
-def _in_flight(p: ParallelSpec, stage: int, grad_accum: int) -> int:
-    """Micro-batches of activations a stage keeps during the steady state of its schedule."""
+def _in_flight(p: ParallelSpec, stage: int, grad_accum: int) -> Fraction:
+    """Micro-batches of activations pipeline stage `stage` holds at its peak (a fraction with the
+    interleaved schedule, whose unit is one model chunk: 1/virtual_stages of the stage's layers).
+
+    Megatron-LM, megatron/core/pipeline_parallel/schedules.py: a rank runs ``num_warmup_microbatches``
+    forwards, then one more forward before its first backward (``max_outstanding_backprops =
+    num_warmup_microbatches + 1``), all of them when the warm-up covers every micro-batch:
+
+    * 1F1B (forward_backward_pipelining_without_interleaving): warm-up ``pp - rank - 1``, so
+      ``pp - rank`` micro-batches (at most ``grad_accum``);
+    * interleaved (get_pp_rank_microbatches for forward_backward_pipelining_with_interleaving):
+      warm-up ``(pp - rank - 1) * 2 + (v - 1) * pp`` model chunks (``microbatch_group_size_per_vp_stage``
+      defaults to pp) out of ``grad_accum * v``; on rank 0 that is ``pp + (pp - 1) / v`` micro-batches,
+      Narayanan et al. 2021 (sec. 2.2)'s ``pp * (1 + (pp - 1) / (pp * v))``;
+    * GPipe: every micro-batch.
+    """
     if p.pp == 1:
-        return 1
+        return Fraction(1)
+    ga = max(1, grad_accum)
     if p.pp_schedule is PipelineSchedule.GPIPE:
-        return max(1, grad_accum)
-    n = p.pp - stage
+        return Fraction(ga)
     if p.pp_schedule is PipelineSchedule.INTERLEAVED:
-        # Narayanan et al. 2021, sec. 2.2: the first stage holds (1 + (p-1)/(p*v)) times more
-        n = round(n * (1 + (p.pp - 1) / (p.pp * p.virtual_stages)))
-    return max(1, min(n, grad_accum) if grad_accum > 1 else n)
+        v = p.virtual_stages
+        warmup = (p.pp - stage - 1) * 2 + (v - 1) * p.pp
+        return Fraction(min(warmup + 1, ga * v), v)
+    return Fraction(min(p.pp - stage, ga))
 
 
 def _sequence_parallel_saving(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, seq: int) -> int:
@@ -444,7 +503,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     """The engine of layout `p` on a rank of the `first` and/or `last` pipeline stage; `backend` is the
     collectives library (default: gloo on CPU, NCCL on CUDA)."""
     weights = [w for w in weight_tensors(m, t) if on_stage(w[0], m, first, last)]
-    stage = {"first_stage": first, "last_stage": last}
+    stage: dict[str, Any] = {"first_stage": first, "last_stage": last}
     if p.engine is Engine.FSDP and p.zero >= 2:
         world = p.shard_degree
         mixed = t.mixed
@@ -454,7 +513,8 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
         # reduce_dtype=fp32) for mixed precision, parameters' own dtypes otherwise
         return FSDP2Hooks(world=world, reshard_after_forward=p.zero >= 3, param_dt=2 if mixed else None,
                           reduce_dt=4 if mixed else None, units=units, accumulate=t.grad_accum > 1,
-                          gloo=(backend or ("gloo" if t.device is Device.CPU else "nccl")) == "gloo", **stage)
+                          gloo=(backend or ("gloo" if t.device is Device.CPU else "nccl")) == "gloo",
+                          offload=p.offload is not Offload.NONE, **stage)
     if p.engine is Engine.DEEPSPEED:
         layer_params = sum(w[0].numel for w in weights if w[0].in_layer)
         return DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero,
@@ -463,7 +523,39 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, **stage)
     zero = p.zero if p.engine is Engine.DDP else 0
-    return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, **stage)
+    return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, **stage)
+
+
+def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSpec, detail: dict[str, int]) -> int:
+    """Host (CPU) memory of one process for what the layout offloads; moves the offloaded parameter
+    shards out of the GPU's `detail`."""
+    if p.offload is Offload.NONE:
+        return 0
+    host = detail.pop("weights/params", 0) if p.offload is Offload.OPTIMIZER_PARAMS else 0
+    if isinstance(hooks, FSDP2Hooks):
+        # CPUOffloadPolicy: parameter shards, gradient shards (in the parameters' dtype) and the
+        # optimizer states of the shards, all on the CPU
+        host += sum(n * c for n, c in hooks._grads(m))
+        host += sum(int(sz.c0) * c for sz, c in state_bytes(
+            m, t, lambda q: _row_shard(q, hooks.world) if _held(hooks, q, m) else None))
+        return host
+    assert isinstance(hooks, DeepSpeedHooks)
+    shard = -(-sum(q.numel * q.count for q, _ in _trainable(hooks, m, t)) // p.shard_degree)
+    # ZeRO-Offload: fp32 master weights and Adam moments (K = 12, Rajbhandari et al. 2020) ...
+    host += 12 * shard
+    # ... and the gradient partition the CPU optimizer reads, pinned:
+    # * ZeRO-1/2, deepspeed/runtime/zero/stage_1_and_2.py, initialize_optimizer_states:
+    #   ``single_grad_partition = torch.zeros(int(self.partition_size[i]),
+    #   dtype=self.single_partition_of_fp32_groups[i].dtype, device=self.device)``, pinned when
+    #   cpu_offload_pin_memory and kept as ``single_partition_of_fp32_groups[i].grad`` (only set to None
+    #   ``if not self.cpu_offload``): fp32, 4 B per element of the partition;
+    # * ZeRO-3, deepspeed/runtime/zero/stage3.py, _setup_for_real_optimizer: ``grad_partitions_flat_buffer
+    #   = torch.zeros(sum(p.partition_numel() ...), dtype=self.gradient_accumulation_dtype,
+    #   device=self.device)``, pinned when offload_optimizer_pin_memory; the accumulation dtype is the
+    #   model's (runtime/engine.py get_data_types: ``grad_accum_dtype = model_dtype`` under ZeRO unless
+    #   the config sets ``data_types.grad_accum_dtype``): 2 B with bf16/fp16, 4 B with fp32.
+    host += shard * (hooks.model_dt if p.zero >= 3 else 4)
+    return host
 
 
 def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
@@ -483,23 +575,17 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         prog = compile_step(stage_model, program_key(t), hooks)
         ev = evaluate(prog, t.micro_batch, seq)
         detail = dict(ev.detail)
-        extra = _in_flight(p, stage, t.grad_accum) - 1
-        if extra > 0:  # other micro-batches' saved activations held by this pipeline stage
+        in_flight = _in_flight(p, stage, t.grad_accum)
+        extra = in_flight - 1
+        if extra > 0:  # other micro-batches' (interleaved: model chunks') saved activations on this stage
             from .simulate import activations_at_forward_end
 
-            held = activations_at_forward_end(prog, t.micro_batch, seq) * extra
+            held = int(activations_at_forward_end(prog, t.micro_batch, seq) * extra)
             detail["activations/layers"] = detail.get("activations/layers", 0) + held
         if p.sp and p.tp > 1:
-            freed = _sequence_parallel_saving(stage_model, t, p, seq) * _in_flight(p, stage, t.grad_accum)
+            freed = int(_sequence_parallel_saving(stage_model, t, p, seq) * in_flight)
             detail["activations/layers"] = max(0, detail.get("activations/layers", 0) - freed)
-        host = 0
-        if p.offload is not Offload.NONE:
-            host += detail.pop("optimizer_states", 0)
-            if p.engine is Engine.DEEPSPEED:  # ZeRO-Offload: fp32 master weights and Adam moments in host RAM
-                n_train = sum(q.numel * q.count for q, _ in _trainable(hooks, stage_model, t))
-                host += 12 * -(-n_train // p.shard_degree)
-            if p.offload is Offload.OPTIMIZER_PARAMS:
-                host += detail.pop("weights/params", 0)
+        host = _host_bytes(hooks, stage_model, t, p, detail)
         peak = sum(detail.values())
         tops: dict[str, int] = {}
         for k, v in detail.items():

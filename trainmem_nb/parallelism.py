@@ -40,7 +40,9 @@ class PipelineSchedule(_Choice):
     """Pipeline schedules: how many micro-batches a stage keeps in flight."""
 
     ONE_F_ONE_B = "1f1b"  #: stage i keeps pp - i micro-batches of activations (Narayanan et al. 2021)
-    INTERLEAVED = "interleaved"  #: 1F1B with virtual stages: a bit more in flight on the first stage
+    #: 1F1B over ``virtual_stages`` model chunks per stage: about (1 + (pp-1)/(pp*v)) times 1F1B's
+    #: activations in flight on the first stage, for a bubble v times smaller (Narayanan et al. 2021)
+    INTERLEAVED = "interleaved"
     GPIPE = "gpipe"  #: all grad_accum micro-batches in flight
 
 
@@ -72,6 +74,8 @@ class ParallelSpec(SpecModel):
     cp: int = Field(default=1, ge=1, le=1024, description="context (sequence) parallel degree")
     ep: int = Field(default=1, ge=1, le=4096, description="expert parallel degree (MoE)")
     offload: Offload = Offload.NONE
+    ddp_bucket_view: bool = Field(default=False, description="DDP gradient_as_bucket_view: gradients are views "
+                                                             "into the all-reduce buckets, not a second copy")
 
     @model_validator(mode="before")
     @classmethod
@@ -123,8 +127,23 @@ class ParallelSpec(SpecModel):
                 raise SpecError(f"offload='optimizer+params' offloads sharded parameters: it needs zero=3 (got zero={self.zero})")
             if self.offload is Offload.OPTIMIZER and self.zero == 0:
                 raise SpecError("offload='optimizer' offloads the ZeRO-partitioned optimizer: use zero >= 1")
+            if self.offload is Offload.OPTIMIZER and self.engine is Engine.FSDP:
+                # FSDP2's CPUOffloadPolicy (like FSDP1's CPUOffload(offload_params=True)) moves the sharded
+                # parameters to the CPU; their gradients follow and the optimizer steps there: there is no
+                # optimizer-only offload (torch/distributed/fsdp/_fully_shard/_fsdp_api.py, OffloadPolicy)
+                raise SpecError("engine='fsdp' with offload='optimizer': FSDP offloads parameters, gradients and "
+                                "optimizer together: use offload='optimizer+params', or engine='deepspeed' to "
+                                "offload only the optimizer")
         if self.pp_schedule is PipelineSchedule.INTERLEAVED and self.virtual_stages < 2:
-            raise SpecError("pp_schedule='interleaved' needs virtual_stages >= 2")
+            raise SpecError(f"pp_schedule='interleaved' needs virtual_stages >= 2 (got {self.virtual_stages}); "
+                            "use virtual_stages=2 or more, or pp_schedule='1f1b'")
+        if self.virtual_stages > 1 and self.pp_schedule is not PipelineSchedule.INTERLEAVED:
+            raise SpecError(f"virtual_stages={self.virtual_stages} splits each stage into model chunks, which only "
+                            f"the interleaved schedule runs (pp_schedule={self.pp_schedule.value!r}): use "
+                            "pp_schedule='interleaved', or virtual_stages=1")
+        if self.ddp_bucket_view and self.engine is not Engine.DDP:
+            raise SpecError(f"ddp_bucket_view=True is DistributedDataParallel's gradient_as_bucket_view: use "
+                            f"engine='ddp' (engine={self.engine.value!r} has its own gradient buffers)")
         return self
 
     @property
@@ -190,6 +209,14 @@ def check_layout(m: ModelSpec, p: ParallelSpec) -> None:
         raise SpecError(f"pp={p.pp} exceeds {m.name}'s n_layers={m.n_layers}; use pp <= {m.n_layers}")
     if p.pp * p.virtual_stages > m.n_layers:
         raise SpecError(f"pp*virtual_stages = {p.pp * p.virtual_stages} exceeds n_layers={m.n_layers}")
+    if p.pp_schedule is PipelineSchedule.INTERLEAVED and m.n_layers % (p.pp * p.virtual_stages):
+        # Megatron-LM requires equal model chunks: megatron/training/arguments.py (validate_args) asserts
+        # num_layers % pipeline size == 0 and layers per stage % layers per virtual stage == 0
+        ok = [v for v in range(2, m.n_layers // p.pp + 1) if m.n_layers % (p.pp * v) == 0]
+        hint = f"use virtual_stages in {ok}" if ok else f"use a pp that divides n_layers={m.n_layers}, or pp_schedule='1f1b'"
+        raise SpecError(f"pp_schedule='interleaved' splits {m.name}'s n_layers={m.n_layers} into pp*virtual_stages = "
+                        f"{p.pp}*{p.virtual_stages} = {p.pp * p.virtual_stages} equal chunks, which does not divide it; "
+                        f"{hint}")
     if p.ep > 1:
         if not m.is_moe:
             raise SpecError(f"ep={p.ep} needs a mixture-of-experts model; {m.name} has no experts (use ep=1)")
