@@ -1,22 +1,27 @@
-"""Launch configs load in the real libraries' parsers, or in schemas copied from their source.
+"""Launch configs load in the real libraries' own parsers and config classes.
 
-DeepSpeed and accelerate are not installed here (and are not installed for this), so their config
-classes are mirrored below field by field from their source, with the file and commit named; torch is
-installed, so the torchrun line is parsed by torch's own argument parser.
+* DeepSpeed (``deepspeed``, in the ``measure`` extra, installed without building its ops): the exported
+  JSON is read by ``deepspeed.runtime.config.DeepSpeedConfig``, which validates every section with
+  DeepSpeed's pydantic models (``extra="forbid"``) and asserts ``train_batch_size = micro_batch x
+  grad_accum x data-parallel world size``. No process group is started: the world size comes from an
+  ``mpu`` that answers ``get_data_parallel_world_size``, as Megatron's does.
+* accelerate (in the ``measure`` extra through peft): the exported YAML is loaded by
+  ``ClusterConfig.from_yaml_file``, run through ``accelerate launch``'s own argument parser and
+  validation, turned into the launcher's environment, and read back by ``FullyShardedDataParallelPlugin``.
+* torch: the torchrun line is parsed by torch's own argument parser.
+
+Each skips (saying which library is missing) without the measure extra; nothing is mirrored by hand.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import doctest
 import json
 import shlex
-from enum import Enum
 from pathlib import Path
 from typing import Any
 
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
 
 import trainmem_nb.launch as launch_module
 from trainmem_nb.launch import (
@@ -28,175 +33,48 @@ from trainmem_nb.launch import (
 )
 from trainmem_nb.specs import SpecError
 
-# --- DeepSpeed: deepspeed/runtime/config_utils.py (DeepSpeedConfigModel: extra="forbid"),
-# deepspeed/runtime/zero/config.py @ 03dc2b92 (DeepSpeedZeroConfig), zero/offload_config.py @ 0510cb40,
-# runtime/precision_config.py @ 19431f80 (bf16/fp16), runtime/config.py (_batch_assertion:
-# train_batch == micro_batch * grad_acc * world_size, where world_size is the data-parallel size).
 
-_DS = ConfigDict(extra="forbid", populate_by_name=True)
+class _DataParallelMPU:
+    """What DeepSpeedConfig asks of an ``mpu``: the data-parallel world size."""
 
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
 
-class _Offload(str, Enum):
-    none = "none"
-    cpu = "cpu"
-    nvme = "nvme"
+    def get_data_parallel_world_size(self) -> int:
+        return self.world_size
 
 
-class DSOffloadParam(BaseModel):
-    model_config = _DS
-    device: _Offload = _Offload.none
-    nvme_path: str | None = None
-    buffer_count: int = Field(5, ge=0)
-    buffer_size: int = Field(100_000_000, ge=0)
-    max_in_cpu: int = Field(1_000_000_000, ge=0)
-    pin_memory: bool = False
+def load_deepspeed(cfg: dict[str, Any], world_size: int, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """DeepSpeed's own ``DeepSpeedConfig`` on our JSON, for `world_size` data-parallel ranks."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is in the measure extra")
+    import deepspeed.comm
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    # DeepSpeedConfig asks deepspeed.comm for the rank first and falls back to world size 1 without a
+    # process group; a rank of 0 lets it take the world size from the mpu instead
+    monkeypatch.setattr(deepspeed.comm, "get_rank", lambda group=None: 0)
+    return DeepSpeedConfig(json.loads(json.dumps(cfg)), mpu=_DataParallelMPU(world_size))
 
 
-class DSOffloadOptimizer(BaseModel):
-    model_config = _DS
-    device: _Offload = _Offload.none
-    nvme_path: str | None = None
-    buffer_count: int = Field(4, ge=0)
-    pin_memory: bool = False
-    pipeline_read: bool = False
-    pipeline_write: bool = False
-    fast_init: bool = False
-    ratio: float = Field(1.0, ge=0.0, le=1.0)
+def load_accelerate(path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """``accelerate launch --config_file path train.py`` up to the FSDP plugin a training script builds:
+    ClusterConfig.from_yaml_file (unknown keys raise), the launcher's parser and validation, the
+    environment it exports, and FullyShardedDataParallelPlugin reading it. Returns (config, plugin)."""
+    config_args = pytest.importorskip("accelerate.commands.config.config_args",
+                                      reason="accelerate is in the measure extra")
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.launch import prepare_multi_gpu_env
 
-
-class DSZero(BaseModel):
-    model_config = _DS
-    stage: int = Field(0, ge=0, le=3)
-    contiguous_gradients: bool = True
-    reduce_scatter: bool = True
-    reduce_bucket_size: int = Field(500_000_000, ge=0)
-    use_multi_rank_bucket_allreduce: bool = True
-    allgather_partitions: bool = True
-    allgather_bucket_size: int = Field(500_000_000, ge=0)
-    overlap_comm: bool | None = None
-    load_from_fp32_weights: bool = True
-    elastic_checkpoint: bool = False
-    offload_param: DSOffloadParam | None = None
-    offload_optimizer: DSOffloadOptimizer | None = None
-    sub_group_size: int = Field(1_000_000_000, ge=0)
-    prefetch_bucket_size: int = Field(50_000_000, ge=0, alias="stage3_prefetch_bucket_size")
-    param_persistence_threshold: int = Field(100_000, ge=0, alias="stage3_param_persistence_threshold")
-    model_persistence_threshold: int = Field(2**63 - 1, ge=0, alias="stage3_model_persistence_threshold")
-    max_live_parameters: int = Field(1_000_000_000, ge=0, alias="stage3_max_live_parameters")
-    max_reuse_distance: int = Field(1_000_000_000, ge=0, alias="stage3_max_reuse_distance")
-    gather_16bit_weights_on_model_save: bool = Field(False, alias="stage3_gather_16bit_weights_on_model_save")
-    ignore_unused_parameters: bool = True
-    round_robin_gradients: bool = False
-    zero_hpz_partition_size: int = Field(1, ge=0)
-    zero_quantized_weights: bool = False
-    zero_quantized_gradients: bool = False
-    memory_efficient_linear: bool = True
-
-
-class DSBF16(BaseModel):
-    model_config = _DS
-    enabled: bool = False
-    immediate_grad_update: bool = False
-    check_grad_overflow: bool = False
-
-
-class DSFP16(BaseModel):
-    model_config = _DS
-    enabled: bool = False
-    auto_cast: bool = False
-    loss_scale: float = 0
-    initial_scale_power: int = 16
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    consecutive_hysteresis: bool = False
-    min_loss_scale: int = 1
-
-
-#: Top-level keys DeepSpeed reads (deepspeed/runtime/constants.py); it reads them with dict.get.
-DS_TOP_LEVEL = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                "gradient_clipping", "steps_per_print", "wall_clock_breakdown", "bf16", "fp16", "zero_optimization",
-                "optimizer", "scheduler", "activation_checkpointing", "communication_data_type"}
-
-
-def load_deepspeed(cfg: dict[str, Any], world_size: int) -> None:
-    """What DeepSpeedConfig does with our keys: validate the sub-configs, then the batch assertion."""
-    assert set(cfg) <= DS_TOP_LEVEL, set(cfg) - DS_TOP_LEVEL
-    DSZero(**cfg.get("zero_optimization", {}))
-    DSBF16(**cfg.get("bf16", {}))
-    DSFP16(**cfg.get("fp16", {}))
-    assert not (cfg.get("bf16", {}).get("enabled") and cfg.get("fp16", {}).get("enabled"))
-    mb, ga, tb = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"], cfg["train_batch_size"]
-    assert tb == mb * ga * world_size, "DeepSpeed: train_batch_size != micro_batch * grad_acc * world_size"
-
-
-# --- accelerate: src/accelerate/commands/config/config_args.py @ 002dd35a (ClusterConfig, loaded by
-# from_yaml_file: unknown keys raise ValueError; the dataclass rejects the rest), DistributedType values
-# (src/accelerate/utils/dataclasses.py), FSDP launch arguments (src/accelerate/commands/launch.py @ 00785cd9,
-# "FSDP Arguments" group) plus FSDP2's fsdp_version and fsdp_reshard_after_forward
-# (docs/source/concept_guides/fsdp1_vs_fsdp2.md @ 04a5ffbd).
-
-
-@dataclasses.dataclass
-class ClusterConfig:
-    compute_environment: str
-    distributed_type: str
-    mixed_precision: str
-    use_cpu: bool
-    debug: bool
-    num_processes: int = -1
-    machine_rank: int = 0
-    num_machines: int = 1
-    gpu_ids: str | None = None
-    main_process_ip: str | None = None
-    main_process_port: int | None = None
-    rdzv_backend: str | None = "static"
-    same_network: bool | None = False
-    main_training_function: str = "main"
-    enable_cpu_affinity: bool = False
-    fp8_config: dict | None = None  # type: ignore[type-arg]
-    deepspeed_config: dict | None = None  # type: ignore[type-arg]
-    fsdp_config: dict | None = None  # type: ignore[type-arg]
-    tp_config: dict | None = None  # type: ignore[type-arg]
-    megatron_lm_config: dict | None = None  # type: ignore[type-arg]
-    ipex_config: dict | None = None  # type: ignore[type-arg]
-    mpirun_config: dict | None = None  # type: ignore[type-arg]
-    downcast_bf16: bool | str = False
-    tpu_name: str | None = None
-    tpu_zone: str | None = None
-    tpu_use_cluster: bool = False
-    tpu_use_sudo: bool = False
-    command_file: str | None = None
-    commands: list[str] | None = None
-    tpu_vm: list[str] | None = None
-    tpu_env: list[str] | None = None
-    dynamo_config: dict | None = None  # type: ignore[type-arg]
-
-
-DISTRIBUTED_TYPES = {"NO", "MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_XPU", "DEEPSPEED", "FSDP", "XLA",
-                     "MEGATRON_LM"}
-FSDP_LAUNCH_ARGS = {"fsdp_offload_params", "fsdp_min_num_params", "fsdp_sharding_strategy", "fsdp_auto_wrap_policy",
-                    "fsdp_transformer_layer_cls_to_wrap", "fsdp_backward_prefetch", "fsdp_state_dict_type",
-                    "fsdp_forward_prefetch", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
-                    "fsdp_sync_module_states", "fsdp_activation_checkpointing", "fsdp_version",
-                    "fsdp_reshard_after_forward"}
-FSDP2_REMOVED = {"fsdp_sharding_strategy", "fsdp_backward_prefetch", "fsdp_forward_prefetch",
-                 "fsdp_sync_module_states", "fsdp_use_orig_params"}
-
-
-def load_accelerate(text: str) -> ClusterConfig:
-    """accelerate's from_yaml_file on our YAML: PyYAML's safe_load, the unknown-key check, the dataclass."""
-    yaml = pytest.importorskip("yaml")
-    data = yaml.safe_load(text)
-    extra = sorted(set(data) - {f.name for f in dataclasses.fields(ClusterConfig)})
-    assert not extra, f"accelerate would reject unknown keys {extra}"
-    cfg = ClusterConfig(**data)
-    assert cfg.distributed_type in DISTRIBUTED_TYPES
-    assert cfg.mixed_precision in ("no", "fp16", "bf16", "fp8")
-    keys = set(cfg.fsdp_config or {})
-    assert keys <= FSDP_LAUNCH_ARGS, keys - FSDP_LAUNCH_ARGS
-    if (cfg.fsdp_config or {}).get("fsdp_version") == 2:
-        assert not keys & FSDP2_REMOVED
-    return cfg
+    cfg = config_args.ClusterConfig.from_yaml_file(str(path))
+    parser = launch_command_parser()
+    launch_args = {a.dest for a in parser._actions}
+    unknown = sorted(set(cfg.fsdp_config or {}) - launch_args)
+    assert not unknown, f"accelerate launch has no argument for {unknown}"
+    args, _defaults, _mp = _validate_launch_command(parser.parse_args(["--config_file", str(path), "train.py"]))
+    for key, value in prepare_multi_gpu_env(args).items():
+        monkeypatch.setenv(key, value)
+    return cfg, FullyShardedDataParallelPlugin()
 
 
 OPTION = {"gpu": "H100 SXM 80GB", "n_gpus": 16, "nodes": 2, "gpus_per_node": 8, "engine": "fsdp", "zero": 3,
@@ -204,18 +82,42 @@ OPTION = {"gpu": "H100 SXM 80GB", "n_gpus": 16, "nodes": 2, "gpus_per_node": 8, 
           "offload": "none", "hybrid_shard": False, "family": "llama"}
 
 
+@pytest.mark.torch
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed", "fp32"])
-def test_deepspeed_config_passes_deepspeeds_own_validation(zero: int, precision: str) -> None:
+def test_deepspeed_config_passes_deepspeeds_own_validation(zero: int, precision: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = deepspeed_config({**OPTION, "zero": zero, "precision": precision})
-    load_deepspeed(json.loads(json.dumps(cfg)), world_size=OPTION["n_gpus"])
-    assert cfg["zero_optimization"]["stage"] == zero
+    ds = load_deepspeed(cfg, OPTION["n_gpus"], monkeypatch)
+    assert ds.zero_optimization_stage == zero == cfg["zero_optimization"]["stage"]
+    assert (ds.train_batch_size, ds.train_micro_batch_size_per_gpu, ds.gradient_accumulation_steps) == (128, 4, 2)
+    assert ds.bfloat16_config.enabled is (precision == "bf16-mixed")
+    assert ds.float16_config.enabled is (precision == "fp16-mixed")
+    if zero:  # the bucket sizes the memory estimate assumed are the ones DeepSpeed will use
+        assert ds.zero_config.reduce_bucket_size == launch_module.DEEPSPEED_DEFAULTS["reduce_bucket_size"]
+    if zero == 3:
+        assert ds.zero_config.max_live_parameters == launch_module.DEEPSPEED_DEFAULTS["stage3_max_live_parameters"]
 
 
-def test_deepspeed_offload_sections_validate_and_need_zero() -> None:
-    cfg = deepspeed_config({**OPTION, "offload": "optimizer+params"})
-    load_deepspeed(cfg, world_size=16)
-    assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
+@pytest.mark.torch
+def test_deepspeed_rejects_a_batch_that_does_not_split_over_the_data_parallel_ranks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check above is real: DeepSpeed's batch assertion and forbidden extra keys fire."""
+    cfg = deepspeed_config(OPTION)
+    with pytest.raises(AssertionError, match="train_batch_size is not equal"):
+        load_deepspeed({**cfg, "train_batch_size": 127}, OPTION["n_gpus"], monkeypatch)
+    with pytest.raises(ValueError, match="bogus"):
+        load_deepspeed({**cfg, "zero_optimization": {**cfg["zero_optimization"], "bogus": 1}}, 16, monkeypatch)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("offload", "params_on_cpu"), [("optimizer", False), ("optimizer+params", True)])
+def test_deepspeed_offload_sections_validate_and_need_zero(offload: str, params_on_cpu: bool,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = deepspeed_config({**OPTION, "engine": "deepspeed", "offload": offload})
+    ds = load_deepspeed(cfg, 16, monkeypatch)
+    assert ds.zero_config.offload_optimizer.device == "cpu" and ds.zero_config.offload_optimizer.pin_memory
+    assert (ds.zero_config.offload_param is not None) is params_on_cpu
     with pytest.raises(SpecError, match="ZeRO stage >= 1"):
         deepspeed_config({**OPTION, "zero": 0, "offload": "optimizer"})
 
@@ -225,18 +127,38 @@ def test_deepspeed_batch_counts_data_parallel_ranks_only() -> None:
         deepspeed_config({**OPTION, "tp": 2})
 
 
-def test_accelerate_fsdp_config_loads_like_accelerate_launch() -> None:
-    cfg = load_accelerate(to_yaml(accelerate_fsdp_config(OPTION)))
-    assert (cfg.num_machines, cfg.num_processes, cfg.distributed_type) == (2, 16, "FSDP")
-    assert cfg.fsdp_config["fsdp_reshard_after_forward"] is True  # type: ignore[index]
-    assert cfg.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "LlamaDecoderLayer"  # type: ignore[index]
-    assert cfg.fsdp_config["fsdp_activation_checkpointing"] is True  # type: ignore[index]
+@pytest.mark.torch
+def test_accelerate_fsdp_config_loads_like_accelerate_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "accelerate_fsdp.yaml"
+    path.write_text(to_yaml(accelerate_fsdp_config(OPTION)), encoding="utf-8")
+    cfg, plugin = load_accelerate(path, monkeypatch)
+    assert (cfg.num_machines, cfg.num_processes, cfg.distributed_type.value) == (2, 16, "FSDP")
     assert cfg.downcast_bf16 == "no"  # a string, not YAML's boolean no
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True  # ZeRO-3: FULL_SHARD
+    assert plugin.transformer_cls_names_to_wrap == ["LlamaDecoderLayer"]
+    assert plugin.activation_checkpointing is True
+    assert type(plugin.cpu_offload).__name__ == "OffloadPolicy"  # nothing offloaded
 
 
-def test_accelerate_zero2_is_fsdp2_without_resharding_and_single_node_is_static() -> None:
-    cfg = load_accelerate(to_yaml(accelerate_fsdp_config({**OPTION, "zero": 2, "n_gpus": 8, "nodes": 1})))
-    assert cfg.fsdp_config["fsdp_reshard_after_forward"] is False  # type: ignore[index]
+@pytest.mark.torch
+def test_accelerate_offload_is_fsdp2s_cpu_offload_policy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``fsdp_offload_params: true`` becomes CPUOffloadPolicy (parameters, gradients and optimizer on the
+    CPU), which is what ``offload='optimizer+params'`` estimates; an optimizer-only offload is refused."""
+    path = tmp_path / "accelerate_fsdp.yaml"
+    path.write_text(to_yaml(accelerate_fsdp_config({**OPTION, "offload": "optimizer+params"})), encoding="utf-8")
+    _cfg, plugin = load_accelerate(path, monkeypatch)
+    assert type(plugin.cpu_offload).__name__ == "CPUOffloadPolicy"
+    with pytest.raises(SpecError, match=r"use offload='optimizer\+params', or engine='deepspeed'"):
+        accelerate_fsdp_config({**OPTION, "offload": "optimizer"})
+
+
+@pytest.mark.torch
+def test_accelerate_zero2_is_fsdp2_without_resharding_and_single_node_is_static(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "accelerate_fsdp.yaml"
+    path.write_text(to_yaml(accelerate_fsdp_config({**OPTION, "zero": 2, "n_gpus": 8, "nodes": 1})), encoding="utf-8")
+    cfg, plugin = load_accelerate(path, monkeypatch)
+    assert plugin.reshard_after_forward is False  # SHARD_GRAD_OP
     assert cfg.rdzv_backend == "static" and cfg.main_process_ip is None
 
 
@@ -261,12 +183,19 @@ def test_torchrun_command_parses_with_torchs_own_parser() -> None:
             assert args.rdzv_backend == "c10d" and args.rdzv_endpoint.endswith(":29500")
 
 
-def test_launch_files_are_written_for_the_option(tmp_path: Path) -> None:
+@pytest.mark.torch
+def test_launch_files_are_written_for_the_option(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     paths = write_launch_files(OPTION, tmp_path)
     assert [p.name for p in paths] == ["ds_config.json", "accelerate_fsdp.yaml", "launch.sh"]
-    load_deepspeed(json.loads((tmp_path / "ds_config.json").read_text()), world_size=16)
-    load_accelerate((tmp_path / "accelerate_fsdp.yaml").read_text())
+    load_deepspeed(json.loads((tmp_path / "ds_config.json").read_text()), 16, monkeypatch)
+    load_accelerate(tmp_path / "accelerate_fsdp.yaml", monkeypatch)
     assert "torchrun --nnodes 2" in (tmp_path / "launch.sh").read_text()
+
+
+def test_an_optimizer_only_offload_writes_no_fsdp_config(tmp_path: Path) -> None:
+    """DeepSpeed can offload the optimizer alone; FSDP cannot, so no accelerate FSDP file is written."""
+    paths = write_launch_files({**OPTION, "engine": "deepspeed", "offload": "optimizer"}, tmp_path)
+    assert [p.name for p in paths] == ["ds_config.json", "launch.sh"]
 
 
 def test_a_plan_row_or_an_estimate_is_accepted() -> None:

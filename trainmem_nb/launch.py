@@ -170,6 +170,10 @@ def accelerate_fsdp_config(option: Any, *, layer_cls: str | None = None, main_pr
                         "for plain data parallel use torchrun_command()")
     if s.tp > 1 or s.pp > 1:
         raise SpecError(f"tp={s.tp}, pp={s.pp}: accelerate's FSDP config covers data parallel sharding only")
+    if s.offload == "optimizer":
+        # fsdp_offload_params is CPUOffloadPolicy: parameters, gradients and optimizer move together
+        raise SpecError("offload='optimizer': FSDP offloads parameters, gradients and optimizer together: use "
+                        "offload='optimizer+params', or engine='deepspeed' to offload only the optimizer")
     if s.hybrid_shard:
         raise SpecError("hybrid_shard: FSDP2 needs a 2-D device mesh; build it in code (accelerate ParallelismConfig "
                         f"dp_replicate_size={s.nodes}, dp_shard_size={s.n_gpus // s.nodes})")
@@ -239,8 +243,9 @@ def to_yaml(data: Mapping[str, Any], indent: int = 0) -> str:
 
 
 def write_launch_files(option: Any, directory: str | Path, script: str = "train.py") -> list[Path]:
-    """Write ``ds_config.json`` (ZeRO layouts), ``accelerate_fsdp.yaml`` (ZeRO-2/3 without TP/PP) and
-    ``launch.sh`` (the torchrun line) into `directory`; returns the paths written."""
+    """Write ``ds_config.json`` (ZeRO layouts), ``accelerate_fsdp.yaml`` (ZeRO-2/3 without TP/PP, and
+    without an optimizer-only offload, which FSDP cannot do) and ``launch.sh`` (the torchrun line) into
+    `directory`; returns the paths written."""
     s = _launch(option)
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
@@ -249,7 +254,7 @@ def write_launch_files(option: Any, directory: str | Path, script: str = "train.
         path = out / "ds_config.json"
         path.write_text(json.dumps(deepspeed_config(option), indent=2) + "\n", encoding="utf-8")
         written.append(path)
-    if s.zero in (2, 3) and s.tp == 1 and s.pp == 1 and not s.hybrid_shard:
+    if s.zero in (2, 3) and s.tp == 1 and s.pp == 1 and not s.hybrid_shard and s.offload != "optimizer":
         path = out / "accelerate_fsdp.yaml"
         path.write_text(to_yaml(accelerate_fsdp_config(option)), encoding="utf-8")
         written.append(path)
