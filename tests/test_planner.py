@@ -618,3 +618,8 @@ def test_cli_gpus_lists_the_catalog_with_dated_prices(capsys: pytest.CaptureFixt
 
 def test_module_examples_run() -> None:
     assert doctest.testmod(planner).failed == 0
+
+
+def test_plan_refuses_a_sequence_beyond_the_models_positions_instead_of_fitting_nothing() -> None:
+    with pytest.raises(tm.SpecError, match=r"seq_len=2048 exceeds gpt2's max_positions=1024"):
+        tm.plan("gpt2", seq_len=2048, gpus=["H100"], prices=False)

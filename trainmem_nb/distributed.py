@@ -572,7 +572,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         stage_model = rank_model if n_layers == rank_model.n_layers else ModelSpec.model_validate(
             {**rank_model.model_dump(), "n_layers": n_layers})
         hooks = _hooks(stage_model, t, p, backend, first=stage == 0, last=stage == p.pp - 1)
-        prog = compile_step(stage_model, program_key(t), hooks)
+        prog = compile_step(stage_model, program_key(t), hooks, calibration.workspace_bytes if calibration else None)
         ev = evaluate(prog, t.micro_batch, seq)
         detail = dict(ev.detail)
         in_flight = _in_flight(p, stage, t.grad_accum)

@@ -21,7 +21,7 @@ from .presets import resolve_model
 from .specs import ModelSpec, SpecError, TrainingSpec, build_training
 from .units import format_bytes, format_count
 
-__all__ = ["MemoryEstimate", "estimate"]
+__all__ = ["MemoryEstimate", "check_model_options", "estimate"]
 
 #: What each top-level category means, for tables and charts.
 CATEGORY_HELP = {
@@ -214,7 +214,7 @@ def estimate(
     par_opts = {k: options.pop(k) for k in list(options) if k in ParallelSpec.model_fields}
     t = build_training(training, **options)
     p = build_parallel(parallel, **par_opts)
-    _check_fits_model(m, t)
+    check_model_options(m, t)
     check_layout(m, p)
     cal = load_calibration(calibration)
     from .simulate import simulate
@@ -233,7 +233,7 @@ def _resolve(model: Any, hf_config: Any, params: Any) -> ModelSpec:
     return resolve_model(model)
 
 
-def _check_fits_model(m: ModelSpec, t: TrainingSpec) -> None:
+def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
     """Options that cannot run on this model: a clear error instead of a silent wrong number."""
     if t.seq_len > m.max_positions:
         raise SpecError(

@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from .estimate import MemoryEstimate, estimate
+from .estimate import MemoryEstimate, check_model_options, estimate
 from .gpus import GPU, Price, get_gpu, list_gpus, load_prices, snapshot_date
 from .parallelism import ParallelSpec, build_parallel, check_layout
 from .presets import resolve_model
@@ -1016,6 +1016,7 @@ def plan(
         probe.setdefault("gpus", _model_parallel(fixed))
         build_parallel(None, **probe)
     base_training = build_training(None, **given)
+    check_model_options(m, base_training)  # e.g. a sequence beyond the model's positions fails every option alike
     as_given, as_given_error = None, ""
     try:
         as_given = estimate(m, base_training, parallel=build_parallel(None, **fixed))
