@@ -12,11 +12,7 @@ from trainmem_nb.measure.dataset import MeasuredCase, load_cases
 CASES = load_cases()
 
 #: case id -> why the estimator differs (strict xfails: a fix must remove the entry)
-KNOWN_GAPS = {
-    "options/mixtral-8x7b-1L/bf16-true-adamw-foreach-lora8-all-linear/b2s256/fake":
-        "peft's all-linear also adapts Mixtral's 3-D expert parameters (ParamWrapper) and materializes "
-        "each expert's merged weight in forward; the estimator adapts 2-D linears only",
-}
+KNOWN_GAPS: dict[str, str] = {}
 
 #: the share of cases the estimator must reproduce to the byte
 MIN_EXACT_SHARE = 0.98

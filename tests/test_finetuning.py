@@ -54,6 +54,42 @@ def test_all_linear_trains_more_adapters_than_query_and_value() -> None:
     assert every.n_params - every.n_trainable_params == qv.n_params - qv.n_trainable_params
 
 
+def test_mixtral_all_linear_adapts_the_router_and_the_3d_experts_as_peft_0_21_does() -> None:
+    # peft 0.21 + transformers 5 measured it (validation/cases.jsonl, mixtral-8x7b-1L lora8-all-linear):
+    # 212,992 in q/k/v/o, 32,832 in the router, E*2r-rank gate_up_proj and E*r-rank down_proj adapters
+    m = get_model("mixtral-8x7b")
+    one = tm.ModelSpec.model_validate({**m.model_dump(), "n_layers": 1, "name": "mixtral-8x7b-1L"})
+    every = tm.estimate(one, method="lora", lora_rank=8, lora_alpha=16, lora_targets="all-linear", **KW)
+    assert every.n_trainable_params == 5_619_776
+    qv = tm.estimate(one, method="lora", lora_rank=16, lora_targets="qv", **KW)
+    assert qv.n_trainable_params == 212_992  # q and v only: no ParamWrapper
+    experts = tm.estimate(one, method="lora", lora_rank=8, lora_targets="w1,w3,w2", **KW)
+    assert experts.n_trainable_params == 5_619_776 - 212_992 - 32_832
+    # every forward materializes the merged expert stacks (E, 2f, h) and (E, h, f), which grouped_mm saves
+    # for backward, where the gradient of each stack is one more tensor of its size
+    stacks = 3 * m.n_experts * m.ffn * m.hidden * 2
+    assert every.peak_allocated_bytes - qv.peak_allocated_bytes > stacks
+
+
+def test_mixtral_expert_adapters_follow_peft_limits() -> None:
+    kw = dict(KW, method="lora", lora_targets="all-linear")
+    with pytest.raises(tm.SpecError, match="lora_dropout"):
+        tm.estimate("mixtral-8x7b", lora_dropout=0.05, **kw)
+    with pytest.raises(tm.SpecError, match="w1"):
+        tm.estimate("mixtral-8x7b", **dict(kw, lora_targets="w1"))
+
+
+def test_qlora_on_mixtral_keeps_the_router_and_experts_16_bit_and_adapts_them() -> None:
+    m = get_model("mixtral-8x7b")
+    kept = [p.name for p in param_inventory(m) if p.in_layer and p.matmul and not quantized(p)]
+    assert kept == ["layers.mlp.gate.weight", "layers.mlp.experts.gate_up_proj", "layers.mlp.experts.down_proj"]
+    lora = tm.estimate(m, method="lora", lora_targets="all-linear", **KW)
+    qlora = tm.estimate(m, method="qlora", lora_targets="all-linear", **KW)
+    assert qlora.n_trainable_params == lora.n_trainable_params
+    experts = 3 * m.n_experts * m.ffn * m.hidden * 2 * m.n_layers
+    assert experts < qlora.detail_bytes["weights/params"] < lora.detail_bytes["weights/params"]
+
+
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_adapters_are_fp32_on_a_16_bit_base_and_only_they_have_optimizer_state(method: str) -> None:
     est = tm.estimate("llama-2-7b", method=method, **KW)

@@ -61,14 +61,14 @@ def cast(g: Graph, x: T, dt: int, label: str = "to") -> T:
     return out
 
 
-def autocast_weight(g: Graph, ctx: Ctx, w: T) -> T:
+def autocast_weight(g: Graph, ctx: Ctx, w: T, leaf: bool = True) -> T:
     """Autocast's 16-bit copy of a parameter: made at first use and cached for the autocast region
-    (at::autocast::cached_cast caches leaf tensors that require grad); frozen weights are cast at
-    every use, uncached."""
+    (at::autocast::cached_cast caches leaf tensors that require grad); frozen weights, and weights
+    computed in the step (``leaf=False``: peft's merged ``W + delta``), are cast at every use, uncached."""
     assert ctx.autocast is not None
     if w.dt == ctx.autocast:
         return g.hold(w)
-    if w.rg:
+    if w.rg and leaf:
         key = id(w)
         if key in ctx.wcache:
             return g.hold(ctx.wcache[key])
@@ -90,10 +90,10 @@ def end_autocast(g: Graph, ctx: Ctx) -> None:
 
 # -- matmuls ------------------------------------------------------------------------------------
 def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, b: T | None = None,
-           label: str = "linear", grad_w_first: bool | None = None) -> T:
+           label: str = "linear", grad_w_first: bool | None = None, w_leaf: bool = True) -> T:
     """``F.linear(x, w, b)`` on (tokens, in) activations: ``mm``/``addmm`` (cuBLAS/MKL) output of
     (tokens, out). Saves x if the weight needs a gradient and the weight if x does; under autocast
-    the saved copies are the 16-bit casts."""
+    the saved copies are the 16-bit casts (`w_leaf`: whether autocast may cache the weight's)."""
     if w.nf4:
         return linear_4bit(g, x, w, in_features, out_features, b, label)
     if ctx.autocast is None:
@@ -102,7 +102,7 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
         bc = g.hold(b) if b is not None else None
     else:  # autocast casts the arguments right to left (C++ evaluation order): bias, weight, input
         bc = autocast_weight(g, ctx, b) if b is not None else None
-        wc = autocast_weight(g, ctx, w)
+        wc = autocast_weight(g, ctx, w, w_leaf)
         xc = cast(g, x, ctx.autocast, f"{label} input cast")
     ins = [xc, wc] + ([bc] if bc is not None else [])
     saved = [wc if xc.rg else None, xc if wc.rg else None]  # released weight first, then input
@@ -1008,3 +1008,87 @@ def mul_both_grads(g: Graph, a: T, b: T, label: str = "mul") -> T:
     g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
     recorded.extend(g.nodes[n_nodes:n_nodes + 1])
     return out
+
+
+# -- peft ParamWrapper: LoRA on nn.Parameters (mixtral's router and 3-D experts) -------------------
+# peft 0.21 (tuners/lora/layer.py ``ParamWrapper``) adapts a parameter by registering a
+# ``torch.nn.utils.parametrize`` parametrization for the wrapped module's forward, inside
+# ``parametrize.cached()``: registering it evaluates the parametrization once as a check (a
+# transient of the parameter's size, unsafe=False), and the first access in the forward computes the
+# merged weight again, which the consuming op saves. The wrapper removes the parametrization when its
+# forward returns (the cache goes when the outermost ``cached()`` exits).
+def lora_param_delta(g: Graph, ctx: Ctx, w: T, a_w: T, b_w: T, rank: int, label: str) -> T:
+    """``ParamWrapper.get_delta_weight`` of a 2-D parameter (peft's ``Linear.get_delta_weight``):
+    ``(lora_B @ lora_A) * scaling`` (on CPU, 16-bit adapters are first cast to fp32 with ``.float()``
+    and the product back), then ``.to(w.dtype)``. Under autocast the ``mm`` casts both adapters (leaf
+    parameters: cached). Returns the delta (held by peft's ``_LoraParameterProxy``)."""
+    in_f = int(a_w.n.c0) // rank  # lora_A is (r, in)
+    up = not ctx.cuda and a_w.dt == F16
+    if up:
+        a, b = cast(g, a_w, F32, f"{label} lora_A.float()"), cast(g, b_w, F32, f"{label} lora_B.float()")
+    elif ctx.autocast is not None:  # autocast casts mm's arguments right to left: lora_A, then lora_B
+        a, b = autocast_weight(g, ctx, a_w), autocast_weight(g, ctx, b_w)
+    else:
+        a, b = g.hold(a_w), g.hold(b_w)
+    prod = linear(g, ctx, b, a, rank, in_f, None, f"{label} lora_B @ lora_A")  # (out, r) @ (r, in)
+    sc = scalar_op(g, prod, f"{label} delta * scaling")
+    g.drop(prod)
+    if up:
+        back = cast(g, sc, a_w.dt, f"{label} delta to adapter dtype")
+        g.drop(sc)
+        sc = back
+    g.drop(a, b)
+    delta = cast(g, sc, w.dt, f"{label} delta to weight dtype")
+    g.drop(sc)
+    return delta
+
+
+def lora_param_merge(g: Graph, w: T, delta: T, label: str) -> T:
+    """peft's ``_LoraParameterProxy``: the registration check ``W + delta`` (a transient), then the
+    cached ``W + delta`` the forward uses (the frozen ``W`` gets no gradient)."""
+    check = g.alloc(_bigger(w, delta), _promote(w, delta), f"{label} parametrization check")
+    g.drop(check)
+    return add(g, w, delta, f"{label} W + delta")
+
+
+def lora_expert_factors(g: Graph, w: T, a_w: T, b_w: T, label: str) -> tuple[T, T]:
+    """``ParamWrapper.get_delta_factors`` of a 3-D expert parameter stored (E, out, in): ``lhs`` is
+    ``lora_B.reshape(out, r, E).permute(2, 0, 1)`` and ``rhs`` ``lora_A.reshape(E, r, in)`` (views),
+    each ``.to(w.dtype)`` (a copy when the adapters are fp32 on a 16-bit base). In backward the
+    permuted gradient of ``lora_B`` is made contiguous by the reshape (a clone)."""
+    lv = heads_view(g, b_w, f"{label} lora_B reshape.permute", clone_grad=True)
+    lhs = cast(g, lv, w.dt, f"{label} lhs.to(weight dtype)")
+    g.drop(lv)
+    rhs = cast(g, a_w, w.dt, f"{label} rhs.to(weight dtype)")
+    return lhs, rhs
+
+
+def baddbmm(g: Graph, w: T, lhs: T, rhs: T, alpha: float, label: str = "baddbmm") -> T:
+    """``torch.baddbmm(W, lhs, rhs, alpha=scaling)`` with autocast off (peft's ``_LoraFactorsProxy``):
+    the merged expert weight in W's dtype. Saves lhs and rhs (released in that order); backward
+    computes ``grad.bmm(rhs^T)`` then ``lhs^T.bmm(grad)``, each times alpha unless it is 1 (another
+    tensor; derivatives.yaml ``baddbmm``, ``maybe_multiply``); W is frozen."""
+    saved = [lhs if rhs.rg else None, rhs if lhs.rg else None]
+    g.before_outputs([w, lhs, rhs], saved)
+    (out,) = g.sac_outputs(lambda: (g.alloc(w.n, w.dt, label),))
+
+    def one(g: Graph, x: T, name: str) -> T:
+        r = g.alloc(x.n, x.dt, f"{label} grad {name}")
+        if alpha == 1:
+            return r
+        s = g.alloc(x.n, x.dt, f"{label} grad {name} * alpha")
+        g.drop(r)
+        return s
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [None, one(g, lhs, "lhs") if lhs.rg else None, one(g, rhs, "rhs") if rhs.rg else None]
+
+    g.record(label, [w, lhs, rhs], [out], saved, bwd)
+    return out
+
+
+def baddbmm_check(g: Graph, w: T, label: str) -> None:
+    """The registration check of a ``_LoraFactorsProxy``: one ``baddbmm`` whose result is dropped at
+    once (selective checkpointing's cache keeps it: ``baddbmm`` is a saved op)."""
+    (out,) = g.sac_outputs(lambda: (g.alloc(w.n, w.dt, f"{label} parametrization check"),))
+    g.drop(out)

@@ -15,7 +15,7 @@ from .specs import Family, Method, ModelSpec, TrainingSpec
 
 __all__ = [
     "LORA_QV", "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules",
-    "nf4_bytes", "on_stage", "param_inventory", "quantized", "trainable_tensors", "weight_tensors",
+    "lora_moe_params", "nf4_bytes", "on_stage", "param_inventory", "quantized", "trainable_tensors", "weight_tensors",
 ]
 
 
@@ -198,7 +198,8 @@ LORA_QV: dict[Family, tuple[str, ...]] = {
 def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     """The in-layer modules LoRA adapts: ``'qv'``, ``'all-linear'`` (every 2-D matmul weight in the
     layers, as peft's ``all-linear`` picks nn.Linear/Conv1D layers but not the output head), or
-    comma-separated names matched as suffixes like peft's ``target_modules``."""
+    comma-separated names matched as suffixes like peft's ``target_modules``. Mixtral's router and
+    experts are parameters, not linear layers: see `lora_moe_params`."""
     from .specs import SpecError
 
     text = targets.strip().lower()
@@ -211,17 +212,69 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
         return tuple(linears)
     names = [n.strip() for n in targets.split(",") if n.strip()]
     chosen = tuple(mod for mod in linears if any(mod == n or mod.endswith("." + n) for n in names))
-    if not chosen:
+    if not chosen and not lora_moe_params(m, targets):
+        moe = " (mixtral: also gate, w1+w3, w2)" if m.is_moe else ""
         raise SpecError(
             f"lora_targets={targets!r} matches no linear layer of {m.family.value}; "
-            f"its layers have: {', '.join(sorted({x.split('.')[-1] for x in linears}))} (or use 'qv', 'all-linear')"
+            f"its layers have: {', '.join(sorted({x.split('.')[-1] for x in linears}))}{moe} (or use 'qv', 'all-linear')"
         )
     return chosen
 
 
+#: transformers 5 stores Mixtral's router as a custom module and its experts as fused 3-D
+#: parameters; peft 0.21 maps the v4 module names a LoRA config may target onto them
+#: (peft/utils/transformers_weight_conversion.py ``_MOE_TARGET_MODULE_MAPPING``): ``gate`` → the
+#: router's ``gate.weight``, ``w1`` and ``w3`` (both or neither) → ``experts.gate_up_proj``, ``w2`` →
+#: ``experts.down_proj``. ``all-linear`` includes all of them (they were nn.Linear in v4).
+_MOE_V4_NAMES = {"gate": "mlp.gate", "w1": "mlp.experts.gate_up_proj", "w3": "mlp.experts.gate_up_proj",
+                 "w2": "mlp.experts.down_proj"}
+
+
+def lora_moe_params(m: ModelSpec, targets: str) -> tuple[str, ...]:
+    """The MoE parameters peft's ``ParamWrapper`` adapts for `targets` (mixtral only), in the order
+    of peft's ``target_parameters`` (sorted: ``down_proj``, ``gate.weight``, ``gate_up_proj``).
+
+    >>> from trainmem_nb.specs import ModelSpec
+    >>> moe = ModelSpec(family="mixtral", n_layers=1, hidden=64, n_heads=4, ffn=128, vocab=100, n_experts=4)
+    >>> lora_moe_params(moe, "all-linear")
+    ('mlp.experts.down_proj', 'mlp.gate', 'mlp.experts.gate_up_proj')
+    >>> lora_moe_params(moe, "qv")
+    ()
+    """
+    from .specs import SpecError
+
+    if not m.is_moe or m.family is not Family.MIXTRAL:
+        return ()
+    text = targets.strip().lower()
+    if text == "qv":
+        return ()
+    if text in ("all-linear", "all_linear", "all"):
+        names = set(_MOE_V4_NAMES)
+    else:
+        names = {n.strip().rsplit(".", 1)[-1] for n in targets.split(",") if n.strip()} & set(_MOE_V4_NAMES)
+        if len(names & {"w1", "w3"}) == 1:
+            raise SpecError(f"lora_targets={targets!r}: peft cannot target {sorted(names & {'w1', 'w3'})[0]} "
+                            "without the other: w1 and w3 are fused into experts.gate_up_proj")
+    chosen = {_MOE_V4_NAMES[n] for n in names}
+    return tuple(p for p in ("mlp.experts.down_proj", "mlp.gate", "mlp.experts.gate_up_proj") if p in chosen)
+
+
 @lru_cache(maxsize=512)
 def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, ...]:
-    """LoRA adapter tensors: ``lora_A`` (rank, in) and ``lora_B`` (out, rank) per adapted layer."""
+    """LoRA adapter tensors: ``lora_A`` (rank, in) and ``lora_B`` (out, rank) per adapted layer, then
+    peft's ``ParamWrapper`` adapters of mixtral's router and experts (`lora_moe_params`), in the order
+    ``named_parameters()`` lists them (router; ``gate_up_proj``, wrapped innermost; ``down_proj``).
+
+    A 3-D expert parameter (E, out, in) gets ``lora_A`` (E*r, in) and ``lora_B`` (out, E*r)
+    (``ParamWrapper.update_layer``: one rank-r adapter per expert, stacked); ``gate_up_proj`` fuses v4's
+    ``w1`` and ``w3``, so peft gives it rank 2r and alpha 2*alpha (the same scaling). The router's
+    (E, h) weight gets a plain (r, h) / (E, r) pair.
+
+    >>> from trainmem_nb.presets import get_model
+    >>> m = get_model("mixtral-8x7b")
+    >>> sum(p.numel for p in lora_inventory(m, "all-linear", 8))  # one layer; measured with peft 0.21
+    5619776
+    """
     shapes = {p.name[len("layers."):-len(".weight")]: p.shape for p in param_inventory(m) if p.in_layer}
     out: list[ParamTensor] = []
     for mod in lora_modules(m, targets):
@@ -229,6 +282,15 @@ def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, 
         in_f, out_f = (shape[0], shape[1]) if m.family is Family.GPT2 else (shape[1], shape[0])  # Conv1D is (in, out)
         out.append(ParamTensor(f"layers.{mod}.lora_A.weight", (rank, in_f), m.n_layers, True, True))
         out.append(ParamTensor(f"layers.{mod}.lora_B.weight", (out_f, rank), m.n_layers, True, True))
+    moe = lora_moe_params(m, targets)
+    L, E, h, f = m.n_layers, m.n_experts, m.hidden, m.ffn
+    if "mlp.gate" in moe:
+        out.append(ParamTensor("layers.mlp.gate.lora_A.weight", (rank, h), L, True, True))
+        out.append(ParamTensor("layers.mlp.gate.lora_B.weight", (E, rank), L, True, True))
+    for name, r, in_f, out_f in (("mlp.experts.gate_up_proj", 2 * rank, h, 2 * f), ("mlp.experts.down_proj", rank, f, h)):
+        if name in moe:
+            out.append(ParamTensor(f"layers.{name}.lora_A.weight", (E * r, in_f), L, True, True))
+            out.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, E * r), L, True, True))
     return tuple(out)
 
 
@@ -258,8 +320,10 @@ def nf4_bytes(numel: int, double_quant: bool = True) -> float:
 def quantized(p: ParamTensor) -> bool:
     """Does QLoRA quantize `p`? transformers' bitsandbytes integration replaces the ``nn.Linear``
     layers inside the transformer blocks; embeddings, norms and the LM head (``lm_head`` is in
-    ``get_keys_to_not_convert``) stay in the model's dtype, as do 3-D expert tensors (not nn.Linear)."""
-    return p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith(".bias") and ".lora_" not in p.name
+    ``get_keys_to_not_convert``) stay in the model's dtype, as do mixtral's 3-D expert tensors and its
+    router's weight (``MixtralTopKRouter`` is not an nn.Linear in transformers 5)."""
+    return (p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", "mlp.gate.weight"))
+            and ".lora_" not in p.name)
 
 
 def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int, bool]]:

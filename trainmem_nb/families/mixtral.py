@@ -23,6 +23,7 @@ from __future__ import annotations
 from .. import ops
 from ..activations import tok
 from ..ops import F32, I64
+from ..specs import SpecError
 from ..tape import Graph, T, const
 from .mistral import MistralRecipe
 
@@ -38,6 +39,10 @@ class MixtralRecipe(MistralRecipe):
         """MixtralSparseMoeBlock.forward: ``hidden_states.view(-1, h)`` (a view), the router, the
         experts, ``reshape`` back (a view). ``_`` (the router logits) and ``top_k_weights`` are its
         locals until it returns; ``top_k_index`` is saved by ``topk``."""
+        t = self.t
+        if t.lora_dropout and any(f"mlp.{n}.lora_A.weight" in p for n in ("gate", "experts.gate_up_proj", "experts.down_proj")):
+            raise SpecError(f"lora_dropout={t.lora_dropout:g} with lora_targets={t.lora_targets!r} on mixtral: peft's "
+                            "ParamWrapper (the router's and experts' adapters) does not work with lora_dropout != 0; use 0")
         logits, weights, index = self.router(g, x, p)
         out = self.experts(g, x, index, weights, p)
         g.drop(logits, weights, index)
@@ -49,11 +54,21 @@ class MixtralRecipe(MistralRecipe):
         (autocast: 16-bit), ``softmax(router_logits.float())`` (the fp32 copy is a temporary),
         ``topk``, then ``router_top_value /= router_top_value.sum(-1, keepdim=True)`` in place
         (autograd keeps a clone of the unnormalized values). Returns (logits, renormalized weights,
-        indices)."""
+        indices).
+
+        With LoRA on the router (peft's ``ParamWrapper`` of ``gate.weight``) the wrapper first computes
+        the delta weight and the linear uses ``W + delta`` (`ops.lora_param_delta`); when the router
+        returns, the parametrization cache (the merged weight) and then the delta go."""
         m = self.m
         k, E = m.experts_top_k, m.n_experts
+        w = p["mlp.gate.weight"]
+        a_w = p.get("mlp.gate.lora_A.weight")
+        delta = None
+        if a_w is not None:
+            delta = ops.lora_param_delta(g, self.ctx, w, a_w, p["mlp.gate.lora_B.weight"], self.t.lora_rank, "mlp.gate")
+            w = ops.lora_param_merge(g, w, delta, "mlp.gate")
         flat = ops.alias_view(g, x, "reshape(-1, h)")  # a view node of its own
-        logits = self.linear(g, flat, p, "mlp.gate", m.hidden, E)
+        logits = ops.linear(g, self.ctx, flat, w, m.hidden, E, None, "mlp.gate", w_leaf=delta is None)
         g.drop(flat)
         lf = ops.cast(g, logits, F32, "router_logits.float()")
         probs = ops.softmax(g, lf, None, "router softmax")
@@ -63,6 +78,8 @@ class MixtralRecipe(MistralRecipe):
         weights = ops.div_(g, vals, total, "router_top_value /= sum")
         g.drop(total, vals)  # the sum is a temporary; `/=` rebinds the name to the same tensor
         g.drop(probs)  # router_probs (saved by softmax) goes when the router returns
+        if delta is not None:
+            g.drop(w, delta)
         return logits, weights, index
 
     def experts(self, g: Graph, x: T, index: T, weights: T, p: dict[str, T]) -> T:
@@ -72,9 +89,34 @@ class MixtralRecipe(MistralRecipe):
         either way) and int32 ``cumsum`` offsets; ``grouped_mm`` with ``gate_up_proj`` (its transposed
         view), ``act(gate) * up`` on the chunked result, ``grouped_mm`` with ``down_proj``, times the
         routing weights (fp32: the product is promoted), un-permuted with ``weighted_out[inv_perm]``,
-        ``view(tokens, top_k, h).sum(1)`` and cast back to the input's dtype."""
-        m = self.m
+        ``view(tokens, top_k, h).sum(1)`` and cast back to the input's dtype.
+
+        LoRA on the experts (peft 0.21 ``ParamWrapper``, nested: ``down_proj``'s wrapper outside
+        ``gate_up_proj``'s): each wrapper casts its factors (`ops.lora_expert_factors`) and runs the
+        parametrization check on entry; each parameter access in the forward then computes the merged
+        weight ``baddbmm(W, lhs, rhs, alpha=scaling)`` (a tensor the size of the expert stack, which
+        ``grouped_mm`` saves, and whose gradient its backward computes)."""
+        m, t = self.m, self.t
         k, h, f, E = m.experts_top_k, m.hidden, m.ffn, m.n_experts
+        scaling = t.lora_alpha / t.lora_rank
+        wrapped = [name for name in ("down_proj", "gate_up_proj") if f"mlp.experts.{name}.lora_A.weight" in p]
+        factors: dict[str, tuple[T, T]] = {}
+        for name in wrapped:  # outermost wrapper first
+            w = p[f"mlp.experts.{name}"]
+            factors[name] = ops.lora_expert_factors(g, w, p[f"mlp.experts.{name}.lora_A.weight"],
+                                                    p[f"mlp.experts.{name}.lora_B.weight"], f"experts.{name}")
+            ops.baddbmm_check(g, w, f"experts.{name}")
+        merged: list[T] = []
+
+        def weight(name: str) -> T:
+            w = p[f"mlp.experts.{name}"]
+            if name not in factors:
+                return w
+            lhs, rhs = factors[name]
+            wm = ops.baddbmm(g, w, lhs, rhs, scaling, f"experts.{name} W + scaling * lhs @ rhs")
+            merged.append(wm)
+            return wm
+
         ids_sorted = g.alloc(tok(k), I64, "sort values (expert_ids_g)")
         perm = g.alloc(tok(k), I64, "sort indices (perm)")
         rows = g.alloc(tok(k), I64, "perm // top_k")
@@ -84,13 +126,13 @@ class MixtralRecipe(MistralRecipe):
         hist_in = g.alloc(tok(k), 4, "histc input")
         tpe = g.alloc(const(E), F32, "tokens_per_expert (histc)")
         offs = g.alloc(const(E), I32, "offsets (cumsum)")
-        gu = ops.grouped_mm(g, sel, p["mlp.experts.gate_up_proj"], offs, tok(k * 2 * f), "grouped_mm gate_up_proj")
+        gu = ops.grouped_mm(g, sel, weight("gate_up_proj"), offs, tok(k * 2 * f), "grouped_mm gate_up_proj")
         gate, up = ops.split(g, gu, (0.5, 0.5), "chunk gate, up")
         g.drop(gu)
         a = self.act(g, gate)
         gated = ops.mul(g, a, up, "act(gate) * up")
         g.drop(a, gate, up)
-        down = ops.grouped_mm(g, gated, p["mlp.experts.down_proj"], offs, tok(k * h), "grouped_mm down_proj")
+        down = ops.grouped_mm(g, gated, weight("down_proj"), offs, tok(k * h), "grouped_mm down_proj")
         g.drop(gated)
         weighted = ops.mul_both_grads(g, down, sw, "proj_out * sample_weights_g")
         inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
@@ -104,4 +146,10 @@ class MixtralRecipe(MistralRecipe):
         out = ops.cast(g, summed, x.dt, "to(hidden_states.dtype)")
         # the function's locals go on return, in order (the unsaved ones are freed)
         g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, down, unperm, inv, summed)
+        # the wrappers return, innermost first: each removes its parametrization (its factors go);
+        # the outermost ``cached()`` exit drops the merged weights before the outer factors
+        for name in reversed(wrapped):
+            if name == wrapped[0]:
+                g.drop(*merged)
+            g.drop(*factors[name])
         return out

@@ -272,6 +272,14 @@ def full_matrix() -> list[CaseSpec]:
         opts = _sweep_options()
         pick = [0, 1, 2, 4, 7, 9, 11, 12, 13, 14, 16, 17]
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
+    # peft's ParamWrapper LoRA on mixtral's router and 3-D experts (all-linear): other precisions, checkpointing,
+    # fp32-or-base adapters and another batch shape than the sweep's bf16-true case
+    moe_lora: dict[str, Any] = {"method": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_targets": "all-linear"}
+    cases += _cases("options", [sweep_models["mixtral"]], [
+        _t(micro_batch=2, seq_len=256, precision="bf16-mixed", **moe_lora),
+        _t(micro_batch=1, seq_len=512, precision="bf16-true", checkpointing="full", **moe_lora),
+        _t(micro_batch=4, seq_len=128, precision="bf16-true", lora_dtype="base", **moe_lora),
+    ])
     for fam in ("mistral", "gemma", "phi3", "opt"):
         opts = _sweep_options()
         pick = [0, 2, 5, 8, 10, 11, 12, 15, 16, 20]
