@@ -114,3 +114,17 @@ def test_8bit_adamw_keeps_about_a_quarter_of_adamws_state() -> None:
     fp32_states = tm.estimate("llama-3.2-1b", optimizer="adamw", **kw).detail_bytes["optimizer_states"]
     int8_states = tm.estimate("llama-3.2-1b", optimizer="adamw-8bit", **kw).detail_bytes["optimizer_states"]
     assert 0.25 <= int8_states / fp32_states < 0.27  # 1 byte per value + an fp32 absmax per 256 (bitsandbytes)
+
+
+@pytest.mark.parametrize(("name", "outer"), [
+    ("bert-base", ["cls.predictions.transform.dense"]),
+    ("opt-350m", ["project_out", "project_in"]),
+    ("llama-2-7b", []),  # the only linear outside the layers is the output head, which all-linear skips
+])
+def test_all_linear_also_adapts_the_linears_outside_the_layers_but_not_the_head(name: str, outer: list[str]) -> None:
+    from trainmem_nb.params import lora_inventory
+
+    m = get_model(name)
+    adapters = [p.name for p in lora_inventory(m, "all-linear", 8) if not p.name.startswith("layers.")]
+    assert adapters == [f"{mod}.lora_{ab}.weight" for mod in outer for ab in "AB"]
+    assert not any(p.name.startswith("layers.") is False for p in lora_inventory(m, "qv", 8))

@@ -212,13 +212,35 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
         return tuple(linears)
     names = [n.strip() for n in targets.split(",") if n.strip()]
     chosen = tuple(mod for mod in linears if any(mod == n or mod.endswith("." + n) for n in names))
-    if not chosen and not lora_moe_params(m, targets):
+    if not chosen and not lora_moe_params(m, targets) and not lora_outer_modules(m, targets):
         moe = " (mixtral: also gate, w1+w3, w2)" if m.is_moe else ""
         raise SpecError(
             f"lora_targets={targets!r} matches no linear layer of {m.family.value}; "
             f"its layers have: {', '.join(sorted({x.split('.')[-1] for x in linears}))}{moe} (or use 'qv', 'all-linear')"
         )
     return chosen
+
+
+def lora_outer_modules(m: ModelSpec, targets: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The linear layers outside the transformer layers that LoRA adapts, with their (out, in) shape:
+    peft's ``all-linear`` takes every nn.Linear but the output head (``get_output_embeddings()``), so
+    also BERT's ``cls.predictions.transform.dense`` and OPT-350m's ``project_in`` / ``project_out``;
+    explicit names match them as suffixes, as for the in-layer ones."""
+    text = targets.strip().lower()
+    if text == "qv":
+        return ()
+    outer = [(p.name[:-len(".weight")], p.shape) for p in param_inventory(m)
+             if not p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
+             and p.name not in _NOT_ADAPTED]
+    if text in ("all-linear", "all_linear", "all"):
+        return tuple(outer)
+    names = [n.strip() for n in targets.split(",") if n.strip()]
+    return tuple((mod, shape) for mod, shape in outer if any(mod == n or mod.endswith("." + n) for n in names))
+
+
+#: Matmul weights outside the layers that are not nn.Linear layers peft would wrap: the output
+#: heads (excluded by ``all-linear``) and the embeddings (nn.Embedding).
+_NOT_ADAPTED = ("lm_head.weight", "embed_out.weight", "cls.predictions.decoder.weight")
 
 
 #: transformers 5 stores Mixtral's router as a custom module and its experts as fused 3-D
@@ -282,6 +304,9 @@ def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, 
         in_f, out_f = (shape[0], shape[1]) if m.family is Family.GPT2 else (shape[1], shape[0])  # Conv1D is (in, out)
         out.append(ParamTensor(f"layers.{mod}.lora_A.weight", (rank, in_f), m.n_layers, True, True))
         out.append(ParamTensor(f"layers.{mod}.lora_B.weight", (out_f, rank), m.n_layers, True, True))
+    for mod, (out_f, in_f) in lora_outer_modules(m, targets):
+        out.append(ParamTensor(f"{mod}.lora_A.weight", (rank, in_f), 1, True, False))
+        out.append(ParamTensor(f"{mod}.lora_B.weight", (out_f, rank), 1, True, False))
     moe = lora_moe_params(m, targets)
     L, E, h, f = m.n_layers, m.n_experts, m.hidden, m.ffn
     if "mlp.gate" in moe:

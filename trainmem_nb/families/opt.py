@@ -54,7 +54,7 @@ class OPTRecipe(LayerNormRecipe):
         g.drop(pos2)
         self.model_locals = [ones, pos_embeds]
         if "project_in.weight" in p:
-            projected = ops.linear(g, self.ctx, inputs_embeds, p["project_in.weight"], self.proj, m.hidden, None, "project_in")
+            projected = self.linear(g, inputs_embeds, p, "project_in", self.proj, m.hidden)
             g.drop(inputs_embeds)  # `inputs_embeds` rebinds
             inputs_embeds = projected
         self.model_locals.insert(0, inputs_embeds)
@@ -148,7 +148,7 @@ class OPTRecipe(LayerNormRecipe):
         h = ops.layer_norm(g, ctx, x, p["final_layer_norm.weight"], p["final_layer_norm.bias"], tok(1),
                            "final_layer_norm") if "final_layer_norm.weight" in p else g.hold(x)
         if "project_out.weight" in p:
-            out = ops.linear(g, ctx, h, p["project_out.weight"], m.hidden, self.proj, None, "project_out")
+            out = self.linear(g, h, p, "project_out", m.hidden, self.proj)
             g.drop(h)
             h = out
         self.release_model_locals(g)

@@ -280,6 +280,12 @@ def full_matrix() -> list[CaseSpec]:
         _t(micro_batch=1, seq_len=512, precision="bf16-true", checkpointing="full", **moe_lora),
         _t(micro_batch=4, seq_len=128, precision="bf16-true", lora_dtype="base", **moe_lora),
     ])
+    # all-linear also adapts linears outside the layers: OPT-350m's project_in / project_out
+    cases += _cases("options", [_preset("opt-350m", n_layers=2, name="opt-350m-2L")], [
+        _t(micro_batch=2, seq_len=256, precision="bf16-mixed", **moe_lora),
+        _t(micro_batch=2, seq_len=256, precision="bf16-true", optimizer_impl="for-loop", checkpointing="full",
+           **moe_lora),
+    ])
     for fam in ("mistral", "gemma", "phi3", "opt"):
         opts = _sweep_options()
         pick = [0, 2, 5, 8, 10, 11, 12, 15, 16, 20]
