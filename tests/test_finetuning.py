@@ -128,3 +128,21 @@ def test_all_linear_also_adapts_the_linears_outside_the_layers_but_not_the_head(
     adapters = [p.name for p in lora_inventory(m, "all-linear", 8) if not p.name.startswith("layers.")]
     assert adapters == [f"{mod}.lora_{ab}.weight" for mod in outer for ab in "AB"]
     assert not any(p.name.startswith("layers.") is False for p in lora_inventory(m, "qv", 8))
+
+
+def test_paged_adamw_states_of_large_tensors_are_unified_memory_not_allocator_bytes() -> None:
+    from trainmem_nb.optimizers import BNB_PAGED_MIN_NUMEL
+
+    kw = dict(micro_batch=1, seq_len=512, precision="bf16-true", device="cuda")
+    adamw = tm.estimate("llama-3.2-1b", optimizer="adamw", **kw)
+    paged = tm.estimate("llama-3.2-1b", optimizer="paged-adamw", **kw)
+    m = get_model("llama-3.2-1b")
+    small = sum(p.numel * p.count for p in param_inventory(m) if p.numel < BNB_PAGED_MIN_NUMEL)
+    large = sum(p.numel * p.count for p in param_inventory(m) if p.numel >= BNB_PAGED_MIN_NUMEL)
+    # the norms' states stay ordinary fp32 tensors; the matrices' go to cudaMallocManaged memory
+    assert small * 8 <= paged.breakdown_bytes["optimizer_states"] < small * 8 + 512 * 200
+    assert paged.overhead_bytes["paged_optimizer_states"] == large * 8
+    assert paged.peak_allocated_bytes < adamw.peak_allocated_bytes
+    assert paged.device_total_bytes >= paged.peak_reserved_bytes + large * 8
+    cpu = tm.estimate("llama-3.2-1b", optimizer="paged-adamw", **{**kw, "device": "cpu"})
+    assert "paged_optimizer_states" not in cpu.overhead_bytes  # bitsandbytes does not page on CPU

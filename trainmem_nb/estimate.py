@@ -145,6 +145,10 @@ class MemoryEstimate:
             lines.append(f"  {key:<17} {format_bytes(value):>12}  {100 * value / total:5.1f} %")
         lines.append(f"peak reserved    {format_bytes(self.peak_reserved_bytes):>12}  (PyTorch's caching allocator)")
         lines.append(f"device total     {format_bytes(self.device_total_bytes):>12}  (what nvidia-smi shows)")
+        paged = self.overhead_bytes.get("paged_optimizer_states", 0)
+        if paged:
+            lines.append(f"  of which {format_bytes(paged)} paged optimizer states (CUDA unified memory, outside "
+                         f"the allocator; paged to host RAM when the GPU runs short)")
         if not self.parallel.single_device:
             p = self.parallel
             lines.append(f"layout: {p.gpus} GPUs ({p.nodes} node{'s' if p.nodes > 1 else ''}), engine {p.engine.value}, "

@@ -21,7 +21,7 @@ from .tape import Sz, const
 if TYPE_CHECKING:
     from .simulate import Segment
 
-__all__ = ["STATE_TENSORS", "optimizer_program", "state_bytes"]
+__all__ = ["BNB_PAGED_MIN_NUMEL", "STATE_TENSORS", "optimizer_program", "paged_state_bytes", "state_bytes"]
 
 _CAT = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -42,6 +42,24 @@ STATE_TENSORS = {
 #: and quantize block-wise with one fp32 absmax per 256 values (bitsandbytes/optim/optimizer.py).
 BNB_MIN_8BIT_SIZE = 4096
 BNB_BLOCK = 256
+
+
+#: bitsandbytes' paged optimizers put a state tensor in CUDA unified memory (``F.get_paged``:
+#: cudaMallocManaged, invisible to PyTorch's caching allocator and so to ``max_memory_allocated``)
+#: when its parameter has at least 1e5 elements; smaller ones are ordinary ``zeros_like`` tensors
+#: (``Optimizer8bit.get_state_buffer``, bitsandbytes/optim/optimizer.py). On CPU there is no paging.
+BNB_PAGED_MIN_NUMEL = 100_000
+
+
+def _paged(t: TrainingSpec, p: ParamTensor) -> bool:
+    return t.optimizer is OptimizerName.PAGED_ADAMW and t.device is Device.CUDA and p.numel >= BNB_PAGED_MIN_NUMEL
+
+
+def paged_state_bytes(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None) -> int:
+    """Bytes of optimizer state in CUDA unified memory (bitsandbytes' paged optimizers): resident on
+    the device, so nvidia-smi counts them, until memory runs short and the driver pages them to the host."""
+    k = STATE_TENSORS[t.optimizer]
+    return sum(p.numel * 4 * k * p.count for p, _ in _params(m, t, shard) if _paged(t, p))
 
 
 def _round(n: int) -> int:
@@ -72,6 +90,8 @@ def state_bytes(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None) -> li
     opt = t.optimizer
     for p, pdt in _params(m, t, shard):
         k = STATE_TENSORS[opt]
+        if _paged(t, p):
+            continue  # unified memory, outside the allocator: `paged_state_bytes`
         if opt is OptimizerName.ADAMW_8BIT:
             if p.numel < BNB_MIN_8BIT_SIZE:
                 out.append((const(_round(p.numel * 4)), 2 * p.count))

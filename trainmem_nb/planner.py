@@ -575,11 +575,11 @@ def step_time(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, gpu: str | GPU,
 def checkpoint_bytes(m: ModelSpec, t: TrainingSpec) -> int:
     """Bytes of one resumable checkpoint: the trained weights as the optimizer keeps them (fp32 masters in
     mixed precision) plus every optimizer state tensor. A LoRA checkpoint holds only the adapters."""
-    from .optimizers import state_bytes
+    from .optimizers import paged_state_bytes, state_bytes
     from .params import trainable_tensors
 
     weights = sum(p.numel * p.count * dt for p, dt in trainable_tensors(m, t))
-    states = sum(int(sz.at(1, 1)) * count for sz, count in state_bytes(m, t))
+    states = sum(int(sz.at(1, 1)) * count for sz, count in state_bytes(m, t)) + paged_state_bytes(m, t)
     return int(weights + states)
 
 

@@ -168,11 +168,15 @@ def _bytes_axis(axis: Any, nbins: int = 6) -> None:
 
 
 def _segments(est: Any) -> dict[str, int]:
-    """The bar's parts: the six categories (sum = peak allocated), then the allocator cache and the CUDA
-    context, so the bar ends at ``device_total_bytes`` (what nvidia-smi would show)."""
+    """The bar's parts: the six categories (sum = peak allocated; a paged optimizer's unified-memory
+    states added to the optimizer's), then the allocator cache and the CUDA context, so the bar ends at
+    ``device_total_bytes`` (what nvidia-smi would show)."""
     parts = {k: int(est.breakdown_bytes[k]) for k in TOP_KEYS}
+    # a paged optimizer's states live in unified memory, outside the allocator: drawn with the states
+    paged = int(getattr(est, "overhead_bytes", {}).get("paged_optimizer_states", 0))
+    parts["optimizer_states"] += paged
     parts["allocator cache"] = max(0, est.peak_reserved_bytes - est.peak_allocated_bytes)
-    parts["CUDA context"] = max(0, est.device_total_bytes - est.peak_reserved_bytes)
+    parts["CUDA context"] = max(0, est.device_total_bytes - est.peak_reserved_bytes - paged)
     return parts
 
 

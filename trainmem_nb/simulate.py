@@ -19,7 +19,7 @@ from . import ops
 from .activations import recipe_for
 from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .device import CUBLAS_WORKSPACE_BYTES, CUDA_BLOCK_BYTES, Calibration
-from .optimizers import optimizer_program, state_bytes
+from .optimizers import optimizer_program, paged_state_bytes, state_bytes
 from .parallelism import ParallelSpec
 from .params import buffer_inventory, on_stage, quantized, weight_tensors
 from .specs import Checkpointing, Device, Method, ModelSpec, Precision, TrainingSpec
@@ -579,6 +579,10 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
     overhead = {}
     if t.device is Device.CUDA:
         overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved}
+        paged = paged_state_bytes(m, t)
+        if paged:  # unified memory: outside the allocator, on the device while it has room
+            overhead["paged_optimizer_states"] = paged
+            total += paged
     from .distributed import RankMemory
 
     only = RankMemory("the only device (rank 0)", 0, m.n_layers, ev.peak, reserved, total, ev.peak_phase, ev.peak_at,
