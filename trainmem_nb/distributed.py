@@ -12,6 +12,9 @@ timeline where the engine allocates them:
   one unit ahead, and each unit's post-backward frees the previous reduce-scatter input, allocates
   its own and a persistent gradient shard. Mixed precision is ``MixedPrecisionPolicy(param_dtype=16
   bit, reduce_dtype=fp32)`` without autocast. Verified against one-process fake-process-group runs.
+  Under pipeline parallelism (torch.distributed.pipelining, as torchtitan uses it) a stage keeps its
+  parameters gathered all step and accumulates unsharded reduce-dtype gradients until a reduce-scatter
+  after the last micro-batch (`FSDP2Hooks.pipelined`); measured on CPU by scripts/measure_fsdp_pp.py.
 * **DDP** (torch DistributedDataParallel): gradient buckets of ``bucket_cap_mb`` = 25 MiB; without
   ``gradient_as_bucket_view`` the buckets are a second copy of every gradient (torch/nn/parallel/
   distributed.py, reducer.cpp); with it (``ParallelSpec(ddp_bucket_view=True)``) the gradients are
@@ -101,6 +104,7 @@ class _Param(NamedTuple):
     shard: int  # elements of the rank's (padded) shard
     trainable: bool
     dt: int  # bytes per element of the sharded parameter
+    numel: int = 0  # elements of the unsharded parameter (its gradient's size)
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,9 @@ class FSDP2Hooks(EngineHooks):
     local_grads_accumulate: bool = False
     first_stage: bool = True
     last_stage: bool = True
+    #: a stage of torch.distributed.pipelining (pp > 1): parameters stay gathered and unsharded
+    #: gradients accumulate over the micro-batches; the reduce-scatter waits for the last (`_pipelined_reduce`)
+    pipelined: bool = False
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def _unit(self, unit: str) -> tuple[_Param, ...]:
@@ -163,9 +170,13 @@ class FSDP2Hooks(EngineHooks):
         g.drop(*self._st(g)["ups"].pop(unit, []))
 
     def unit_forward_begin(self, g: Graph, unit: str) -> None:
+        if self.pipelined:  # gathered by the first micro-batch's forward, kept (see `init`)
+            return
         self._gather(g, unit, linger=True)
 
     def unit_forward_end(self, g: Graph, unit: str) -> None:
+        if self.pipelined:
+            return
         st = self._st(g)
         if unit == "root":
             if self.reshard_after_forward:
@@ -176,6 +187,8 @@ class FSDP2Hooks(EngineHooks):
             self._reshard(g, unit)
 
     def unit_backward_begin(self, g: Graph, unit: str) -> None:
+        if self.pipelined:
+            return
         st = self._st(g)
         if self.reshard_after_forward:
             pre = st.pop("prefetched", None)
@@ -190,6 +203,9 @@ class FSDP2Hooks(EngineHooks):
             st["prefetched"] = self._all_gather_output(g, "layer", "all-gather prefetch")
 
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
+        if self.pipelined:
+            self._accumulate_unsharded(g, grads)
+            return
         st = self._st(g)
         self._reshard(g, unit)
         if st.get("rs") is not None:  # reduce_scatter_max_input_buffers = 1: the previous input goes
@@ -223,6 +239,73 @@ class FSDP2Hooks(EngineHooks):
         else:
             st["rs"] = rs_in
 
+    def _accumulate_unsharded(self, g: Graph, grads: list[T]) -> None:
+        """A pipeline stage's post-backward without gradient sync (_fsdp_param_group.py, post_backward:
+        ``if not self.reduce_grads: ... fsdp_param.to_accumulated_grad_if_needed(); return``).
+
+        With a reduce dtype (mixed precision) each parameter's 16-bit ``.grad`` is added into its
+        ``unsharded_accumulated_grad`` (_fsdp_param.py, accumulate_unsharded_grad_if_needed:
+        ``self.unsharded_accumulated_grad += self.unsharded_param.grad``; ``.grad = None``) or, on the
+        first micro-batch, becomes it: ``unsharded_grad.to(self.reduce_dtype)`` (to_accumulated_grad_if_needed),
+        allocated before the 16-bit gradient goes. Without one, ``.grad`` itself stays and autograd
+        adds later micro-batches into it (``local_grads_accumulate``)."""
+        if self.reduce_dt is None:
+            return
+        for grad in grads:
+            if not self.accumulate:
+                acc = g.alloc(grad.n, self.reduce_dt, f"unsharded accumulated {grad.label}")
+                acc.is_grad = True
+            grad.is_grad = False
+            g.drop(grad)
+
+    def _unsharded_grad_bytes(self, q: _Param) -> int:
+        """An unsharded gradient of a pipeline stage: the parameter's shape, in the reduce dtype."""
+        return q.numel * (self.reduce_dt or q.dt)
+
+    def _pipelined_reduce(self, m: ModelSpec) -> list[Segment]:
+        """torch.distributed.pipelining's deferred gradient sync, after the last micro-batch's backward.
+
+        stage.py, perform_reduce_grad: ``set_reshard_after_backward(True)``,
+        ``set_requires_gradient_sync(True)``, then ``fsdp_param_group.post_backward()`` for every group
+        of ``_state_ctx.all_states`` (the stage root first, then the layers in order). Each
+        post_backward (_fsdp_param_group.py) first reshards (frees the gathered parameters), then frees
+        the previous reduce-scatter input (``reduce_scatter_max_input_buffers`` = 1) and calls
+        foreach_reduce (_fsdp_collectives.py): the reduce-scatter input is allocated, the accumulated
+        gradients are copied in and released (``unsharded_grads.clear()``), and the output becomes the
+        sharded ``.grad``. ``_root_post_backward_final_callback`` frees the last input."""
+        cat = _CAT
+        comm, gath, grad = cat["overhead/communication"], cat["weights/gathered"], cat["gradients"]
+
+        def unit_events(unit: str, prev: int) -> tuple[list[tuple[int, int, Sz, str]], int]:
+            ev: list[tuple[int, int, Sz, str]] = [(gath, -1, const(self._gathered_bytes(q)), f"reshard {unit}")
+                                                  for q in self._unit(unit)]
+            trained = [q for q in self._unit(unit) if q.trainable]
+            if not trained:
+                return ev, prev
+            if prev:
+                ev.append((comm, -1, const(prev), "previous reduce-scatter input freed"))
+            rs = sum(self.world * q.shard * (self.reduce_dt or q.dt) for q in trained)
+            ev.append((comm, 1, const(rs), f"reduce-scatter input {unit}"))
+            ev += [(grad, -1, const(self._unsharded_grad_bytes(q)), f"unsharded gradients {unit} copied in")
+                   for q in trained]
+            ev.append((grad, 1, const(self._grad_shard_bytes(unit)), f"sharded gradients {unit}"))
+            if self.gloo:  # ProcessGroupGloo reduces a copy of the whole input (see unit_backward_end)
+                ev += [(comm, 1, const(rs), "gloo reduce-scatter copy"), (comm, -1, const(rs), "freed")]
+            return ev, rs
+
+        segs = []
+        root, prev = unit_events("root", 0)
+        segs.append(_segment("backward", f"{PIPELINE_REDUCE}: root", 1, tuple(root)))
+        first, after_first = unit_events("layer", prev)
+        segs.append(_segment("backward", f"{PIPELINE_REDUCE}: layer 0", 1, tuple(first)))
+        if m.n_layers > 1:
+            rest, after_first = unit_events("layer", after_first)
+            segs.append(_segment("backward", f"{PIPELINE_REDUCE}: layers", m.n_layers - 1, tuple(rest)))
+        if after_first:
+            segs.append(_segment("backward", f"{PIPELINE_REDUCE}: finalize", 1,
+                                 ((comm, -1, const(after_first), "last reduce-scatter input freed"),)))
+        return segs
+
     def _grad_shard_bytes(self, unit: str) -> int:
         """One flat reduce-scatter output per unit holds its sharded gradients (in the reduce dtype)."""
         return sum(q.shard * (self.reduce_dt or q.dt) for q in self._unit(unit) if q.trainable)
@@ -239,6 +322,21 @@ class FSDP2Hooks(EngineHooks):
             # the parameter shards are listed so the caller moves them to host memory (`_host_bytes`);
             # the gradient shards and the optimizer states never reach the GPU
             return out
+        if self.pipelined:
+            # every parameter of the stage stays gathered from the first micro-batch's forward to
+            # perform_reduce_grad: torchtitan does not reshard after forward under PP (parallelize.py,
+            # "For PP, do not reshard after forward to avoid per-microbatch all-gathers") and pipelining
+            # does not reshard after backward (stage.py, backward_maybe_with_nosync:
+            # ``set_reshard_after_backward(False)``); a later micro-batch finds the earlier ones'
+            # unsharded gradients (`_accumulate_unsharded`)
+            for unit, count in (("root", 1), ("layer", m.n_layers)):
+                for q in self._unit(unit):
+                    out.append(("weights/gathered", const(self._gathered_bytes(q)), count))
+                    if self.accumulate and q.trainable:
+                        out.append(("gradients", const(self._unsharded_grad_bytes(q)), count))
+            if not t.first_step:
+                out += _sharded_states(self, m, t, self.world)
+            return out
         if self.accumulate:
             out += [("gradients", const(n), c) for n, c in self._grads(m)]
         if not t.first_step:
@@ -252,7 +350,12 @@ class FSDP2Hooks(EngineHooks):
         def shard(p: ParamTensor) -> ParamTensor | None:
             return _row_shard(p, self.world) if _held(self, p, m) else None
 
-        return optimizer_program(m, t, shard, self._grads(m))
+        opt = optimizer_program(m, t, shard, self._grads(m))
+        return self._pipelined_reduce(m) + opt if self.pipelined else opt
+
+
+#: label prefix of the segments of pipelining's deferred reduce-scatter (after every micro-batch)
+PIPELINE_REDUCE = "reduce-scatter after the last micro-batch"
 
 
 def _held(hooks: EngineHooks, p: ParamTensor, m: ModelSpec) -> bool:
@@ -507,14 +610,17 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     if p.engine is Engine.FSDP and p.zero >= 2:
         world = p.shard_degree
         mixed = t.mixed
-        units = tuple((name, tuple(_Param(_padded_shard(w[0], world), w[2], w[1]) for w in ws))
+        units = tuple((name, tuple(_Param(_padded_shard(w[0], world), w[2], w[1], w[0].numel) for w in ws))
                       for name, ws in _units(weights).items())
+        # torch.distributed.pipelining with FSDP2 stages (not with CPU offload, which is not modelled there)
+        pipelined = p.pp > 1 and p.offload is Offload.NONE
         # the recipe of torchtitan and accelerate: MixedPrecisionPolicy(param_dtype=16-bit,
         # reduce_dtype=fp32) for mixed precision, parameters' own dtypes otherwise
         return FSDP2Hooks(world=world, reshard_after_forward=p.zero >= 3, param_dt=2 if mixed else None,
                           reduce_dt=4 if mixed else None, units=units, accumulate=t.grad_accum > 1,
                           gloo=(backend or ("gloo" if t.device is Device.CPU else "nccl")) == "gloo",
-                          offload=p.offload is not Offload.NONE, **stage)
+                          offload=p.offload is not Offload.NONE, pipelined=pipelined,
+                          local_grads_accumulate=pipelined and not mixed, **stage)
     if p.engine is Engine.DEEPSPEED:
         layer_params = sum(w[0].numel for w in weights if w[0].in_layer)
         return DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero,
@@ -558,6 +664,47 @@ def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSp
     return host
 
 
+def _fsdp_pipeline_peak(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: FSDP2Hooks, prog: Any, stage: int,
+                        seq: int, workspace: int | None) -> tuple[Any, Any, dict[str, int], Fraction]:
+    """The peak of an FSDP2 pipeline stage: the program (`prog`, a later micro-batch: the unsharded
+    gradients exist) and the other micro-batches' saved activations alive during its forward and backward,
+    not during the deferred reduce-scatter and the optimizer step, which follow the last backward; with
+    the micro-batches whose activations the peak holds (for sequence parallelism's saving).
+
+    1F1B (torch.distributed.pipelining, schedules.py, Schedule1F1B: ``warmup_chunks = min(n_microbatches,
+    num_stages - stage_index)`` forwards, then a backward before each further forward) runs micro-batch
+    0's backward with ``k = min(pp - stage, grad_accum)`` micro-batches in flight and no accumulated
+    gradient yet, and a later one's with ``min(k, grad_accum - 1)`` and every accumulated gradient;
+    GPipe has every micro-batch in flight. Both candidates are evaluated; the larger is the peak."""
+    import dataclasses
+
+    from .simulate import activations_at_forward_end
+
+    b = t.micro_batch
+
+    def candidate(program: Any, others: Fraction) -> tuple[int, Any, dict[str, int], Fraction]:
+        n = next((i for i, sg in enumerate(program.segments) if sg.label.startswith(PIPELINE_REDUCE)),
+                 len(program.segments))
+        ev = evaluate(dataclasses.replace(program, segments=program.segments[:n]), b, seq)
+        detail = dict(ev.detail)
+        held = int(activations_at_forward_end(program, b, seq) * others) if others > 0 else 0
+        if held:
+            detail["activations/layers"] = detail.get("activations/layers", 0) + held
+        return ev.peak + held, ev, detail, others + 1
+
+    k = _in_flight(p, stage, t.grad_accum)
+    later = min(k, Fraction(max(1, t.grad_accum - 1))) if t.grad_accum > 1 else k
+    best = candidate(prog, later - 1)
+    if t.grad_accum > 1:  # micro-batch 0: the unsharded gradients are created during its backward
+        t1 = TrainingSpec.model_validate({**t.model_dump(), "grad_accum": 1})
+        first = dataclasses.replace(hooks, accumulate=False, state={})
+        best = max(best, candidate(compile_step(m, program_key(t1), first, workspace), k - 1), key=lambda c: c[0])
+    full = evaluate(prog, b, seq)  # the reduce-scatter and the optimizer step: no activations in flight
+    if full.peak > best[0]:
+        return prog, full, dict(full.detail), Fraction(0)
+    return prog, best[1], best[2], best[3]
+
+
 def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
                       backend: str | None = None) -> Any:
     """Every distinct rank's memory for layout `p`; the headline is the worst rank. `backend` overrides
@@ -572,16 +719,20 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         stage_model = rank_model if n_layers == rank_model.n_layers else ModelSpec.model_validate(
             {**rank_model.model_dump(), "n_layers": n_layers})
         hooks = _hooks(stage_model, t, p, backend, first=stage == 0, last=stage == p.pp - 1)
-        prog = compile_step(stage_model, program_key(t), hooks, calibration.workspace_bytes if calibration else None)
-        ev = evaluate(prog, t.micro_batch, seq)
-        detail = dict(ev.detail)
+        workspace = calibration.workspace_bytes if calibration else None
+        prog = compile_step(stage_model, program_key(t), hooks, workspace)
         in_flight = _in_flight(p, stage, t.grad_accum)
-        extra = in_flight - 1
-        if extra > 0:  # other micro-batches' (interleaved: model chunks') saved activations on this stage
-            from .simulate import activations_at_forward_end
+        if isinstance(hooks, FSDP2Hooks) and hooks.pipelined:
+            prog, ev, detail, in_flight = _fsdp_pipeline_peak(stage_model, t, p, hooks, prog, stage, seq, workspace)
+        else:
+            ev = evaluate(prog, t.micro_batch, seq)
+            detail = dict(ev.detail)
+            extra = in_flight - 1
+            if extra > 0:  # other micro-batches' (interleaved: model chunks') saved activations on this stage
+                from .simulate import activations_at_forward_end
 
-            held = int(activations_at_forward_end(prog, t.micro_batch, seq) * extra)
-            detail["activations/layers"] = detail.get("activations/layers", 0) + held
+                held = int(activations_at_forward_end(prog, t.micro_batch, seq) * extra)
+                detail["activations/layers"] = detail.get("activations/layers", 0) + held
         if p.sp and p.tp > 1:
             freed = int(_sequence_parallel_saving(stage_model, t, p, seq) * in_flight)
             detail["activations/layers"] = max(0, detail.get("activations/layers", 0) - freed)
