@@ -146,3 +146,12 @@ def test_paged_adamw_states_of_large_tensors_are_unified_memory_not_allocator_by
     assert paged.device_total_bytes >= paged.peak_reserved_bytes + large * 8
     cpu = tm.estimate("llama-3.2-1b", optimizer="paged-adamw", **{**kw, "device": "cpu"})
     assert "paged_optimizer_states" not in cpu.overhead_bytes  # bitsandbytes does not page on CPU
+
+
+def test_paged_states_are_sharded_with_the_optimizer_under_fsdp() -> None:
+    kw = dict(micro_batch=1, seq_len=512, precision="bf16-mixed", optimizer="paged-adamw", device="cuda")
+    one = tm.estimate("llama-3.2-1b", **kw).overhead_bytes["paged_optimizer_states"]
+    fsdp = tm.estimate("llama-3.2-1b", gpus=8, engine="fsdp", zero=3, **kw)
+    assert fsdp.overhead_bytes["paged_optimizer_states"] == pytest.approx(one / 8, rel=0.01)
+    assert fsdp.device_total_bytes == (fsdp.peak_reserved_bytes + fsdp.overhead_bytes["cuda_context"]
+                                       + fsdp.overhead_bytes["paged_optimizer_states"])

@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 
 from .breakdown import DETAIL_KEYS
 from .device import Calibration
-from .optimizers import optimizer_program, state_bytes
+from .optimizers import optimizer_program, paged_state_bytes, state_bytes
 from .parallelism import Engine, Offload, ParallelSpec, PipelineSchedule
 from .params import ParamTensor, on_stage, trainable_tensors, weight_tensors
 from .simulate import EngineHooks, Segment, _round, _segment, compile_step, evaluate, program_key, reserved_and_total
@@ -742,6 +742,10 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         for k, v in detail.items():
             tops[k.split("/")[0]] = tops.get(k.split("/")[0], 0) + v
         reserved, total = reserved_and_total(t, peak, tops.get("activations", 0) + tops.get("transient", 0), calibration)
+        if t.device is Device.CUDA:  # a paged optimizer's unified-memory states (`paged_state_bytes`)
+            degree = p.shard_degree if (p.zero or p.engine is Engine.FSDP) else 1
+            total += paged_state_bytes(stage_model, t, lambda q, h=hooks, sm=stage_model, d=degree:
+                                       _row_shard(q, d) if _held(h, q, sm) else None)
         per_stage = p.gpus // p.pp
         first, last = stage * per_stage, (stage + 1) * per_stage - 1
         label = f"stage {stage} (ranks {first}-{last})" if p.pp > 1 else f"every rank (0-{p.gpus - 1})"
@@ -755,8 +759,11 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     row, prog = worst
     overhead = {}
     if t.device is Device.CUDA:
-        overhead = {"allocator_cache": row.peak_reserved_bytes - row.peak_allocated_bytes,
-                    "cuda_context": row.device_total_bytes - row.peak_reserved_bytes}
+        context = reserved_and_total(t, 0, 0, calibration)[1]  # the CUDA context alone
+        overhead = {"allocator_cache": row.peak_reserved_bytes - row.peak_allocated_bytes, "cuda_context": context}
+        paged = row.device_total_bytes - row.peak_reserved_bytes - context
+        if paged:
+            overhead["paged_optimizer_states"] = paged
     n_params = sum(q.numel * q.count for q, _, _ in weight_tensors(m, t))
     n_train = sum(q.numel * q.count for q, _ in trainable_tensors(m, t))
     return MemoryEstimate(
