@@ -153,7 +153,8 @@ LITGPT = [
         config=_training_opts(model="llama-2-7b", micro_batch=2, grad_accum=4, method="qlora",
                               qlora_double_quant=False, **{**_LIT_LORA, "optimizer": "paged-adamw"}),
         tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
-        xfail=_LITGPT_QLORA_GAP + "; 13.68 GB published vs ~10.5 GB estimated (-23 %)",
+        xfail=_LITGPT_QLORA_GAP + "; 13.68 GB published vs ~10.4 GB estimated (-24 %; PagedAdamW's large adapter states are "
+              "unified memory, outside max_memory_allocated)",
     ),
     Published(
         id="litgpt-llama3-8b-qlora-a10g",
@@ -163,7 +164,8 @@ LITGPT = [
         config=_training_opts(model="llama-3-8b", micro_batch=2, grad_accum=4, method="qlora",
                               qlora_double_quant=False, **{**_LIT_LORA, "optimizer": "paged-adamw"}),
         tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
-        xfail=_LITGPT_QLORA_GAP + "; 17.41 GB published vs ~13.7 GB estimated (-21 %)",
+        xfail=_LITGPT_QLORA_GAP + "; 17.41 GB published vs ~13.6 GB estimated (-22 %; PagedAdamW's large adapter states are "
+              "unified memory, outside max_memory_allocated)",
     ),
     Published(
         id="litgpt-tinyllama-full-a10g",
