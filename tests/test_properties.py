@@ -40,7 +40,7 @@ def models(draw: st.DrawFn) -> ModelSpec:
 trainings = st.fixed_dictionaries({
     "precision": st.sampled_from(["fp32", "bf16-mixed", "fp16-mixed", "bf16-true"]),
     "optimizer": st.sampled_from(["adamw", "adam", "sgd", "sgd-momentum", "adafactor", "lion", "none"]),
-    "checkpointing": st.sampled_from(["none", "selective", "full"]),
+    "checkpointing": st.sampled_from(["none", "selective", "selective-op", "full"]),
     "attention": st.sampled_from(["sdpa", "eager"]),
     "dropout": st.sampled_from([0.0, 0.1]),
     "device": st.sampled_from(["cuda", "cpu"]),
@@ -82,6 +82,17 @@ def test_full_checkpointing_never_raises_saved_activations(m: ModelSpec, opts: d
     none = estimate(m, micro_batch=b, seq_len=s, **{**opts, "checkpointing": "none"}).saved_activations_bytes
     full = estimate(m, micro_batch=b, seq_len=s, **{**opts, "checkpointing": "full"}).saved_activations_bytes
     assert full <= none
+
+
+@SETTINGS
+@given(models(), trainings, st.integers(1, 4), st.integers(16, 300))
+def test_checkpointing_policies_keep_nested_sets_full_then_op_then_selective(m: ModelSpec, opts: dict, b: int,
+                                                                           s: int) -> None:
+    """Each policy keeps a subset of the next one's tensors: full keeps each layer's input; selective-op
+    also every other mm and the attention outputs; selective every matmul and attention output."""
+    kept = {ck: estimate(m, micro_batch=b, seq_len=s, **{**opts, "checkpointing": ck}).saved_activations_bytes
+            for ck in ("full", "selective-op", "selective")}
+    assert kept["full"] <= kept["selective-op"] <= kept["selective"]
 
 
 @st.composite

@@ -72,14 +72,8 @@ def _training_opts(**kw: Any) -> dict[str, Any]:
 # (torchtitan/metrics.py), i.e. reserved, in GiB. Recipe: torchtitan/models/llama/train_configs/llama3_8b.toml
 # (seq_len 8192, AdamW, mode 'selective', selective_ac_option 'op'), FSDP2 full shard with
 # param_dtype bf16 / reduce_dtype fp32, sdpa (flash) attention, loss cross_entropy(logits.float()).
-# Op-level SAC in torchtitan saves mm outputs "except every second mm" plus SDPA outputs; our
-# checkpointing="selective" keeps every matmul output (torch SAC with all mm MUST_SAVE).
-_TITAN_SAC = (
-    "torchtitan's op-level selective AC saves only every other mm output in a block (wq, wv, w1, w2 kept; "
-    "wk, wo, w3 recomputed) while checkpointing='selective' here keeps every matmul output: we over-count "
-    "(1024+4096+14336)*2 B per token per layer = ~19 GiB at 2x8192 tokens x 32 layers; without it the "
-    "estimate would be ~76 GiB (8 GPUs) / ~65.5 GiB (128 GPUs)"
-)
+# Op-level SAC in torchtitan saves mm outputs "except every second mm" plus SDPA outputs:
+# checkpointing="selective-op" is that policy (measured byte-exact on every family, validation/cases.jsonl).
 TITAN = [
     Published(
         id="torchtitan-llama3.1-8b-fsdp8-sac",
@@ -88,9 +82,8 @@ TITAN = [
               "Selective activation checkpointing. | FSDP | 5,762 | 82.4 |",
         kind=RESERVED, value_bytes=82.4 * GiB,
         config=dict(model="llama-3.1-8b", micro_batch=2, seq_len=8192, precision="bf16-mixed", optimizer="adamw",
-                    checkpointing="selective", attention="sdpa", gpus=8, engine="fsdp", zero=3),
+                    checkpointing="selective-op", attention="sdpa", gpus=8, engine="fsdp", zero=3),
         tolerance=TOL_RESERVED, why_tolerance="reserved figure; the config is the repo's own toml",
-        xfail=_TITAN_SAC + "; published 82.4 GiB vs ~95 GiB estimated (+15 %)",
     ),
     Published(
         id="torchtitan-llama3.1-8b-fsdp128-sac",
@@ -99,11 +92,8 @@ TITAN = [
               "256. Selective activation checkpointing. | FSDP | 5,605 | 67.0 |",
         kind=RESERVED, value_bytes=67.0 * GiB,
         config=dict(model="llama-3.1-8b", micro_batch=2, seq_len=8192, precision="bf16-mixed", optimizer="adamw",
-                    checkpointing="selective", attention="sdpa", gpus=128, nodes=16, engine="fsdp", zero=3),
+                    checkpointing="selective-op", attention="sdpa", gpus=128, nodes=16, engine="fsdp", zero=3),
         tolerance=TOL_RESERVED, why_tolerance="reserved figure; the config is the repo's own toml",
-        xfail=_TITAN_SAC + "; published 67.0 GiB vs ~84.5 GiB estimated (+26 %). The published 8->128 GPU drop "
-              "(15.4 GiB) is about the whole 16 B/param model-state shard (14.0 GiB) while ours (10.5 GiB) "
-              "lacks the gradient shard: our peak is at the loss backward, before gradients exist",
     ),
 ]
 

@@ -18,7 +18,7 @@ import pytest
 from trainmem_nb.cli import main
 from trainmem_nb.measure import validate
 from trainmem_nb.measure.dataset import CASES_FILE, HARNESS_FILE, load_cases
-from trainmem_nb.specs import Family
+from trainmem_nb.specs import Checkpointing, Family
 
 SHARED_RESULTS = Path(__file__).resolve().parents[2] / "shared" / "harness" / "results"
 
@@ -71,7 +71,7 @@ def test_dataset_covers_every_family_and_option() -> None:
     assert {"fp32", "bf16-mixed", "bf16-true"} <= seen["precision"]
     assert {"adamw", "sgd", "sgd-momentum", "adafactor", "none"} <= seen["optimizer"]
     assert {"foreach", "fused", "for-loop"} <= seen["impl"]
-    assert seen["ckpt"] == {"none", "full", "selective"}
+    assert seen["ckpt"] == {c.value for c in Checkpointing}
     assert seen["attention"] == {"sdpa", "eager"}
     assert {0.0, 0.1} <= seen["dropout"]
     assert {"full", "qv", "all-linear"} <= seen["lora"]

@@ -107,7 +107,9 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
     ins = [xc, wc] + ([bc] if bc is not None else [])
     saved = [wc if xc.rg else None, xc if wc.rg else None]  # released weight first, then input
     g.before_outputs(ins, saved)
-    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), xc.dt, label),))
+    # at::linear runs a biased 3-D linear as ``addmm`` on a flattened view, an unbiased one as ``mm``
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), xc.dt, label),),
+                           "mm" if bc is None else "other")
     has_bias = bc is not None
     w_first = (not has_bias) if grad_w_first is None else grad_w_first
 
@@ -138,7 +140,7 @@ def linear_4bit(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T 
     ins = [xc] + ([b] if b is not None else [])
     g.before_outputs(ins, [None])
     deq = g.alloc(const(in_features * out_features), cdt, f"{label} dequantize_4bit")
-    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), cdt, label),))
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), cdt, label),), "mm")
     g.drop(deq)
     n_in = xc.n
 
@@ -361,7 +363,7 @@ ONE = const(1)
 def bmm(g: Graph, ctx: Ctx, a: T, b: T, out_n: Sz, label: str = "bmm") -> T:
     """``torch.matmul`` of two (batched) matrices (``bmm`` after reshapes); autocast casts both to
     16 bit. Saves b if a needs a gradient and a if b does."""
-    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),))
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),), "other")
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
@@ -517,7 +519,7 @@ def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: 
     ins = [xc, wc, bc]
     saved = [wc if xc.rg else None, xc if wc.rg else None]
     g.before_outputs(ins, saved)
-    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), xc.dt, label),))
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), xc.dt, label),), "other")
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         gx = g.alloc(xc.n, xc.dt, f"{label} grad x") if xc.rg else None
@@ -606,7 +608,8 @@ def sdpa_flash(g: Graph, ctx: Ctx, q: T, k: T, v: T, lse_n: Sz, label: str = "sd
     kc = cast(g, k, cd, f"{label} k cast") if cd else g.hold(k)
     qc = cast(g, q, cd, f"{label} q cast") if cd else g.hold(q)
     vc = cast(g, v, cd, f"{label} v cast") if cd else g.hold(v)
-    out, lse = g.sac_outputs(lambda: (g.alloc(qc.n, qc.dt, f"{label} out"), g.alloc(lse_n, F32, f"{label} logsumexp")))
+    out, lse = g.sac_outputs(lambda: (g.alloc(qc.n, qc.dt, f"{label} out"), g.alloc(lse_n, F32, f"{label} logsumexp")),
+                             "attention")
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         return [g.alloc(qc.n, qc.dt, f"{label} grad q"), g.alloc(kc.n, kc.dt, f"{label} grad k"),
@@ -622,7 +625,7 @@ def matmul_bmm(g: Graph, ctx: Ctx, a: T, b: T, out_n: Sz, label: str = "bmm") ->
     """``torch.matmul`` of batched matrices as ``bmm``: like `bmm`, but backward allocates the second
     operand's gradient before the first's (measured: ``BmmBackward0`` computes ``mat2``'s gradient
     ``self^T.bmm(grad)`` first, then ``self``'s ``grad.bmm(mat2^T)``)."""
-    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),))
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),), "other")
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
@@ -964,7 +967,7 @@ def grouped_mm(g: Graph, a: T, w: T, offs: T, out_n: Sz, label: str = "grouped_m
     nothing else (aten/src/ATen/native/cuda/GroupedBlas.cpp)."""
     saved = [w if a.rg else None, offs, a if w.rg else None]
     g.before_outputs([a, w, offs], saved)
-    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),))
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),), "other")
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         gw = g.alloc(w.n, w.dt, f"{label} grad w") if w.rg else None
@@ -1070,7 +1073,7 @@ def baddbmm(g: Graph, w: T, lhs: T, rhs: T, alpha: float, label: str = "baddbmm"
     tensor; derivatives.yaml ``baddbmm``, ``maybe_multiply``); W is frozen."""
     saved = [lhs if rhs.rg else None, rhs if lhs.rg else None]
     g.before_outputs([w, lhs, rhs], saved)
-    (out,) = g.sac_outputs(lambda: (g.alloc(w.n, w.dt, label),))
+    (out,) = g.sac_outputs(lambda: (g.alloc(w.n, w.dt, label),), "other")
 
     def one(g: Graph, x: T, name: str) -> T:
         r = g.alloc(x.n, x.dt, f"{label} grad {name}")
@@ -1090,5 +1093,5 @@ def baddbmm(g: Graph, w: T, lhs: T, rhs: T, alpha: float, label: str = "baddbmm"
 def baddbmm_check(g: Graph, w: T, label: str) -> None:
     """The registration check of a ``_LoraFactorsProxy``: one ``baddbmm`` whose result is dropped at
     once (selective checkpointing's cache keeps it: ``baddbmm`` is a saved op)."""
-    (out,) = g.sac_outputs(lambda: (g.alloc(w.n, w.dt, f"{label} parametrization check"),))
+    (out,) = g.sac_outputs(lambda: (g.alloc(w.n, w.dt, f"{label} parametrization check"),), "other")
     g.drop(out)

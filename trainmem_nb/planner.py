@@ -433,7 +433,8 @@ def flops_per_token(m: ModelSpec, t: TrainingSpec) -> tuple[float, float]:
     2 per weight forward, 2 backward for the activation gradient, 2 more for the weight gradient of
     trained weights (frozen LoRA bases skip it), plus attention 12·L·heads·head_dim·T. Executed FLOPs add
     recomputation: full checkpointing runs each layer's forward again (2·layer weights + 4·L·h·T), selective
-    recomputes the attention core (4·L·h·T; Korthikanti et al. 2022, eq. 8)."""
+    recomputes the attention core (4·L·h·T; Korthikanti et al. 2022, eq. 8), selective-op every other
+    matmul of a layer (about half its weights' forward FLOPs, 2·layer weights / 2)."""
     frozen, trained, in_layers = _matmul_params(m, t)
     window = m.sliding_window or t.seq_len
     attn_fwd = 4.0 * m.n_layers * m.n_heads * (m.head_dim or m.hidden // m.n_heads) * min(t.seq_len, window)
@@ -442,6 +443,8 @@ def flops_per_token(m: ModelSpec, t: TrainingSpec) -> tuple[float, float]:
         return model, model + 2.0 * in_layers + attn_fwd
     if t.checkpointing is Checkpointing.SELECTIVE:
         return model, model + attn_fwd
+    if t.checkpointing is Checkpointing.SELECTIVE_OP:  # every other mm is recomputed: about half the layers'
+        return model, model + 1.0 * in_layers
     return model, model
 
 

@@ -143,6 +143,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
     g = Graph()
+    g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
     all_weights = weight_tensors(m, t)
     weights = [w for w in all_weights if on_stage(w[0], m, hooks.first_stage, hooks.last_stage)]
     held = {id(w[0]) for w in weights}
@@ -207,7 +208,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
         hooks.unit_forward_begin(g, f"L{i}")
         if checkpointed:
             y = _checkpointed_layer(g, ctx, recipe, x, shared, layer_params[i],
-                                    selective=t.checkpointing is Checkpointing.SELECTIVE)
+                                    selective=t.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.SELECTIVE_OP))
         else:
             y = recipe.layer(g, x, shared, layer_params[i])
         y.chain = True
@@ -395,6 +396,7 @@ class _Frame:
                 ops.end_autocast(g, ctx)
 
         g.sac_replay = self.sac
+        g.sac_mm_count = 0
         g.recompute(nodes, rerun)
         g.sac_replay = None
         ctx.wcache.update(outer)
@@ -419,6 +421,7 @@ def _checkpointed_layer(g: Graph, ctx: ops.Ctx, recipe: object, x: T, shared: ob
     if selective:
         frame.sac = []
         g.sac_store = frame.sac
+        g.sac_mm_count = 0
     y = recipe.layer(g, x, shared, params)  # type: ignore[attr-defined]
     g.sac_store = None
     g.saving = True

@@ -119,6 +119,8 @@ class Checkpointing(_Choice):
 
     NONE = "none"  #: keep every activation for backward
     SELECTIVE = "selective"  #: keep matmul and attention outputs, recompute the cheap element-wise ops
+    #: torchtitan's op-level policy: keep attention outputs and every other ``mm`` output of a layer
+    SELECTIVE_OP = "selective-op"
     FULL = "full"  #: keep only each layer's input, recompute the layer in backward
 
 

@@ -156,6 +156,10 @@ class Graph:
         self.grads_exist = False  # gradient accumulation: .grad is already set, new grads are added in place
         self.sac_store: list[tuple[T, ...]] | None = None  # selective checkpointing: forward cache
         self.sac_replay: list[tuple[T, ...]] | None = None  # selective checkpointing: recompute reads it
+        #: which op outputs selective checkpointing saves: "all" (every matmul and attention output) or
+        #: "op" (torchtitan: attention outputs and every other ``mm``, counted per layer and per pass)
+        self.sac_policy = "all"
+        self.sac_mm_count = 0  # ``mm`` ops seen in this layer's forward (or in its recomputation)
 
     # -- memory --------------------------------------------------------------------------------
     def alloc(self, n: Sz, dt: int, label: str, rg: bool = False) -> T:
@@ -197,15 +201,24 @@ class Graph:
         self.hold(v.base)
         return v
 
-    def sac_outputs(self, make: Callable[[], tuple[T, ...]]) -> tuple[T, ...]:
-        """Outputs of an op that selective checkpointing saves (matmuls, attention): in the forward
-        the policy's cache keeps them (``_CachingTorchDispatchMode``); in the recomputation they are
-        taken from the cache instead of being computed again (``_CachedTorchDispatchMode``)."""
+    def sac_outputs(self, make: Callable[[], tuple[T, ...]], kind: str = "mm") -> tuple[T, ...]:
+        """Outputs of an op that selective checkpointing may save: in the forward the policy's cache
+        keeps them (``_CachingTorchDispatchMode``); in the recomputation they are taken from the cache
+        instead of being computed again (``_CachedTorchDispatchMode``). `kind` is the aten op family:
+        ``mm``, ``attention`` (SDPA kernels) or ``other`` (addmm, bmm, baddbmm, grouped_mm), which the
+        "op" policy recomputes."""
+        if self.sac_store is None and not (self.sac_replay is not None and self.recomputing):
+            return make()
+        if self.sac_policy == "op":
+            if kind == "mm":
+                self.sac_mm_count += 1
+            if kind == "other" or (kind == "mm" and self.sac_mm_count % 2 == 0):
+                return make()  # PREFER_RECOMPUTE: computed in forward and again in the recomputation
         if self.sac_store is not None:
             outs = make()
             self.sac_store.append(tuple(self.hold(o) for o in outs))
             return outs
-        if self.sac_replay is not None and self.recomputing and not self._stopped and self.sac_replay:
+        if not self._stopped and self.sac_replay:
             return self.sac_replay.pop(0)
         return make()
 

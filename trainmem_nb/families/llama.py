@@ -140,7 +140,8 @@ class LlamaRecipe(Recipe):
         vc = v if cd is None else ops.cast(g, v, cd, "sdpa v cast")
         if cd is None:
             g.hold(qc), g.hold(kc), g.hold(vc)
-        out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"), g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")))
+        out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"), g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")),
+                                 "attention")
 
         def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
             grads = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),

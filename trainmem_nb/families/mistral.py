@@ -161,7 +161,7 @@ class MistralRecipe(LlamaRecipe):
         vc = ops.cast(g, vx, cd, "sdpa v cast") if cd else g.hold(vx)
         mask = self.sdpa_additive_mask(g, qc.dt)
         out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"),
-                                          g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")))
+                                          g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")), "attention")
 
         def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
             grads = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),

@@ -203,7 +203,8 @@ def _case_id(group: str, m: ModelSpec, t: TrainingSpec, mode: str) -> str:
         parts.append(f"lora{t.lora_rank}-{t.lora_targets.replace(',', '+')}"
                      + (f"-ld{t.lora_dropout:g}" if t.lora_dropout else "")
                      + ("-base-dtype" if t.lora_dtype.value == "base" else ""))
-    return f"{group}/{m.name}/{'-'.join(parts)}/b{t.micro_batch}s{t.seq_len}/{mode}"
+    shape = f"b{t.micro_batch}s{t.seq_len}" + (f"ga{t.grad_accum}" if t.grad_accum > 1 else "")
+    return f"{group}/{m.name}/{'-'.join(parts)}/{shape}/{mode}"
 
 
 def _cases(group: str, models: Iterable[ModelSpec], trainings: Iterable[TrainingSpec], mode: str = "fake") -> list[CaseSpec]:
@@ -236,10 +237,13 @@ def _sweep_options() -> list[TrainingSpec]:
               "precision": "bf16-true"}),
         _t(**{**b, "method": "lora", "lora_rank": 16, "lora_alpha": 32, "lora_targets": "qv",
               "checkpointing": "full", "lora_dropout": 0.05}),
-        _t(**{**b, "method": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_targets": "all-linear",
-              "precision": "bf16-true", "lora_dtype": "base"}),
         _t(micro_batch=1, seq_len=1024, precision="bf16-mixed"),
         _t(micro_batch=8, seq_len=128, precision="bf16-mixed", checkpointing="full"),
+        _t(**{**b, "method": "lora", "lora_rank": 8, "lora_alpha": 16, "lora_targets": "all-linear",
+              "precision": "bf16-true", "lora_dtype": "base"}),
+        _t(**{**b, "checkpointing": "selective-op"}),
+        _t(**{**b, "grad_accum": 2}),
+        _t(**{**b, "precision": "fp16-mixed", "grad_accum": 3, "checkpointing": "full"}),
     ]
 
 
@@ -253,6 +257,7 @@ def full_matrix() -> list[CaseSpec]:
         _t(micro_batch=4, seq_len=32, precision="bf16-true", optimizer_impl="fused", attention="eager"),
         _t(micro_batch=2, seq_len=64, precision="fp32", optimizer="sgd-momentum", checkpointing="selective",
            dropout=0.1),
+        _t(micro_batch=2, seq_len=64, precision="bf16-mixed", checkpointing="selective-op", grad_accum=2),
     ]
     cases += _cases("families", small, small_trainings)
     big_trainings = [

@@ -17,7 +17,8 @@ Options map to PyTorch as a training script would set them:
 * checkpointing: ``full`` = ``gradient_checkpointing_enable(use_reentrant=False)`` (each layer keeps
   its input and is recomputed in backward); ``selective`` = the same with PyTorch's selective
   activation checkpointing policy that saves the outputs of matmuls and attention kernels and
-  recomputes the element-wise ops (`_selective_policy`).
+  recomputes the element-wise ops (`_selective_policy`); ``selective-op`` = torchtitan's op-level
+  policy, which saves attention outputs and every other ``mm`` of a layer (`_op_policy`).
 * attention: Hugging Face ``attn_implementation`` (``sdpa`` or ``eager``; ``flash`` needs flash-attn
   on a CUDA GPU); dropout: every dropout rate of the family's config (`_dropout_overrides`).
 * LoRA: `trainmem_nb.measure.lora.apply_lora` (peft).
@@ -166,8 +167,8 @@ def _module_context(model: nn.Module, tracker: StorageTracker) -> Iterator[None]
 
 
 def _selective_policy() -> Any:
-    """Selective activation checkpointing (torchtitan's "op" policy): save the outputs of matmuls and
-    attention kernels, recompute everything else (norms, activations, element-wise ops) in backward."""
+    """Selective activation checkpointing: save the outputs of matmuls and attention kernels,
+    recompute everything else (norms, activations, element-wise ops) in backward."""
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     aten = torch.ops.aten
@@ -184,6 +185,36 @@ def _selective_policy() -> Any:
         return CheckpointPolicy.MUST_SAVE if op in save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return functools.partial(create_selective_checkpoint_contexts, policy)
+
+
+def _op_policy() -> Any:
+    """torchtitan's op-level selective checkpointing (``selective_ac_option = "op"``,
+    torchtitan/models/llama3/infra/parallelize.py ``_apply_ac_to_transformer_block``): save the outputs
+    of the ops in its save list except every second ``mm`` of a layer (counted separately in forward
+    and in recomputation, with a fresh count for each checkpointed call), recompute the rest. Its list
+    names the CUDA SDPA kernels; the CPU flash kernel that runs here stands in for them."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_flash_attention_for_cpu.default, aten.abs.default, aten.max.default}
+
+    def context_fn() -> Any:
+        meta: dict[str, int] = defaultdict(int)
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+            key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+            if op is aten.mm.default:
+                meta[key] += 1
+            keep = op in save and not (op is aten.mm.default and meta[key] % 2 == 0)
+            return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+
+    return context_fn
 
 
 def make_optimizer(t: TrainingSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
@@ -258,6 +289,8 @@ def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[s
         kwargs: dict[str, Any] = {"use_reentrant": False}
         if t.checkpointing is Checkpointing.SELECTIVE:
             kwargs["context_fn"] = _selective_policy()
+        elif t.checkpointing is Checkpointing.SELECTIVE_OP:
+            kwargs["context_fn"] = _op_policy()
         if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
@@ -308,6 +341,13 @@ class _Setup:
         if t.mixed:
             dtype = torch.bfloat16 if t.precision is Precision.BF16_MIXED else torch.float16
             self.autocast = torch.autocast(device_type=kernels, dtype=dtype)
+        # gradient accumulation: the measured micro-step is the last one; the earlier ones leave their
+        # gradients, which it adds to (the estimator's later micro-step with ``.grad`` alive)
+        for _ in range(t.grad_accum - 1):
+            with self.autocast:
+                loss = self.model(**self.inputs).loss
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            del loss
 
     def state_tensors(self) -> list[torch.Tensor]:
         """Tensors the optimizer (and grad scaler) hold between steps."""
@@ -366,6 +406,7 @@ def traced_step(setup: _Setup, device_type: str | None = None,
     tracker.adopt(list(setup.model.parameters()), "weights/params", param=True)
     tracker.adopt(list(setup.model.buffers()), "weights/buffers")
     tracker.adopt(setup.state_tensors(), "optimizer_states")
+    tracker.adopt([p.grad for p in setup.trainable if p.grad is not None], "gradients")  # grad_accum > 1
     tracker.adopt(list(setup.inputs.values()), "activations/inputs")
     with tracker, _module_context(setup.model, tracker):
         setup.step(tracker, timing)
