@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -165,28 +164,9 @@ def _rank(rank: int, a: dict[str, Any], init_method: str, out: Any) -> None:
 
 def measure(a: dict[str, Any], timeout_s: float = 600) -> list[dict[str, Any]]:
     """Every rank's measured peak for the layout in `a` (see `main`'s options)."""
-    import torch.multiprocessing as mp
+    from trainmem_nb.measure.fsdp import spawn_ranks
 
-    with socket.socket() as sock:  # a free port on the loopback interface only
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    world = a["pp"] * a["dp"]
-    procs = [ctx.Process(target=_rank, args=(r, a, f"tcp://127.0.0.1:{port}", out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        for _ in procs:
-            rank, res = out.get(timeout=timeout_s)
-            results[rank] = res
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    return [results[r] for r in sorted(results)]
+    return spawn_ranks(_rank, lambda r, init_method: (r, a, init_method), a["pp"] * a["dp"], timeout_s)
 
 
 def estimate(a: dict[str, Any]) -> Any:

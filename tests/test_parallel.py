@@ -122,6 +122,35 @@ def test_pipeline_first_stage_holds_embeddings_last_holds_head_and_first_keeps_m
     assert "activations/head" not in {k for k, v in rows[1].detail_bytes.items() if v}
 
 
+def test_1f1b_with_one_micro_batch_holds_one_micro_batch_on_every_stage() -> None:
+    """1F1B over grad_accum=1: stage 0 runs F0 then waits for B0, so it holds one micro-batch, not
+    pp - stage (there is no second one to warm up with). llama-2-7b on pp=2 (16 layers a stage),
+    micro_batch=2 so both stages peak in the backward of that micro-batch."""
+    from trainmem_nb.distributed import _in_flight
+    from trainmem_nb.presets import resolve_model
+
+    assert [_in_flight(ParallelSpec(gpus=2, pp=2), stage, 1) for stage in (0, 1)] == [1, 1]
+    m = resolve_model("llama-2-7b")
+    kw = dict(micro_batch=2, seq_len=4096, precision="bf16-mixed", device="cuda")
+    one, two = (tm.estimate(m, grad_accum=ga, gpus=2, pp=2, **kw).per_rank for ga in (1, 2))
+    assert [r.peak_phase for r in one] == ["backward", "backward"]
+
+    def held(rows: list, stage: int) -> int:
+        return rows[stage].detail_bytes["activations/layers"]
+
+    # the last stage holds one micro-batch however many there are
+    assert held(one, 1) == held(two, 1)
+    # with one micro-batch both stages (same layers, same micro-batch) peak alike: stage 0 holds
+    # no second micro-batch (pp - stage = 2 would put it 2.2x above stage 1)
+    assert held(one, 0) == pytest.approx(held(one, 1), rel=0.02)
+    # a second micro-batch adds one micro-batch of 16 layers to stage 0: the single-device saved
+    # activations of 32 layers less those of 16 (everything but the layers cancels)
+    half = ModelSpec.model_validate({**m.model_dump(), "n_layers": 16})
+    sixteen_layers = tm.estimate(m, **kw).saved_activations_bytes - tm.estimate(half, **kw).saved_activations_bytes
+    assert held(two, 0) - held(one, 0) == pytest.approx(sixteen_layers, rel=0.02)
+    assert one[0].peak_allocated_bytes < two[0].peak_allocated_bytes
+
+
 def test_uneven_pipeline_split_shows_in_per_rank_layers() -> None:
     e = tm.estimate("llama-2-13b", micro_batch=1, seq_len=1024, gpus=3, pp=3, device="cuda")
     assert [r.n_layers for r in e.per_rank] == [14, 13, 13]
@@ -341,7 +370,8 @@ def test_interleaved_layouts_need_the_schedule_and_equal_model_chunks(layout: di
 
 
 @pytest.mark.slow
-def test_fsdp_pipeline_stages_keep_gathered_parameters_and_unsharded_fp32_gradients_within_5_percent() -> None:
+def test_fsdp_pipeline_stages_keep_gathered_parameters_and_unsharded_fp32_gradients_within_5_percent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """2 pipeline stages x FSDP dp=2 (4 gloo processes on 127.0.0.1, torch.distributed.pipelining
     Schedule1F1B, 4 micro-batches, bf16 params / fp32 reduce): scripts/measure_fsdp_pp.py tracks a whole
     step on every rank. Parameter-heavy on purpose (8 layers, 16 tokens): the stage's gathered bf16
@@ -349,12 +379,10 @@ def test_fsdp_pipeline_stages_keep_gathered_parameters_and_unsharded_fp32_gradie
     and one gathered layer the estimate was -12 %)."""
     pytest.importorskip("torch")
     import importlib
-    import sys
     from pathlib import Path
 
-    scripts = str(Path(__file__).resolve().parents[1] / "scripts")
-    if scripts not in sys.path:  # importable by name: the spawned ranks unpickle its functions
-        sys.path.insert(0, scripts)
+    # importable by name (the spawned ranks unpickle its functions), for this test only
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "scripts"))
     mod = importlib.import_module("measure_fsdp_pp")
     a = dict(model=mod.MODEL, pp=2, dp=2, grad_accum=4, micro_batch=1, seq_len=16, schedule="1f1b", reshard=False)
     ranks = mod.measure(a, timeout_s=300)

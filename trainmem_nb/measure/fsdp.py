@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from ..specs import ModelSpec, Precision, TrainingSpec
 from .step import _categorize, _module_context, build, layer_module_names, make_optimizer
 from .tracker import StorageTracker
 
-__all__ = ["ResizeAwareTracker", "measure_fsdp_gloo", "run_fsdp_step"]
+__all__ = ["ResizeAwareTracker", "measure_fsdp_gloo", "run_fsdp_step", "spawn_ranks"]
 
 
 class ResizeAwareTracker(StorageTracker):
@@ -255,11 +255,14 @@ def _gloo_rank(rank: int, m: ModelSpec, t: TrainingSpec, p: ParallelSpec, init_m
     out.put((rank, {k: s[k] for k in ("peak", "peak_phase", "detail")}))
 
 
-def measure_fsdp_gloo(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, timeout_s: float = 600) -> list[dict[str, Any]]:
-    """Run one real FSDP2 step in ``p.dp`` CPU processes talking gloo on 127.0.0.1; every rank's summary.
+def spawn_ranks(target: Callable[..., None], args_for_rank: Callable[[int, str], tuple[Any, ...]], world: int,
+                timeout_s: float = 600) -> list[Any]:
+    """Run ``target(*args_for_rank(rank, init_method), out)`` in `world` spawned processes; each rank's result.
 
-    The same step as `run_fsdp_step` with real tensors and real collectives: it checks that the
-    one-process fake-process-group measurement is what each rank of a real job holds."""
+    ``init_method`` is ``tcp://127.0.0.1:<a free port>`` (the loopback interface only) and ``out`` a
+    queue on which every rank puts one ``(rank, result)``; the results come back ordered by rank. The
+    parent waits at most `timeout_s` seconds for each result (``queue.Empty`` past it), then joins
+    every process for up to 30 s and kills those still alive, whether or not all results came."""
     import socket
 
     import torch.multiprocessing as mp
@@ -267,19 +270,28 @@ def measure_fsdp_gloo(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, timeout_s:
     with socket.socket() as sock:  # a free port on the loopback interface only
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=_gloo_rank, args=(r, m, t, p, f"tcp://127.0.0.1:{port}", out)) for r in range(p.dp)]
+    procs = [ctx.Process(target=target, args=(*args_for_rank(r, init_method), out)) for r in range(world)]
     for proc in procs:
         proc.start()
-    results: dict[int, dict[str, Any]] = {}
+    results: dict[int, Any] = {}
     try:
         for _ in procs:
-            rank, summary = out.get(timeout=timeout_s)
-            results[rank] = summary
+            rank, res = out.get(timeout=timeout_s)
+            results[rank] = res
     finally:
         for proc in procs:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
     return [results[r] for r in sorted(results)]
+
+
+def measure_fsdp_gloo(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, timeout_s: float = 600) -> list[dict[str, Any]]:
+    """Run one real FSDP2 step in ``p.dp`` CPU processes talking gloo on 127.0.0.1; every rank's summary.
+
+    The same step as `run_fsdp_step` with real tensors and real collectives: it checks that the
+    one-process fake-process-group measurement is what each rank of a real job holds."""
+    return spawn_ranks(_gloo_rank, lambda r, init_method: (r, m, t, p, init_method), p.dp, timeout_s)
