@@ -9,12 +9,16 @@ pd = pytest.importorskip("pandas")
 import trainmem_nb as tm  # noqa: E402
 from trainmem_nb import SpecError  # noqa: E402
 from trainmem_nb.breakdown import TOP_KEYS  # noqa: E402
+from trainmem_nb.presets import resolve_model  # noqa: E402
+from trainmem_nb.specs import ModelSpec  # noqa: E402
 
 
 @pytest.mark.parametrize("opts", [
     dict(precision="bf16-mixed", checkpointing="none", attention="sdpa", device="cuda"),
     dict(precision="fp32", checkpointing="full", attention="eager", dropout=0.1, device="cpu"),
     dict(precision="bf16-true", checkpointing="selective", method="lora", optimizer="sgd", device="cuda"),
+    # paged optimizer states live in unified memory: outside the allocated peak, inside the device total
+    dict(precision="bf16-mixed", checkpointing="full", optimizer="paged-adamw", device="cuda"),
 ])
 def test_every_row_equals_the_single_estimate(opts: dict) -> None:
     df = tm.sweep("tinyllama-1.1b", micro_batch=[1, 2, 5], seq_len=[1, 33, 512], **opts)
@@ -28,6 +32,26 @@ def test_every_row_equals_the_single_estimate(opts: dict) -> None:
         assert row.saved_activations_bytes == e.saved_activations_bytes
         for key in TOP_KEYS:
             assert getattr(row, f"{key}_bytes") == e.breakdown_bytes[key]
+
+
+def test_rows_across_a_sliding_window_and_grad_accum_equal_the_single_estimate() -> None:
+    """The sweep computes one program key per option set and batch-shape class (b == 1, s >= window):
+    every row still equals its own `estimate` with seq_len below, at and above the window, b = 1 and
+    b > 1, and one to three micro-batches."""
+    m = ModelSpec.model_validate({**resolve_model("mistral-7b").model_dump(), "sliding_window": 256})
+    opts = dict(precision="bf16-mixed", device="cuda")
+    df = tm.sweep(m, micro_batch=[1, 3], seq_len=[128, 256, 512], grad_accum=[1, 2, 3], **opts)
+    assert len(df) == 18
+    for row in df.itertuples(index=False):
+        e = tm.estimate(m, micro_batch=row.micro_batch, seq_len=row.seq_len, grad_accum=row.grad_accum, **opts)
+        where = (row.micro_batch, row.seq_len, row.grad_accum)
+        assert row.peak_allocated_bytes == e.peak_allocated_bytes, where
+        assert row.peak_reserved_bytes == e.peak_reserved_bytes, where
+        assert row.device_total_bytes == e.device_total_bytes, where
+        assert row.peak_phase == e.peak_phase, where
+        assert row.saved_activations_bytes == e.saved_activations_bytes, where
+        for key in TOP_KEYS:
+            assert getattr(row, f"{key}_bytes") == e.breakdown_bytes[key], (where, key)
 
 
 def test_columns_are_the_options_then_the_figures_and_lists_of_models_sweep() -> None:
