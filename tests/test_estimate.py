@@ -110,3 +110,16 @@ def test_cli_bad_input_prints_one_line_and_exits_2(args: list[str], message: str
 def test_presets_command_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["presets"]) == 0
     assert "llama-2-70b" in capsys.readouterr().out
+
+
+def test_estimate_sweep_and_default_calibration_share_one_compiled_program() -> None:
+    from trainmem_nb.device import CUBLAS_WORKSPACE_BYTES
+    from trainmem_nb.simulate import compile_step
+
+    compile_step.cache_clear()
+    tm.estimate("gpt2", micro_batch=2, seq_len=256)
+    tm.sweep("gpt2", micro_batch=[2, 3], seq_len=256)
+    tm.estimate("gpt2", micro_batch=2, seq_len=256, calibration={
+        "gpu_name": "same workspace", "cuda_context_bytes": 1 << 29, "reserved_churn_fraction": 0.1,
+        "workspace_bytes": CUBLAS_WORKSPACE_BYTES["default"]})
+    assert compile_step.cache_info().misses == 1

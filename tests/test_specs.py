@@ -89,10 +89,15 @@ def test_config_model_type_and_flags_of_the_wrong_type_are_named(extra: dict, me
         ModelSpec.from_hf_config(cfg)
 
 
-def test_a_bare_parameter_count_below_the_smallest_shape_names_the_minimum() -> None:
-    with pytest.raises(SpecError, match=r"params=1000000.0 must be between 8.27e\+06"):
+def test_a_bare_parameter_count_below_the_smallest_shape_names_the_minimum_which_works() -> None:
+    from trainmem_nb.hf_config import _smallest_shape_params
+
+    smallest = int(_smallest_shape_params())
+    with pytest.raises(SpecError, match=rf"must be between {smallest:,} \("):
         ModelSpec.from_params(1e6)
-    assert ModelSpec.from_params(8.3e6).n_layers == 1
+    assert ModelSpec.from_params(smallest).n_layers == 1  # the number the message names is accepted
+    with pytest.raises(SpecError):
+        ModelSpec.from_params(smallest - 1)
 
 
 def test_config_read_from_a_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]

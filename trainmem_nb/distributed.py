@@ -642,8 +642,9 @@ def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSp
         # CPUOffloadPolicy: parameter shards, gradient shards (in the parameters' dtype) and the
         # optimizer states of the shards, all on the CPU
         host += sum(n * c for n, c in hooks._grads(m))
-        host += sum(int(sz.c0) * c for sz, c in state_bytes(
-            m, t, lambda q: _row_shard(q, hooks.world) if _held(hooks, q, m) else None))
+        shard = lambda q: _row_shard(q, hooks.world) if _held(hooks, q, m) else None  # noqa: E731
+        # a paged optimizer stepping on the CPU: bitsandbytes allocates plain tensors there, no paging
+        host += sum(int(sz.c0) * c for sz, c in state_bytes(m, t, shard)) + paged_state_bytes(m, t, shard)
         return host
     assert isinstance(hooks, DeepSpeedHooks)
     shard = -(-sum(q.numel * q.count for q, _ in _trainable(hooks, m, t)) // p.shard_degree)
@@ -698,7 +699,7 @@ def _fsdp_pipeline_peak(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: F
     if t.grad_accum > 1:  # micro-batch 0: the unsharded gradients are created during its backward
         t1 = TrainingSpec.model_validate({**t.model_dump(), "grad_accum": 1})
         first = dataclasses.replace(hooks, accumulate=False, state={})
-        best = max(best, candidate(compile_step(m, program_key(t1), first, workspace), k - 1), key=lambda c: c[0])
+        best = max(best, candidate(compile_step(m, program_key(t1, m), first, workspace), k - 1), key=lambda c: c[0])
     full = evaluate(prog, b, seq)  # the reduce-scatter and the optimizer step: no activations in flight
     if full.peak > best[0]:
         return prog, full, dict(full.detail), Fraction(0)
@@ -720,7 +721,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
             {**rank_model.model_dump(), "n_layers": n_layers})
         hooks = _hooks(stage_model, t, p, backend, first=stage == 0, last=stage == p.pp - 1)
         workspace = calibration.workspace_bytes if calibration else None
-        prog = compile_step(stage_model, program_key(t), hooks, workspace)
+        prog = compile_step(stage_model, program_key(t, stage_model), hooks, workspace)
         in_flight = _in_flight(p, stage, t.grad_accum)
         if isinstance(hooks, FSDP2Hooks) and hooks.pipelined:
             prog, ev, detail, in_flight = _fsdp_pipeline_peak(stage_model, t, p, hooks, prog, stage, seq, workspace)
@@ -742,7 +743,9 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         for k, v in detail.items():
             tops[k.split("/")[0]] = tops.get(k.split("/")[0], 0) + v
         reserved, total = reserved_and_total(t, peak, tops.get("activations", 0) + tops.get("transient", 0), calibration)
-        if t.device is Device.CUDA:  # a paged optimizer's unified-memory states (`paged_state_bytes`)
+        # a paged optimizer's unified-memory states (`paged_state_bytes`): only where the optimizer is
+        # the training loop's (DDP, FSDP) and steps on the GPU; DeepSpeed and Megatron run their own
+        if t.device is Device.CUDA and isinstance(hooks, (FSDP2Hooks, DDPHooks)) and p.offload is Offload.NONE:
             degree = p.shard_degree if (p.zero or p.engine is Engine.FSDP) else 1
             total += paged_state_bytes(stage_model, t, lambda q, h=hooks, sm=stage_model, d=degree:
                                        _row_shard(q, d) if _held(h, q, sm) else None)

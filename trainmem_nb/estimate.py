@@ -91,7 +91,9 @@ class MemoryEstimate:
         return int(total)
 
     def timeline(self, max_points: int = 1500) -> list[Any]:
-        """Live bytes after each operation of the step (`trainmem_nb.simulate.TimelinePoint`s)."""
+        """Live bytes after each operation of the step (`trainmem_nb.simulate.TimelinePoint`s), of the
+        worst rank's program. Under pipeline parallelism that program runs one micro-batch: the other
+        micro-batches' activations a stage keeps are in the peak but not drawn."""
         from .simulate import timeline
 
         return timeline(self.program, self.training.micro_batch, self.training.seq_len, max_points)
@@ -247,6 +249,10 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
     if t.attention.value == "flash" and t.device.value == "cpu":
         raise SpecError("attention='flash' (flash-attention 2) runs only on CUDA; use attention='sdpa' with device='cpu'")
     if t.method.value != "full":
-        from .params import lora_modules
+        from .params import lora_modules, lora_moe_params
 
         lora_modules(m, t.lora_targets)  # raises when the targets match nothing
+        if t.lora_dropout and lora_moe_params(m, t.lora_targets):
+            raise SpecError(f"lora_dropout={t.lora_dropout:g} with lora_targets={t.lora_targets!r} on {m.family.value}: "
+                            "peft's ParamWrapper (the router's and experts' adapters) does not work with "
+                            "lora_dropout != 0; use lora_dropout=0 or lora_targets='qv'")

@@ -230,7 +230,7 @@ def shape_for_params(n_params: int | float, family: str | Family = "llama", name
         raise SpecError(f"params={n_params!r} is not a number") from None
     smallest = _smallest_shape_params()
     if not math.isfinite(target) or target < smallest or target > 1e13:
-        raise SpecError(f"params={n_params!r} must be between {smallest:.3g} (one layer of hidden 128 with a "
+        raise SpecError(f"params={n_params!r} must be between {int(smallest):,} (one layer of hidden 128 with a "
                         f"{_VOCAB:,}-token vocabulary) and 1e13 parameters")
     best: tuple[float, dict[str, Any]] | None = None
     for hidden in range(128, 32_768 + 1, 128):

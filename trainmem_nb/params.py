@@ -214,9 +214,12 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     chosen = tuple(mod for mod in linears if any(mod == n or mod.endswith("." + n) for n in names))
     if not chosen and not lora_moe_params(m, targets) and not lora_outer_modules(m, targets):
         moe = " (mixtral: also gate, w1+w3, w2)" if m.is_moe else ""
+        outer = [mod for mod, _ in lora_outer_modules(m, "all-linear")]
+        beside = f"; outside them: {', '.join(outer)}" if outer else ""
         raise SpecError(
             f"lora_targets={targets!r} matches no linear layer of {m.family.value}; "
-            f"its layers have: {', '.join(sorted({x.split('.')[-1] for x in linears}))}{moe} (or use 'qv', 'all-linear')"
+            f"its layers have: {', '.join(sorted({x.split('.')[-1] for x in linears}))}{moe}{beside} "
+            f"(or use 'qv', 'all-linear')"
         )
     return chosen
 

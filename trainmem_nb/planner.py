@@ -1261,8 +1261,10 @@ def _row_warnings(g: GPU, p: ParallelSpec, t: TrainingSpec, row: Mapping[str, An
     if row.get("step_time_s") is None:
         out.append(f"no dense {t.precision.value} TFLOPS for {g.name} in the catalog: time and cost unknown")
     elif row.get("price_on_demand_usd_per_gpu_hour") is None and prices_source != "none":
-        where = "your prices" if prices_source == "yours" else "the snapshot"
-        out.append(f"no price for {g.name} in {where}: pass prices= to cost it")
+        if prices_source == "yours":
+            out.append(f"no price for {g.name} in your prices: add a row for it to cost it")
+        else:
+            out.append(f"no price for {g.name} in the snapshot: pass prices= to cost it")
     if t.method is Method.QLORA and row.get("step_time_s") is not None:
         out.append("QLoRA's dequantization is not in the FLOP count: expect it slower than estimated")
     return out

@@ -134,12 +134,18 @@ class EngineHooks:
 _SINGLE = EngineHooks()
 
 
-@lru_cache(maxsize=1024)
 def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
                  workspace_bytes: int | None = None) -> Program:
     """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic);
     `hooks` adds a parallel engine's buffers and sharding (hashable: part of the cache key);
-    `workspace_bytes`, a calibration's cuBLAS workspaces (None: `CUBLAS_WORKSPACE_BYTES`)."""
+    `workspace_bytes`, a calibration's cuBLAS workspaces (None: `CUBLAS_WORKSPACE_BYTES`). Cached:
+    every spelling of the same arguments shares one entry."""
+    workspace = CUBLAS_WORKSPACE_BYTES["default"] if workspace_bytes is None else workspace_bytes
+    return _compile_step(m, t, hooks, workspace)
+
+
+@lru_cache(maxsize=1024)
+def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_bytes: int) -> Program:
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
     g = Graph()
@@ -344,8 +350,7 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
         init.append((CAT_INDEX["weights/buffers"], const(nbytes), count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
     if t.device is Device.CUDA:
-        workspace = CUBLAS_WORKSPACE_BYTES["default"] if workspace_bytes is None else workspace_bytes
-        init.append((CAT_INDEX["overhead/workspaces"], const(workspace), 1))
+        init.append((CAT_INDEX["overhead/workspaces"], const(workspace_bytes), 1))
     n_params = sum(p.numel * p.count for p, _, _ in weights)
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     return Program(tuple(init), tuple(segs), n_params, n_train)
@@ -534,6 +539,10 @@ def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[int]], si
             for (cat, _, _, _), d in zip(seg.events[: ei + 1], sizes[: ei + 1], strict=True):
                 cats[cat] += d
     return {DETAIL_KEYS[i]: int(v) for i, v in enumerate(cats) if v}
+
+
+compile_step.cache_clear = _compile_step.cache_clear  # type: ignore[attr-defined]
+compile_step.cache_info = _compile_step.cache_info  # type: ignore[attr-defined]
 
 
 def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:

@@ -18,9 +18,11 @@ from typing import Any
 
 from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .device import CUDA_BLOCK_BYTES
+from .estimate import check_model_options
+from .optimizers import paged_state_bytes
 from .presets import resolve_model
 from .simulate import Program, compile_step, program_key
-from .specs import ModelSpec, SpecError, TrainingSpec, build_training
+from .specs import Device, ModelSpec, SpecError, TrainingSpec, build_training
 
 __all__ = ["evaluate_many", "sweep"]
 
@@ -173,12 +175,15 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
                 _, members = groups.setdefault((m, keyed[cls]), (t_base, []))
                 members.append((len(rows) - 1, b, s))
     for (m, key), (t, members) in groups.items():
+        check_model_options(m, t.model_copy(update={"seq_len": min(s for _, _, s in members)}))
         prog = compile_step(m, key)
         res = evaluate_many(prog, [b for _, b, _ in members], [s for _, _, s in members])
+        paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0  # as `simulate` adds them
         for j, (r, _, _) in enumerate(members):
             peak = int(res["peak"][j])
             tops = {f"{k}_bytes": int(res["breakdown"][i][j]) for i, k in enumerate(TOP_KEYS)}
             reserved, total = reserved_and_total(t, peak, tops["activations_bytes"] + tops["transient_bytes"], None)
+            total += paged
             rows[r].update(peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
                            peak_phase=str(res["phase"][j]), **tops,
                            saved_activations_bytes=int(res["saved_activations"][j]),

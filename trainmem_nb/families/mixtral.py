@@ -23,7 +23,6 @@ from __future__ import annotations
 from .. import ops
 from ..activations import tok
 from ..ops import F32, I64
-from ..specs import SpecError
 from ..tape import Graph, T, const
 from .mistral import MistralRecipe
 
@@ -39,10 +38,6 @@ class MixtralRecipe(MistralRecipe):
         """MixtralSparseMoeBlock.forward: ``hidden_states.view(-1, h)`` (a view), the router, the
         experts, ``reshape`` back (a view). ``_`` (the router logits) and ``top_k_weights`` are its
         locals until it returns; ``top_k_index`` is saved by ``topk``."""
-        t = self.t
-        if t.lora_dropout and any(f"mlp.{n}.lora_A.weight" in p for n in ("gate", "experts.gate_up_proj", "experts.down_proj")):
-            raise SpecError(f"lora_dropout={t.lora_dropout:g} with lora_targets={t.lora_targets!r} on mixtral: peft's "
-                            "ParamWrapper (the router's and experts' adapters) does not work with lora_dropout != 0; use 0")
         logits, weights, index = self.router(g, x, p)
         out = self.experts(g, x, index, weights, p)
         g.drop(logits, weights, index)
