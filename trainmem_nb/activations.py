@@ -8,6 +8,7 @@ name; a tensor an op saves lives until that op's backward). Run on symbolic tens
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from . import ops
@@ -95,14 +96,14 @@ def causal_lm_loss(g: Graph, logits: T, vocab: int, batch1: bool = False) -> T:
     shift = g.view(pad, "shift_labels", n=tok(1)) if batch1 else g.alloc(tok(1), I64, "shift_labels")
     ls = g.alloc(lf.n, F32, "log_softmax")
 
-    def ls_bwd(g: Graph, go: list[T | None]) -> list[T | None]:
+    def ls_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         return [g.alloc(lf.n, F32, "log_softmax backward")]
 
     g.record("log_softmax", [lf], [ls], [ls], ls_bwd)
     loss = g.alloc(const(1), F32, "loss")
     total_weight = g.alloc(const(1), F32, "nll total_weight")
 
-    def nll_bwd(g: Graph, go: list[T | None]) -> list[T | None]:
+    def nll_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         return [g.alloc(lf.n, F32, "nll_loss backward"), None]
 
     g.record("nll_loss", [ls, shift], [loss, total_weight], [shift, total_weight], nll_bwd)

@@ -642,9 +642,9 @@ def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSp
         # CPUOffloadPolicy: parameter shards, gradient shards (in the parameters' dtype) and the
         # optimizer states of the shards, all on the CPU
         host += sum(n * c for n, c in hooks._grads(m))
-        shard = lambda q: _row_shard(q, hooks.world) if _held(hooks, q, m) else None  # noqa: E731
+        shard_of = lambda q: _row_shard(q, hooks.world) if _held(hooks, q, m) else None  # noqa: E731
         # a paged optimizer stepping on the CPU: bitsandbytes allocates plain tensors there, no paging
-        host += sum(int(sz.c0) * c for sz, c in state_bytes(m, t, shard)) + paged_state_bytes(m, t, shard)
+        host += sum(int(sz.c0) * c for sz, c in state_bytes(m, t, shard_of)) + paged_state_bytes(m, t, shard_of)
         return host
     assert isinstance(hooks, DeepSpeedHooks)
     shard = -(-sum(q.numel * q.count for q, _ in _trainable(hooks, m, t)) // p.shard_degree)
@@ -747,8 +747,12 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         # the training loop's (DDP, FSDP) and steps on the GPU; DeepSpeed and Megatron run their own
         if t.device is Device.CUDA and isinstance(hooks, (FSDP2Hooks, DDPHooks)) and p.offload is Offload.NONE:
             degree = p.shard_degree if (p.zero or p.engine is Engine.FSDP) else 1
-            total += paged_state_bytes(stage_model, t, lambda q, h=hooks, sm=stage_model, d=degree:
-                                       _row_shard(q, d) if _held(h, q, sm) else None)
+
+            def stage_shard(q: ParamTensor, h: EngineHooks = hooks, sm: ModelSpec = stage_model,
+                            d: int = degree) -> ParamTensor | None:
+                return _row_shard(q, d) if _held(h, q, sm) else None
+
+            total += paged_state_bytes(stage_model, t, stage_shard)
         per_stage = p.gpus // p.pp
         first, last = stage * per_stage, (stage + 1) * per_stage - 1
         label = f"stage {stage} (ranks {first}-{last})" if p.pp > 1 else f"every rank (0-{p.gpus - 1})"

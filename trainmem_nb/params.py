@@ -24,7 +24,8 @@ class ParamTensor(NamedTuple):
 
     name: str  #: Hugging Face name without the layer index, e.g. ``layers.self_attn.q_proj.weight``
     shape: tuple[int, ...]
-    count: int  #: how many tensors of this shape (n_layers for per-layer tensors)
+    #: how many tensors of this shape (n_layers for per-layer tensors)
+    count: int  # type: ignore[assignment]  # a public field that shadows tuple.count on purpose
     matmul: bool  #: used as a matmul weight (autocast makes a 16-bit copy of it)
     in_layer: bool  #: inside a repeated transformer layer
 
@@ -361,10 +362,11 @@ def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int
     ``lora_dtype='base'``."""
     full = t.method is Method.FULL
     if t.method is Method.QLORA:
-        out = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else t.param_bytes, False)
-               for p in param_inventory(m)]
-        out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
-        return out  # type: ignore[return-value]
+        qout = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else t.param_bytes, False)
+                for p in param_inventory(m)]
+        qout += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
+        # NF4 weights' bytes per element are fractional: the tape's `dt` is typed int (a float works at run time)
+        return qout  # type: ignore[return-value]
     out = [(p, t.param_bytes, full) for p in param_inventory(m)]
     if not full:
         out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]

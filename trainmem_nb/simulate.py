@@ -10,6 +10,7 @@ into bytes for one (micro_batch, seq_len) in well under a millisecond.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -265,8 +266,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
                 if unit is not None:
                     hooks.unit_backward_end(g, unit, [p.final_grad for p in unit_params[unit] if p.final_grad])
                 g.mark(name)
-                if mid is not None and name == f"L{mid}_bwd_end" and layer_inputs[mid].grad is not None:
-                    layer_inputs[mid].grad.chain = True  # the gradient handed to the layer below
+                if mid is not None and name == f"L{mid}_bwd_end" and (below := layer_inputs[mid].grad) is not None:
+                    below.chain = True  # the gradient handed to the layer below
                 nxt = unit_order[name]
                 if nxt is not None:
                     hooks.unit_backward_begin(g, nxt)
@@ -346,8 +347,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
                     init.append((CAT_INDEX["gradients"], const(p.numel * dt), p.count))
     else:
         init += [(CAT_INDEX[cat], sz, count) for cat, sz, count in engine_init]
-    for _name, nbytes, count in buffer_inventory(m):
-        init.append((CAT_INDEX["weights/buffers"], const(nbytes), count))
+    for _name, buf_bytes, count in buffer_inventory(m):
+        init.append((CAT_INDEX["weights/buffers"], const(buf_bytes), count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
     if t.device is Device.CUDA:
         init.append((CAT_INDEX["overhead/workspaces"], const(workspace_bytes), 1))
@@ -361,7 +362,7 @@ def _send_to_next_stage(g: Graph, out: T) -> T:
     stage sends back (one tensor of the output's size), not from a loss."""
     sent = g.alloc(const(0), 4, "stage output sent")  # a marker: the output itself is what goes
 
-    def backward(g: Graph, grads: list[T | None]) -> list[T | None]:
+    def backward(g: Graph, grads: Sequence[T | None]) -> list[T | None]:
         return [g.alloc(out.n, out.dt, "gradient from the next stage")]
 
     g.record("send to next stage", [out], [sent], [], backward)
@@ -468,7 +469,7 @@ def _terms(sz: Sz) -> tuple[int, float]:
 _TERMS: dict[Sz, tuple[int, float]] = {}
 
 
-def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> list[int]:
+def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> list[float]:
     """Signed, 512-B-rounded bytes of each event at (b, s)."""
     vals = [-(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for i, c in seg.sizes_of]
     out = [k * vals[u] for u, k in seg.which]
@@ -482,10 +483,10 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     b, s = micro_batch, seq_len
     mono = (1, b, s, b * s, s * s, b * s * s)
     init = _init_bytes(prog, b, s)
-    total = sum(init)
+    total: float = sum(init)
     best, best_where = total, (-1, 0, 0)  # (segment index, event index, repetitions before)
-    phase_peaks: dict[str, int] = {}
-    all_sizes: list[list[int]] = []
+    phase_peaks: dict[str, float] = {}
+    all_sizes: list[list[float]] = []
     for si, seg in enumerate(prog.segments):
         n = seg.repeat
         sizes = _sizes(seg, b, s, mono) if n > 0 and seg.events else []
@@ -521,10 +522,10 @@ def _init_bytes(prog: Program, b: int, s: int) -> list[int]:
     return cats
 
 
-def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[int]], si: int, ei: int,
+def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[float]], si: int, ei: int,
                   reps: int, mono: tuple[int, ...]) -> dict[str, int]:
     """Bytes per detailed category just after event `ei` of segment `si` (repeated `reps` times before)."""
-    cats = list(init)
+    cats: list[float] = list(init)
     for j, seg in enumerate(prog.segments):
         if si < 0 or j > si:
             break
@@ -671,7 +672,7 @@ def activations_at_forward_end(prog: Program, micro_batch: int, seq_len: int) ->
     b, s = micro_batch, seq_len
     mono = (1, b, s, b * s, s * s, b * s * s)
     acts = {i for i, k in enumerate(DETAIL_KEYS) if k.startswith("activations/")}
-    total = sum(_round(sz.at(b, s)) * count for cat, sz, count in prog.init if cat in acts)
+    total: float = sum(_round(sz.at(b, s)) * count for cat, sz, count in prog.init if cat in acts)
     for seg in prog.segments:
         if seg.phase != "forward":
             break

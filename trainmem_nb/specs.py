@@ -215,7 +215,7 @@ class SpecModel(BaseModel):
             raise SpecError(format_validation_error(exc)) from None
 
     @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def model_validate(cls, obj: Any, **kwargs: Any) -> Any:
         """`BaseModel.model_validate`, raising `SpecError`."""
         from pydantic import ValidationError
 

@@ -31,15 +31,16 @@ class Sz(NamedTuple):
     b_: float = 0
     ss: float = 0
 
-    def __mul__(self, k: object) -> Sz:  # type: ignore[override]
+    def __mul__(self, k: object) -> Sz:
         if not isinstance(k, (int, float)):
             return NotImplemented
         c0, s_, bs, bss, b_, ss = self
         return _new_sz(Sz, (c0 * k, s_ * k, bs * k, bss * k, b_ * k, ss * k))  # hot in compiling: skip __new__'s defaults
 
-    __rmul__ = __mul__
+    def __rmul__(self, k: object) -> Sz:
+        return self.__mul__(k)  # replaced by __mul__ itself below: no extra call at run time
 
-    def __add__(self, o: object) -> Sz:  # type: ignore[override]
+    def __add__(self, o: object) -> Sz:
         if not isinstance(o, Sz):
             return NotImplemented
         return Sz(self.c0 + o.c0, self.s_ + o.s_, self.bs + o.bs, self.bss + o.bss, self.b_ + o.b_, self.ss + o.ss)
@@ -53,6 +54,9 @@ class Sz(NamedTuple):
         return self.c0 + self.b_ * b + self.s_ * s + self.bs * b * s + self.ss * s * s + self.bss * b * s * s
 
 
+# `__rmul__ = __mul__` in the class body is what we mean, but mypy accepts only fields and methods in a
+# NamedTuple body (the assignment there made it see a 7th field "__rmul__"), so bind it here instead.
+Sz.__rmul__ = Sz.__mul__  # type: ignore[method-assign]
 _new_sz = tuple.__new__
 
 

@@ -7,6 +7,8 @@ math fallback when attention dropout is on) and a gated MLP. Mirrors modeling_ll
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .. import ops
 from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, tok
 from ..ops import BOOL, F32, I64
@@ -143,8 +145,8 @@ class LlamaRecipe(Recipe):
         out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"), g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")),
                                  "attention")
 
-        def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
-            grads = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+        def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+            grads: list[T | None] = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
                      g.alloc(vc.n, vc.dt, "sdpa grad v")]
             if ctx.cuda:
                 g.drop(*flash_backward_scratch(g, m, qc.dt))

@@ -20,6 +20,8 @@ the config has a window).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .. import ops
 from ..activations import Shared, causal_mask, tok
 from ..ops import BOOL, F32, I64
@@ -163,8 +165,8 @@ class MistralRecipe(LlamaRecipe):
         out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"),
                                           g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")), "attention")
 
-        def bwd(g: Graph, go: list[T | None]) -> list[T | None]:
-            grads = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+        def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+            grads: list[T | None] = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
                      g.alloc(vc.n, vc.dt, "sdpa grad v")]
             if ctx.cuda:
                 g.drop(*mem_efficient_backward_scratch(g, m))
@@ -262,6 +264,7 @@ def math_attention(rec: LlamaRecipe, g: Graph, q: T, k: T, v: T, masked: bool = 
     k2 = ops.clone(g, kt, "key^T contiguous") if copy_qk and copy_kv else g.hold(kt)
     scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
     g.drop(q2, k2, kt)
+    assert mask is not None  # the window's mask (masked) or the causal one built above
     sm = ops.add(g, scores, mask, "+ mask")
     g.drop(scores)
     probs = ops.softmax(g, sm, None, "_safe_softmax")

@@ -127,11 +127,11 @@ def _follow_resizes(tracker: ResizeAwareTracker) -> Iterator[None]:
         if before:
             tracker.resized(tensor, 0)
 
-    _fsdp_param.alloc_storage, _fsdp_param.free_storage = tracked_alloc, tracked_free  # type: ignore[assignment]
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = tracked_alloc, tracked_free
     try:
         yield
     finally:
-        _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free  # type: ignore[assignment]
+        _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc, free
         for (module, name), fn in saved.items():
             setattr(module, name, fn)
 
