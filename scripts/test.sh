@@ -17,6 +17,8 @@ bash scripts/setup_env.sh notebook,app,test,browser,measure,dev
 . .venv/bin/activate
 echo "[test] ruff"
 ruff check trainmem_nb tests benchmarks scripts
+echo "[test] mypy"
+mypy trainmem_nb
 echo "[test] unit, property and measurement tests"
 timeout 3600 python -m pytest tests -q -p no:cacheprovider
 echo "[test] notebooks: every code cell executed, in order, clean"
