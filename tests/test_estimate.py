@@ -123,3 +123,15 @@ def test_estimate_sweep_and_default_calibration_share_one_compiled_program() -> 
         "gpu_name": "same workspace", "cuda_context_bytes": 1 << 29, "reserved_churn_fraction": 0.1,
         "workspace_bytes": CUBLAS_WORKSPACE_BYTES["default"]})
     assert compile_step.cache_info().misses == 1
+
+
+def test_fp16_mixed_keeps_grad_scaler_state_and_the_scaled_loss() -> None:
+    kw = dict(micro_batch=1, seq_len=128, device="cuda")
+    fp16 = tm.estimate("gpt2", precision="fp16-mixed", **kw)
+    bf16 = tm.estimate("gpt2", precision="bf16-mixed", **kw)
+    # _scale and _growth_tracker: two 0-dim tensors, one 512-B block each
+    assert fp16.detail_bytes["optimizer_states"] - bf16.detail_bytes["optimizer_states"] == 2 * 512
+    labels = " ".join(p.label for p in fp16.timeline(max_points=100_000))
+    assert "GradScaler.scale(loss)" in labels and "GradScaler.unscale_: inv_scale" in labels
+    deepspeed = tm.estimate("gpt2", precision="fp16-mixed", gpus=2, zero=2, **kw)  # its own loss scaler
+    assert "GradScaler" not in " ".join(p.label for p in deepspeed.timeline(max_points=100_000))

@@ -438,6 +438,7 @@ class DeepSpeedHooks(EngineHooks):
     autocast: bool = False
     first_stage: bool = True
     last_stage: bool = True
+    grad_scaler: bool = False  # fp16: DeepSpeed's own loss scaler (runtime/fp16/loss_scaler.py)
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
@@ -517,6 +518,7 @@ class MegatronHooks(EngineHooks):
     local_grads_accumulate: bool = False
     first_stage: bool = True
     last_stage: bool = True
+    grad_scaler: bool = False  # fp16: Megatron's own loss scaler (megatron/core/optimizer/grad_scaler.py)
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         return self.model_dt

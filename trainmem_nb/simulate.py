@@ -113,6 +113,9 @@ class EngineHooks:
     #: pipeline parallelism: does this rank run the embeddings (first stage) / the head and loss (last)
     first_stage: bool = True
     last_stage: bool = True
+    #: fp16-mixed: does the training loop scale the loss with torch's ``GradScaler`` (DeepSpeed and
+    #: Megatron bring their own loss scalers)
+    grad_scaler: bool = True
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         """Bytes per element of the weights the layers compute with."""
@@ -280,8 +283,17 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
         from .specs import SpecError
 
         raise SpecError("nothing is trained: no parameter requires a gradient (check method and lora_targets)")
+    scaler = t.precision is Precision.FP16_MIXED and hooks.grad_scaler
+    if scaler:
+        # GradScaler's state: ``_scale`` (fp32) and ``_growth_tracker`` (int32), 0-dim tensors kept
+        # between steps (torch/amp/grad_scaler.py); ``scaler.scale(loss)`` is ``loss * _scale``, a new
+        # 0-dim tensor the loop keeps until the step ends, whose backward makes the loss's gradient
+        scale = g.external(const(1), 4, "GradScaler _scale")
+        g.external(const(1), 4, "GradScaler _growth_tracker")
     g.mark("bwd_start")
     hooks.unit_backward_begin(g, "root")
+    if scaler:
+        loss = ops.mul(g, loss, scale, "GradScaler.scale(loss)")
     g.backward(loss, seed_dt=4, on_node=on_node, on_checkpoint=on_checkpoint)
     for _first, name in starts:
         if name not in g.marks:
@@ -294,6 +306,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     opt_events = hooks.optimizer(m, t)
     if opt_events is None:
         opt_events = optimizer_program(m, t)
+    if scaler:
+        opt_events = _grad_scaler_steps(opt_events)
     g.mark("opt_end")
 
     # -- segments ---------------------------------------------------------------------------
@@ -350,11 +364,30 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     for _name, buf_bytes, count in buffer_inventory(m):
         init.append((CAT_INDEX["weights/buffers"], const(buf_bytes), count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
+    if scaler:
+        init.append((CAT_INDEX["optimizer_states"], const(4), 2))  # GradScaler's _scale and _growth_tracker
     if t.device is Device.CUDA:
         init.append((CAT_INDEX["overhead/workspaces"], const(workspace_bytes), 1))
     n_params = sum(p.numel * p.count for p, _, _ in weights)
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     return Program(tuple(init), tuple(segs), n_params, n_train)
+
+
+def _grad_scaler_steps(opt: list[Segment]) -> list[Segment]:
+    """GradScaler around the optimizer step (torch/amp/grad_scaler.py), as measured: ``unscale_``
+    makes ``inv_scale = _scale.double().reciprocal().float()`` and ``found_inf = torch.full((), 0.)``,
+    replicates both to the gradients' device (``_MultiDeviceReplicator``) and keeps only ``inv_scale``
+    in the optimizer's state until ``update()`` resets it, after ``step`` and before ``zero_grad``."""
+    temp = CAT_INDEX["transient/optimizer"]
+    f64, f32 = const(8), const(4)
+    unscale = _segment("optimizer", "GradScaler.unscale_", 1, (
+        (temp, 1, f64, "_scale.double()"), (temp, 1, f64, "reciprocal"), (temp, -1, f64, "_scale.double() freed"),
+        (temp, 1, f32, "inv_scale"), (temp, -1, f64, "reciprocal freed"), (temp, 1, f32, "found_inf"),
+        (temp, 2, f32, "per-device copies"), (temp, -2, f32, "per-device copies freed"),
+        (temp, -1, f32, "found_inf freed")))
+    update = _segment("optimizer", "GradScaler.update", 1, ((temp, -1, f32, "inv_scale freed"),))
+    zero = next((i for i, seg in enumerate(opt) if seg.phase == "zero"), len(opt))
+    return [unscale, *opt[:zero], update, *opt[zero:]]
 
 
 def _send_to_next_stage(g: Graph, out: T) -> T:
