@@ -623,3 +623,15 @@ def test_module_examples_run() -> None:
 def test_plan_refuses_a_sequence_beyond_the_models_positions_instead_of_fitting_nothing() -> None:
     with pytest.raises(tm.SpecError, match=r"seq_len=2048 exceeds gpt2's max_positions=1024"):
         tm.plan("gpt2", seq_len=2048, gpus=["H100"], prices=False)
+
+
+def test_fit_says_when_paged_optimizer_states_could_spill_to_host_ram() -> None:
+    est = tm.estimate("llama-3.2-1b", optimizer="paged-adamw", precision="bf16-true", micro_batch=1, seq_len=512)
+    paged = est.overhead_bytes["paged_optimizer_states"]
+    from trainmem_nb.gpus import load_gpus
+
+    (gpu,) = load_gpus([{"name": "test card", "memory_bytes": int((planner.needed_bytes(est) - paged / 2) / 0.9)}])
+    f = tm.fit(est, gpu)
+    assert f.verdict != "fits" and any("pages them to host RAM" in n for n in f.notes)
+    roomy = tm.fit(est, "H100")
+    assert not any("paged" in n for n in roomy.notes)

@@ -167,7 +167,7 @@ def _verdict(needed: int, usable: int, headroom: float) -> tuple[Literal["fits",
     return ("tight" if needed <= usable else "oom"), margin
 
 
-def _fit_notes(est: MemoryEstimate, g: GPU) -> tuple[str, ...]:
+def _fit_notes(est: MemoryEstimate, g: GPU, headroom: float = DEFAULT_HEADROOM) -> tuple[str, ...]:
     t = est.training
     notes = []
     if t.precision.value.startswith("bf16") and not g.supports_bf16:
@@ -180,6 +180,10 @@ def _fit_notes(est: MemoryEstimate, g: GPU) -> tuple[str, ...]:
         notes.append(f"the estimate models PyTorch's CUDA allocator; on {g.vendor} treat the fit as approximate")
     if g.memory_bytes_source.startswith("derived"):
         notes.append(f"{g.name}'s usable memory is derived from its marketed size ({g.memory_bytes_source})")
+    paged = int(est.overhead_bytes.get("paged_optimizer_states", 0))
+    if paged and needed_bytes(est) > g.memory_bytes * (1.0 - headroom) >= needed_bytes(est) - paged:
+        notes.append(f"{format_bytes(paged)} of it are paged optimizer states (CUDA unified memory): short of "
+                     f"room, the driver pages them to host RAM and the step still runs, slower")
     return tuple(notes)
 
 
@@ -206,7 +210,7 @@ def fit(estimate: MemoryEstimate, gpu: str | GPU, headroom: float = DEFAULT_HEAD
     else:
         over = f"{-margin:.0%} over" if -margin < 1 else f"{need / usable:.1f}x the card"
         message = f"OOM on {g.name}: needs {format_bytes(need)} of {format_bytes(usable)} ({over})"
-    return Fit(verdict, g.name, need, usable, headroom, margin, message, _fit_notes(estimate, g))
+    return Fit(verdict, g.name, need, usable, headroom, margin, message, _fit_notes(estimate, g, headroom))
 
 
 def _precision_for(precision: str, g: GPU) -> str:
