@@ -5,10 +5,14 @@ its stage's layers (embeddings on the first stage, final norm, head and loss on 
 stage with ``fully_shard`` the way torchtitan does under PP (every layer and the stage root,
 ``reshard_after_forward=False``, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), wraps
 it in ``torch.distributed.pipelining.PipelineStage`` and trains with ``Schedule1F1B`` (or GPipe) over
-``grad_accum`` micro-batches, then steps AdamW. One untracked step warms up (pipelining's metadata
-inference, FSDP's lazy init, the optimizer states at lr 0); the next whole step - every micro-batch,
-the deferred reduce-scatter, optimizer step and zero_grad - runs under `ResizeAwareTracker`, which
-also follows FSDP's storage resizes. The per-rank peak (512-byte rounded, as the estimator counts) is
+``grad_accum`` micro-batches, then steps AdamW. ``schedule.step`` keeps torch's default
+``return_outputs=True``, as torchtitan's train.py does (``--no-return-outputs`` passes False): the
+last stage keeps every micro-batch's logits and merges them. One untracked step warms up (pipelining's
+metadata inference and receive buffers, FSDP's lazy init, the optimizer states at lr 0); the next whole
+step - every micro-batch, the deferred reduce-scatter, the output merge, optimizer step and zero_grad -
+runs under `ResizeAwareTracker`, which also follows FSDP's storage resizes. What the warm-up step left
+is adopted: the receive buffers (kept for good), their ``.grad`` and the last stage's
+``output_chunks`` (both cleared by the next ``step``'s ``clear_runtime_states``). The per-rank peak (512-byte rounded, as the estimator counts) is
 compared with ``tm.estimate(..., engine="fsdp", zero=3, gpus=pp*dp, pp=pp, device="cpu")``.
 
     .venv/bin/python scripts/measure_fsdp_pp.py            # prints a table; --json for machine output
@@ -105,11 +109,12 @@ def _rank(rank: int, a: dict[str, Any], init_method: str, out: Any) -> None:
         assert opt is not None
 
         def step(track: ResizeAwareTracker | None) -> None:
-            kw: dict[str, Any] = {"return_outputs": False}
+            kw: dict[str, Any] = {} if a.get("return_outputs", True) else {"return_outputs": False}
             if last:
                 kw.update(target=ids, losses=[])
             if track is not None:
                 track.mark("forward")  # the schedule interleaves forward and backward micro-batches
+            # torchtitan drops what step returns (the last stage's merged outputs)
             if first:
                 sched.step(ids, **kw)
             else:
@@ -135,6 +140,12 @@ def _rank(rank: int, a: dict[str, Any], init_method: str, out: Any) -> None:
         recv = [i.buffer for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
                 for i in infos if getattr(i, "buffer", None) is not None]
         tracker.adopt(recv, "overhead/communication")
+        # left by the warm-up step until the measured step's clear_runtime_states: the stage inputs'
+        # gradients (stage_backward accumulates into the receive buffers, leaves) and the kept outputs
+        tracker.adopt([i.buffer.grad for infos in stage.args_recv_info.values() for i in infos
+                       if getattr(i, "buffer", None) is not None and i.buffer.grad is not None],
+                      "overhead/communication")
+        tracker.adopt([o for o in stage.output_chunks if isinstance(o, torch.Tensor)], "activations/head")
         tracker.adopt([ids], "activations/inputs")
         with tracker, _follow_resizes(tracker):
             step(tracker)
@@ -171,6 +182,7 @@ def measure(a: dict[str, Any], timeout_s: float = 600) -> list[dict[str, Any]]:
 
 def estimate(a: dict[str, Any]) -> Any:
     import trainmem_nb as tm
+    from trainmem_nb import distributed
     from trainmem_nb.parallelism import ParallelSpec
     from trainmem_nb.specs import ModelSpec, TrainingSpec
 
@@ -178,7 +190,11 @@ def estimate(a: dict[str, Any]) -> Any:
     t = TrainingSpec.model_validate({"micro_batch": a["micro_batch"], "seq_len": a["seq_len"], "device": "cpu",
                                      "precision": "bf16-mixed", "optimizer": "adamw", "grad_accum": a["grad_accum"]})
     p = ParallelSpec(gpus=a["pp"] * a["dp"], engine="fsdp", zero=3, pp=a["pp"], pp_schedule=a["schedule"])
-    return tm.estimate(m, t, parallel=p)
+    keep, distributed.PP_RETURN_OUTPUTS = distributed.PP_RETURN_OUTPUTS, a.get("return_outputs", True)
+    try:
+        return tm.estimate(m, t, parallel=p)
+    finally:
+        distributed.PP_RETURN_OUTPUTS = keep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,9 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     ap.add_argument("--reshard", action="store_true", help="reshard_after_forward=True (torchtitan: False under PP)")
+    ap.add_argument("--no-return-outputs", action="store_true",
+                    help="schedule.step(return_outputs=False) (default: torch's True, which torchtitan keeps)")
+    ap.add_argument("--hidden", type=int, default=MODEL["hidden"], help="hidden size (heads of 64, ffn 3x hidden)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    a = dict(model=MODEL, pp=args.pp, dp=args.dp, grad_accum=args.grad_accum, micro_batch=args.micro_batch,
+    model = dict(MODEL, hidden=args.hidden, n_heads=args.hidden // 64, n_kv_heads=args.hidden // 128,
+                 ffn=3 * args.hidden)
+    a = dict(model=model, return_outputs=not args.no_return_outputs, pp=args.pp, dp=args.dp, grad_accum=args.grad_accum, micro_batch=args.micro_batch,
              seq_len=args.seq_len, schedule=args.schedule, reshard=args.reshard)
     ranks = measure(a)
     est = estimate(a)
