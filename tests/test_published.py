@@ -315,6 +315,12 @@ def _llama31_8b_positions(n: int) -> tm.ModelSpec:
     return tm.ModelSpec.model_validate({**m.model_dump(), "max_positions": n})
 
 
+def _llama31_405b_positions(n: int) -> tm.ModelSpec:
+    """Llama 3.1 405B with max_positions `n` (as `_llama31_8b_positions`: torchtitan's max_seq_len = seq_len)."""
+    m = tm.get_model("llama-3.1-405b")
+    return tm.ModelSpec.model_validate({**m.model_dump(), "max_positions": n})
+
+
 # Pipeline parallel with FSDP in torchtitan: apply_fsdp sets reshard_after_forward=False when PP is on ("For
 # PP, do not reshard after forward to avoid per-microbatch all-gathers"), and torch.distributed.pipelining
 # (stage.py backward_maybe_with_nosync) runs the micro-batches' backward with set_reshard_after_backward(False)
@@ -363,6 +369,34 @@ TITAN_PARALLEL = [
         # 1F1B: one stage per rank, 8 micro-batches (the default: pp * stages per rank) of 32 / 8 = 4 samples
         config=dict(model="llama-3.1-405b", micro_batch=4, grad_accum=8, seq_len=8192, gpus=512, nodes=64, tp=8,
                     sp=True, pp=8, pp_schedule="1f1b", **_TITAN_FULL),
+        tolerance=TOL_RESERVED, why_tolerance=_TITAN_COMPILED,
+    ),
+    # Table 6 (4D): the Table 5 layout with CP carved out of the FSDP ranks (FSDP x CP = 8 in every row, so FSDP2
+    # shards over the same 8 dp_shard_cp ranks) and the sequence grown with CP, 32,768 tokens per rank in every
+    # row. 1F1B: one stage per rank, n_microbatches defaults to pp = 8 (build_pipeline_schedule), so local batch
+    # 8 = 8 micro-batches of 1 sample. Recipe of the period: train_configs/llama3_405b.toml @37c4b81 (compile,
+    # AsyncTP, Float8 with enable_fsdp_float8_all_gather; batch, seq_len, CP and PP set per row). Our estimate
+    # is the same 82.57 GiB (stage 0) in all four rows; FSDP 4 x CP 2 and FSDP 2 x CP 4 read +8.8 % and +7.1 %.
+    Published(
+        id="torchtitan-llama3.1-405b-fsdp8-tp8-pp8-cp1-1f1b",
+        source=_TITAN_PAR + " (Table 6) + train_configs/llama3_405b.toml @37c4b81 + torchtitan/parallelisms/"
+               "pipelining_utils.py (n_microbatches defaults to the number of stages)",
+        quote="Table 6 4D parallelism (FSDP + TP + PP + CP) + torch.compile + Float8 + AsyncTP + 1F1B. Llama 3.1 "
+              "405B model. 512 GPUs (TP 8, PP8). Local batch size 8. Full activation checkpointing. "
+              "| FSDP 8, CP 1 | 32768 | 76 | 75.3 |",
+        kind=RESERVED, value_bytes=75.3 * GiB,
+        config=dict(model="llama-3.1-405b", micro_batch=1, grad_accum=8, seq_len=32768, gpus=512, nodes=64, tp=8,
+                    sp=True, pp=8, pp_schedule="1f1b", cp=1, **_TITAN_FULL),
+        tolerance=TOL_RESERVED, why_tolerance=_TITAN_COMPILED,
+    ),
+    Published(
+        id="torchtitan-llama3.1-405b-tp8-pp8-cp8-1f1b",
+        source=_TITAN_PAR + " (Table 6) + train_configs/llama3_405b.toml @37c4b81 + torchtitan/parallelisms/"
+               "pipelining_utils.py (n_microbatches defaults to the number of stages)",
+        quote="Table 6 ... | FSDP 1, CP 8 | 262144 | 16 | 84.9 |",
+        kind=RESERVED, value_bytes=84.9 * GiB,
+        config=dict(model=_llama31_405b_positions(262144), micro_batch=1, grad_accum=8, seq_len=262144, gpus=512,
+                    nodes=64, tp=8, sp=True, pp=8, pp_schedule="1f1b", cp=8, **_TITAN_FULL),
         tolerance=TOL_RESERVED, why_tolerance=_TITAN_COMPILED,
     ),
 ]
