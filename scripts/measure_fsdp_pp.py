@@ -182,19 +182,15 @@ def measure(a: dict[str, Any], timeout_s: float = 600) -> list[dict[str, Any]]:
 
 def estimate(a: dict[str, Any]) -> Any:
     import trainmem_nb as tm
-    from trainmem_nb import distributed
     from trainmem_nb.parallelism import ParallelSpec
     from trainmem_nb.specs import ModelSpec, TrainingSpec
 
     m = ModelSpec.model_validate(a["model"])
     t = TrainingSpec.model_validate({"micro_batch": a["micro_batch"], "seq_len": a["seq_len"], "device": "cpu",
                                      "precision": "bf16-mixed", "optimizer": "adamw", "grad_accum": a["grad_accum"]})
-    p = ParallelSpec(gpus=a["pp"] * a["dp"], engine="fsdp", zero=3, pp=a["pp"], pp_schedule=a["schedule"])
-    keep, distributed.PP_RETURN_OUTPUTS = distributed.PP_RETURN_OUTPUTS, a.get("return_outputs", True)
-    try:
-        return tm.estimate(m, t, parallel=p)
-    finally:
-        distributed.PP_RETURN_OUTPUTS = keep
+    p = ParallelSpec(gpus=a["pp"] * a["dp"], engine="fsdp", zero=3, pp=a["pp"], pp_schedule=a["schedule"],
+                     pp_return_outputs=a.get("return_outputs", True))
+    return tm.estimate(m, t, parallel=p)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -135,3 +135,18 @@ def test_fp16_mixed_keeps_grad_scaler_state_and_the_scaled_loss() -> None:
     assert "GradScaler.scale(loss)" in labels and "GradScaler.unscale_: inv_scale" in labels
     deepspeed = tm.estimate("gpt2", precision="fp16-mixed", gpus=2, zero=2, **kw)  # its own loss scaler
     assert "GradScaler" not in " ".join(p.label for p in deepspeed.timeline(max_points=100_000))
+
+
+def test_grad_scaler_runs_with_ddp_and_fsdp_after_backwards_last_collective_not_with_megatron() -> None:
+    kw = dict(precision="fp16-mixed", micro_batch=1, seq_len=256, device="cuda")
+
+    def labels(**layout: object) -> list[str]:
+        return [s.label for s in tm.estimate("llama-3.2-1b", **kw, **layout).program.segments]
+
+    assert "GradScaler.unscale_" in labels(gpus=2, engine="ddp")
+    assert "GradScaler.unscale_" not in labels(gpus=2, engine="megatron", tp=2)
+    pipelined = labels(gpus=4, engine="fsdp", zero=3, pp=2, grad_accum=2)
+    unscale = pipelined.index("GradScaler.unscale_")
+    assert all(not lab.startswith("reduce-scatter after the last micro-batch") for lab in pipelined[unscale:])
+    assert pipelined[unscale + 1] == "optimizer step"
+    assert "GradScaler.unscale_" not in labels(optimizer="none")  # no optimizer: no unscale_/update

@@ -396,12 +396,11 @@ def test_fsdp_pipeline_stages_keep_gathered_parameters_and_unsharded_fp32_gradie
         assert abs(e / rank["peak"] - 1) <= 0.01, (rank["stage"], e, rank["peak"])
 
 
-def test_pipeline_stage_buffers_follow_torch_pipelining(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipeline_stage_buffers_follow_torch_pipelining() -> None:
     """torch.distributed.pipelining (stage.py) keeps one b x s x hidden receive buffer per micro-batch
     on a non-first stage, one gradient receive buffer per micro-batch on a non-last stage, and each
     backwarded micro-batch's input gradient (``buffer.grad``); with ``return_outputs=True`` (torch's
     default, torchtitan's loop) the last stage keeps every forwarded micro-batch's logits."""
-    from trainmem_nb import distributed
     from trainmem_nb.distributed import _pipeline_buffers
     from trainmem_nb.presets import resolve_model
 
@@ -421,7 +420,6 @@ def test_pipeline_stage_buffers_follow_torch_pipelining(monkeypatch: pytest.Monk
     kw = dict(micro_batch=1, seq_len=2048, precision="bf16-mixed", grad_accum=4, gpus=4, engine="fsdp", zero=3,
               pp=2, device="cuda")
     kept = tm.estimate("llama-2-7b", **kw).per_rank
-    monkeypatch.setattr(distributed, "PP_RETURN_OUTPUTS", False)
-    dropped = tm.estimate("llama-2-7b", **kw).per_rank
+    dropped = tm.estimate("llama-2-7b", pp_return_outputs=False, **kw).per_rank
     assert kept[0] == dropped[0]
     assert kept[1].peak_allocated_bytes - dropped[1].peak_allocated_bytes >= 4 * m.vocab * 2 * 2048 * 0.99

@@ -224,3 +224,13 @@ def test_every_control_through_its_extremes_and_invalid_combinations_keeps_answe
         _answers(app)
     app.set(**base)
     assert app.message == "" and app.estimate.model.name == "llama-3.2-1b"
+
+
+def test_checkpointing_buttons_offer_every_policy_by_value_with_what_it_keeps(app: Explorer) -> None:
+    from trainmem_nb.specs import CHECKPOINTING_HELP, Checkpointing
+
+    control = app.controls["checkpointing"]
+    assert [v for _label, v in control.options] == [c.value for c in Checkpointing]
+    assert list(control.tooltips) == [CHECKPOINTING_HELP[c] for c in Checkpointing]
+    control.value = "selective-op"
+    assert app.message == "" and app.estimate.training.checkpointing is Checkpointing.SELECTIVE_OP

@@ -61,6 +61,8 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     p.add_argument("--offload", default="none", metavar="none|optimizer|optimizer+params")
     p.add_argument("--ddp-bucket-view", action="store_true",
                    help="DDP gradient_as_bucket_view: gradients are views into the all-reduce buckets")
+    p.add_argument("--no-pp-return-outputs", action="store_true",
+                   help="the pipeline loop passes return_outputs=False: the last stage keeps no micro-batch's logits")
     f = parser.add_argument_group("fine-tuning")
     f.add_argument("--method", default="full", metavar="|".join(_choices(Method)))
     f.add_argument("--lora-rank", type=int, default=16)
@@ -106,6 +108,7 @@ def parallel_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "hybrid_shard": args.hybrid_shard, "tp": args.tp, "sp": args.sp, "pp": args.pp,
         "pp_schedule": args.pp_schedule, "virtual_stages": args.virtual_stages, "cp": args.cp, "ep": args.ep,
         "offload": args.offload, "ddp_bucket_view": args.ddp_bucket_view,
+        "pp_return_outputs": None if args.no_pp_return_outputs is None else not args.no_pp_return_outputs,
     }
 
 
@@ -143,7 +146,8 @@ def _add_planner_subcommands(sub: Any) -> None:
     # what is not given is searched: leave the layout, micro-batch, accumulation and checkpointing unset
     pl.set_defaults(micro_batch=None, grad_accum=None, checkpointing=None, gpus=None, nodes=None, engine=None,
                     zero=None, hybrid_shard=None, tp=None, sp=None, pp=None, pp_schedule=None, virtual_stages=None,
-                    cp=None, ep=None, offload=None, ddp_bucket_view=None)
+                    cp=None, ep=None, offload=None, ddp_bucket_view=None,
+                    no_pp_return_outputs=None)
     g = pl.add_argument_group("planning")
     g.add_argument("--gpu", action="append", metavar="NAME", help="GPU type to try (repeat; default: the whole catalog)")
     g.add_argument("--gpu-file", metavar="PATH", help="your own GPUs (CSV/YAML/JSON with the catalog's columns)")

@@ -669,12 +669,10 @@ def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSp
     return host
 
 
-#: ``schedule.step(..., return_outputs=True)`` is torch's default (torch/distributed/pipelining/
-#: schedules.py, PipelineScheduleSingle.step) and torchtitan keeps it (torchtitan/train.py,
-#: forward_backward_step: ``self.pp_schedule.step(inputs, target=targets, losses=losses,
-#: input_batch=inputs)``, no return_outputs), so the FSDP + PP layout, torchtitan's recipe, models it;
-#: set it to False (read at each estimate) for a loop that passes ``return_outputs=False``.
-PP_RETURN_OUTPUTS = True
+# ``schedule.step(..., return_outputs=True)`` is torch's default (torch/distributed/pipelining/
+# schedules.py, PipelineScheduleSingle.step) and torchtitan keeps it (torchtitan/train.py,
+# forward_backward_step: ``self.pp_schedule.step(inputs, target=targets, losses=losses,
+# input_batch=inputs)``, no return_outputs): ``ParallelSpec.pp_return_outputs`` defaults to True.
 
 
 def _stage_boundary_bytes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> Sz:
@@ -692,8 +690,8 @@ def _stage_output_bytes(m: ModelSpec, t: TrainingSpec) -> Sz:
     return per_token(m.vocab * (2 if t.mixed else t.param_bytes))
 
 
-def _pipeline_buffers(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, stage: int, held: Fraction, done: int,
-                      return_outputs: bool = PP_RETURN_OUTPUTS) -> tuple[tuple[int, Sz, int], ...]:
+def _pipeline_buffers(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, stage: int, held: Fraction,
+                      done: int) -> tuple[tuple[int, Sz, int], ...]:
     """What torch.distributed.pipelining's stage holds besides the program's micro-batch, as `Program.init`
     entries, when the program counts `held` micro-batches in flight and `done` backwards have run.
 
@@ -717,7 +715,10 @@ def _pipeline_buffers(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, stage: int
       save_forward_output: self.output_chunks.append(output)``), cleared by the next step's
       ``clear_runtime_states``: every micro-batch forwarded so far, ``done + held``.
 
-    Interleaved schedules hold these per model chunk (a chunk is first or last only on the first or last rank).
+    Interleaved schedules hold these per model chunk (a chunk is first or last only on the first or last
+    rank); the micro-batches in flight are then counted for the stage as a whole and spread evenly over its
+    chunks, an approximation (Megatron's order puts more of them on the earlier chunks: within one boundary
+    buffer per chunk) that no measurement here checks.
     """
     v = p.virtual_stages if p.pp_schedule is PipelineSchedule.INTERLEAVED else 1
     n = max(1, t.grad_accum)
@@ -731,7 +732,7 @@ def _pipeline_buffers(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, stage: int
         out.append((comm, act, done * not_first))  # buffer.grad of the micro-batches already backwarded
     if not_last:
         out.append((comm, act, n * not_last))  # gradient receive buffers
-    if return_outputs and stage == p.pp - 1:
+    if p.pp_return_outputs and stage == p.pp - 1:
         out.append((head, _stage_output_bytes(m, t), min(n, int(done + held))))  # output_chunks
     return tuple(e for e in out if e[2])
 
@@ -747,8 +748,7 @@ def _merge_outputs_segment(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> Se
 
 
 def _fsdp_pipeline_peak(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: FSDP2Hooks, prog: Any, stage: int,
-                        seq: int, workspace: int | None, return_outputs: bool = PP_RETURN_OUTPUTS,
-                        ) -> tuple[Any, Any, dict[str, int], Fraction]:
+                        seq: int, workspace: int | None) -> tuple[Any, Any, dict[str, int], Fraction]:
     """The peak of an FSDP2 pipeline stage: the program (`prog`, a later micro-batch: the unsharded
     gradients exist) and the other micro-batches' saved activations alive during its forward and backward,
     not during the deferred reduce-scatter and the optimizer step, which follow the last backward; with
@@ -771,8 +771,7 @@ def _fsdp_pipeline_peak(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: F
     b, n = t.micro_batch, max(1, t.grad_accum)
 
     def with_buffers(program: Any, held: Fraction, done: int) -> Any:
-        return dataclasses.replace(program, init=program.init + _pipeline_buffers(m, t, p, stage, held, done,
-                                                                                    return_outputs))
+        return dataclasses.replace(program, init=program.init + _pipeline_buffers(m, t, p, stage, held, done))
 
     def candidate(program: Any, others: Fraction, done: int) -> tuple[int, Any, dict[str, int], Fraction]:
         i = next((i for i, sg in enumerate(program.segments) if sg.label.startswith(PIPELINE_REDUCE)),
@@ -803,8 +802,8 @@ def _fsdp_pipeline_peak(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: F
              len(prog.segments))
     buffers = _segment("backward", "pipelining's buffers (kept all step; counted from here, no micro-batch in flight)",
                        1, tuple((cat, count, sz, "pipeline buffers") for cat, sz, count in
-                                _pipeline_buffers(m, t, p, stage, Fraction(0), n, return_outputs)))
-    merge = (_merge_outputs_segment(m, t, p),) if return_outputs and stage == p.pp - 1 else ()
+                                _pipeline_buffers(m, t, p, stage, Fraction(0), n)))
+    merge = (_merge_outputs_segment(m, t, p),) if p.pp_return_outputs and stage == p.pp - 1 else ()
     whole = dataclasses.replace(prog, segments=(*prog.segments[:i], buffers, *prog.segments[i:j], *merge,
                                                 *prog.segments[j:]))
     full = evaluate(whole, b, seq)
@@ -831,8 +830,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         prog = compile_step(stage_model, program_key(t, stage_model), hooks, workspace)
         in_flight = _in_flight(p, stage, t.grad_accum)
         if isinstance(hooks, FSDP2Hooks) and hooks.pipelined:
-            prog, ev, detail, in_flight = _fsdp_pipeline_peak(stage_model, t, p, hooks, prog, stage, seq, workspace,
-                                                              PP_RETURN_OUTPUTS)
+            prog, ev, detail, in_flight = _fsdp_pipeline_peak(stage_model, t, p, hooks, prog, stage, seq, workspace)
         else:
             ev = evaluate(prog, t.micro_batch, seq)
             detail = dict(ev.detail)

@@ -76,6 +76,9 @@ class ParallelSpec(SpecModel):
     offload: Offload = Offload.NONE
     ddp_bucket_view: bool = Field(default=False, description="DDP gradient_as_bucket_view: gradients are views "
                                                              "into the all-reduce buckets, not a second copy")
+    pp_return_outputs: bool = Field(
+        default=True, description="pipeline schedule.step(return_outputs=...): torch's default True keeps the last "
+        "stage's outputs (logits) of every micro-batch until the step ends; torchtitan keeps the default")
 
     @model_validator(mode="before")
     @classmethod

@@ -23,7 +23,7 @@ from .device import CUBLAS_WORKSPACE_BYTES, CUDA_BLOCK_BYTES, Calibration
 from .optimizers import optimizer_program, paged_state_bytes, state_bytes
 from .parallelism import ParallelSpec
 from .params import buffer_inventory, on_stage, quantized, weight_tensors
-from .specs import Checkpointing, Device, Method, ModelSpec, Precision, TrainingSpec
+from .specs import Checkpointing, Device, Method, ModelSpec, OptimizerName, Precision, TrainingSpec
 from .tape import Graph, Sz, T, const, per_token
 
 __all__ = [
@@ -306,7 +306,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     opt_events = hooks.optimizer(m, t)
     if opt_events is None:
         opt_events = optimizer_program(m, t)
-    if scaler:
+    if scaler and t.optimizer is not OptimizerName.NONE:  # no optimizer: the loop skips unscale_/update
         opt_events = _grad_scaler_steps(opt_events)
     g.mark("opt_end")
 
@@ -386,8 +386,10 @@ def _grad_scaler_steps(opt: list[Segment]) -> list[Segment]:
         (temp, 2, f32, "per-device copies"), (temp, -2, f32, "per-device copies freed"),
         (temp, -1, f32, "found_inf freed")))
     update = _segment("optimizer", "GradScaler.update", 1, ((temp, -1, f32, "inv_scale freed"),))
+    # after what finishes backward (FSDP's deferred reduce-scatter under pipelining), before the step
+    start = next((i for i, seg in enumerate(opt) if seg.phase != "backward"), len(opt))
     zero = next((i for i, seg in enumerate(opt) if seg.phase == "zero"), len(opt))
-    return [unscale, *opt[:zero], update, *opt[zero:]]
+    return [*opt[:start], unscale, *opt[start:zero], update, *opt[zero:]]
 
 
 def _send_to_next_stage(g: Graph, out: T) -> T:

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "CHECKPOINTING_HELP",
     "AdapterDtype",
     "Attention",
     "Checkpointing",
@@ -115,13 +116,22 @@ class OptimizerImpl(_Choice):
 
 
 class Checkpointing(_Choice):
-    """Activation checkpointing of each transformer layer."""
+    """Activation checkpointing of each transformer layer (what each keeps: `CHECKPOINTING_HELP`)."""
 
-    NONE = "none"  #: keep every activation for backward
-    SELECTIVE = "selective"  #: keep matmul and attention outputs, recompute the cheap element-wise ops
-    #: torchtitan's op-level policy: keep attention outputs and every other ``mm`` output of a layer
+    NONE = "none"
+    SELECTIVE = "selective"
     SELECTIVE_OP = "selective-op"
-    FULL = "full"  #: keep only each layer's input, recompute the layer in backward
+    FULL = "full"
+
+
+#: What each checkpointing policy keeps for backward (for docs, the explorer's tooltips and tables).
+CHECKPOINTING_HELP: dict[Checkpointing, str] = {
+    Checkpointing.NONE: "keep every activation for backward",
+    Checkpointing.SELECTIVE: "keep matmul and attention outputs, recompute the cheap element-wise ops",
+    Checkpointing.SELECTIVE_OP: "torchtitan's op-level policy: keep attention outputs and every other matmul "
+                                "output of a layer, recompute the rest",
+    Checkpointing.FULL: "keep only each layer's input, recompute the layer in backward",
+}
 
 
 class Attention(_Choice):

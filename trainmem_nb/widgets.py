@@ -31,6 +31,7 @@ from .breakdown import TOP_KEYS
 from .estimate import CATEGORY_HELP, MemoryEstimate, estimate
 from .presets import list_presets, resolve_model
 from .specs import (
+    CHECKPOINTING_HELP,
     Attention,
     Checkpointing,
     Family,
@@ -57,14 +58,8 @@ PP_DEGREES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 PARAMS_RANGE: tuple[float, float] = (1e8, 4e11)
 #: Families `ModelSpec.from_params` can scale (llama-shaped).
 SIZE_FAMILIES: tuple[str, ...] = ("llama", "mistral", "qwen2")
-#: Short button labels for checkpointing policies whose names do not fit a button, and what each keeps.
+#: Short button labels for checkpointing policies whose names do not fit a button.
 CHECKPOINT_LABELS: dict[str, str] = {"selective-op": "sel. op"}
-CHECKPOINT_TIPS: dict[str, str] = {
-    "none": "keep every activation for backward",
-    "selective": "keep matmul and attention outputs, recompute element-wise ops",
-    "selective-op": "torchtitan's op policy: keep attention outputs and every other matmul output",
-    "full": "keep each layer's input, recompute the layer in backward",
-}
 #: Engines offered (DeepSpeed first: it supports every ZeRO stage).
 ENGINES: tuple[str, ...] = ("deepspeed", "fsdp", "ddp", "megatron")
 
@@ -166,7 +161,7 @@ class Explorer:
                                     description="optimizer"),
             "checkpointing": w.ToggleButtons(options=[(CHECKPOINT_LABELS.get(c.value, c.value), c.value)
                                                       for c in Checkpointing], value=t["checkpointing"],
-                                             tooltips=[CHECKPOINT_TIPS.get(c.value, "") for c in Checkpointing],
+                                             tooltips=[CHECKPOINTING_HELP[c] for c in Checkpointing],
                                              description="checkpoint", style={"button_width": "6.5em"}),
             "attention": w.ToggleButtons(options=[a.value for a in Attention], value=t["attention"],
                                          description="attention", style={"button_width": "5.5em"}),
