@@ -270,6 +270,12 @@ def test_deepspeed_optimizer_offload_keeps_the_gradient_partition_on_the_host(ze
     if zero >= 2:
         assert e.detail_bytes.get("gradients", 0) == 0
         assert tm.estimate("llama-2-7b", zero=zero, **kw).detail_bytes["gradients"] > 0
+    # accumulating over micro-steps, ZeRO-1/2 also keep a host copy of the partition's gradients in the
+    # model's dtype (stage_1_and_2.py accumulated_grads_in_cpu); ZeRO-3 adds into its partitions above
+    accumulating = tm.estimate("llama-2-7b", zero=zero, offload="optimizer", **{**kw, "grad_accum": 4})
+    model_bytes = 4 if precision == "fp32" else 2
+    extra = model_bytes * shard if zero < 3 else 0
+    assert abs(accumulating.host_bytes - e.host_bytes - extra) <= 0.001 * e.host_bytes
 
 
 # --- DDP -----------------------------------------------------------------------------------------

@@ -666,6 +666,12 @@ def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSp
     #   model's (runtime/engine.py get_data_types: ``grad_accum_dtype = model_dtype`` under ZeRO unless
     #   the config sets ``data_types.grad_accum_dtype``): 2 B with bf16/fp16, 4 B with fp32.
     host += shard * (hooks.model_dt if p.zero >= 3 else 4)
+    if p.zero < 3 and t.grad_accum > 1:
+        # ZeRO-1/2 accumulating over micro-steps keeps a pinned host copy of the rank's gradients in the
+        # model's dtype (stage_1_and_2.py, async_accumulate_grad_in_cpu_via_gpu: ``buffer =
+        # torch.zeros(param.numel(), dtype=param.dtype, device=self.device)`` per parameter of the partition,
+        # in ``accumulated_grads_in_cpu``); ZeRO-3 accumulates into its fp32 partitions above
+        host += shard * hooks.model_dt
     return host
 
 
