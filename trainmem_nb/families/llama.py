@@ -100,24 +100,32 @@ class LlamaRecipe(Recipe):
         kv = ops.heads_view(g, k, "k view")
         g.drop(k)
         v = self.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
-        # the value's gradient comes back in the projection's layout from SDPA's kernel, but
-        # contiguous in (b, heads, s, d) from eager attention's matmuls (then the view copies it)
-        vv = ops.heads_view(g, v, "v view", clone_grad=self.t.attention is Attention.EAGER or self.sdpa_falls_back_to_math)
+        vv = ops.heads_view(g, v, "v view", clone_grad=self.value_grad_contiguous)
         g.drop(v)
         assert sh.cos is not None and sh.sin is not None
         qr = self.apply_rotary(g, qv, sh.cos, sh.sin, "q")
         kr = self.apply_rotary(g, kv, sh.cos, sh.sin, "k")
         g.drop(qv, kv)
-        if self.t.attention is Attention.EAGER:
-            o = self.eager(g, qr, kr, vv, sh.mask)
-        elif self.sdpa_falls_back_to_math:
-            o = self.sdpa_math(g, qr, kr, vv)
-        else:
-            o = self.sdpa(g, qr, kr, vv)
+        o = self.attention_kernel(g, qr, kr, vv, sh.mask)
         out = self.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
         g.drop(o)
         g.drop(qr, kr, vv)  # locals query_states, key_states, value_states die when forward returns
         return out
+
+    @property
+    def value_grad_contiguous(self) -> bool:
+        """Does the value's gradient reach its (b, s, kv, d) -> (b, kv, s, d) view contiguous in the
+        latter layout, so that the view's backward copies it? Not from SDPA's kernel (the projection's
+        layout), but from eager attention's matmuls and SDPA's math kernel."""
+        return self.t.attention is Attention.EAGER or self.sdpa_falls_back_to_math
+
+    def attention_kernel(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
+        """The attention implementation HF dispatches to: eager, SDPA's math fallback, or SDPA."""
+        if self.t.attention is Attention.EAGER:
+            return self.eager(g, q, k, v, mask)
+        if self.sdpa_falls_back_to_math:
+            return self.sdpa_math(g, q, k, v)
+        return self.sdpa(g, q, k, v)
 
     def apply_rotary(self, g: Graph, x: T, cos: T, sin: T, name: str) -> T:
         """``(x * cos) + (rotate_half(x) * sin)``."""

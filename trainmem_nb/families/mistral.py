@@ -95,47 +95,16 @@ class MistralRecipe(LlamaRecipe):
         sh.cos, sh.sin = self.rotary(g, x.dt)
         return x, sh
 
-    def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T]) -> T:
-        """MistralAttention.forward: llama's, except for the value's view. Its gradient comes back in
-        the projection's layout from SDPA's kernel, but contiguous in (b, heads, s, d) from eager
-        attention's matmuls, SDPA's math kernel or ``repeat_kv``'s backward (a sum), and then the
-        view copies it."""
-        m = self.m
-        q = self.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
-        qv = ops.heads_view(g, q, "q view")
-        g.drop(q)
-        k = self.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
-        kv = ops.heads_view(g, k, "k view")
-        g.drop(k)
-        v = self.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
-        vv = ops.heads_view(g, v, "v view", clone_grad=self.value_grad_contiguous)
-        g.drop(v)
-        assert sh.cos is not None and sh.sin is not None
-        qr = self.apply_rotary(g, qv, sh.cos, sh.sin, "q")
-        kr = self.apply_rotary(g, kv, sh.cos, sh.sin, "k")
-        g.drop(qv, kv)
-        if self.t.attention is Attention.EAGER:
-            o = self.eager(g, qr, kr, vv, sh.mask)
-        elif self.sdpa_falls_back_to_math:
-            o = self.sdpa_math(g, qr, kr, vv)
-        else:
-            o = self.sdpa(g, qr, kr, vv)
-        out = self.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
-        g.drop(o)
-        g.drop(qr, kr, vv)  # locals query_states, key_states, value_states die when forward returns
-        return out
-
     #: The rotary outputs are contiguous (b, heads, s, d) tensors (phi3's ``cat``), not views in the
     #: projections' (b, s, heads, d) layout (llama's element-wise rotary): decides matmul copies.
     qk_contiguous = False
 
     @property
     def value_grad_contiguous(self) -> bool:
-        """The value's gradient reaches its (b, s, kv, d) -> (b, kv, s, d) view contiguous in the
-        latter layout (so the view's backward copies it): from eager attention, SDPA's math kernel, or
-        ``repeat_kv``'s backward when a mask keeps SDPA from grouped-query attention."""
-        return (self.t.attention is Attention.EAGER or self.sdpa_falls_back_to_math
-                or (self.masked and self.m.n_heads > self.m.n_kv_heads))
+        """MistralAttention.forward is llama's except here: the value's gradient also comes back
+        contiguous from ``repeat_kv``'s backward (a sum) when a mask keeps SDPA from grouped-query
+        attention."""
+        return super().value_grad_contiguous or (self.masked and self.m.n_heads > self.m.n_kv_heads)
 
     def sdpa(self, g: Graph, q: T, k: T, v: T) -> T:
         """``sdpa_attention_forward``: without a mask, llama's (``enable_gqa``, ``is_causal``). With

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from .. import ops
 from ..activations import Shared
-from ..specs import Attention
 from ..tape import Graph, T
 from .mistral import MistralRecipe
 
@@ -63,12 +62,7 @@ class Phi3Recipe(MistralRecipe):
         assert sh.cos is not None and sh.sin is not None
         qr, kr = self.apply_rotary_pair(g, qv, kv, sh.cos, sh.sin)
         g.drop(qv, kv)
-        if self.t.attention is Attention.EAGER:
-            o = self.eager(g, qr, kr, vv, sh.mask)
-        elif self.sdpa_falls_back_to_math:
-            o = self.sdpa_math(g, qr, kr, vv)
-        else:
-            o = self.sdpa(g, qr, kr, vv)
+        o = self.attention_kernel(g, qr, kr, vv, sh.mask)
         out = self.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
         g.drop(o)
         g.drop(qkv, qr, kr, vv)  # locals qkv, query_states, key_states, value_states
