@@ -450,11 +450,24 @@ def lora_linear(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, a_w: T, b_w: T, in_
     default); ``result = result + lora_B(lora_A(dropout(x))) * scaling``; cast back to the base
     result's dtype (peft/tuners/lora/layer.py)."""
     result = linear(g, ctx, x, w, in_features, out_features, b, f"{label}.base_layer")
+    return lora_update(g, ctx, x, result, a_w, b_w, in_features, out_features, rank, dropout_p, label)
+
+
+def lora_update(g: Graph, ctx: Ctx, x: T, result: T, a_w: T, b_w: T, in_features: int, out_features: int,
+                rank: int, dropout_p: float, label: str, reshape_grad: bool | None = None) -> T:
+    """What peft's ``lora.Linear.forward`` adds to its base layer's `result` (the caller's, which this
+    takes over): ``x`` cast to the adapter dtype, ``lora_B(lora_A(dropout(x))) * scaling`` added, the
+    sum cast back to the result's dtype. With `reshape_grad` not None, ``lora_B``'s output is viewed as
+    heads like the base output (`linear_strided_grad`), copying its gradient when True."""
     result_dt = result.dt
     xa = cast(g, x, a_w.dt, f"{label} lora input cast")
     d = dropout(g, ctx, xa, dropout_p, f"{label}.lora_dropout")
     a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A")
     bb = linear(g, ctx, a, b_w, rank, out_features, None, f"{label}.lora_B")
+    if reshape_grad is not None:
+        b0 = bb
+        bb = heads_view(g, b0, f"{label}.lora_B output reshape", clone_grad=reshape_grad)
+        g.drop(b0)
     g.drop(a, d)
     sc = scalar_op(g, bb, f"{label} * scaling")
     g.drop(bb)
@@ -768,19 +781,7 @@ def lora_addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, a_w: T, b_w: T, in_features
     """peft ``lora.Linear`` around a transformers ``Conv1D`` (``fan_in_fan_out``): `lora_linear` with
     the base layer's ``addmm`` (peft/tuners/lora/layer.py)."""
     result = addmm(g, ctx, x, w, b, in_features, out_features, f"{label}.base_layer")
-    result_dt = result.dt
-    xa = cast(g, x, a_w.dt, f"{label} lora input cast")
-    d = dropout(g, ctx, xa, dropout_p, f"{label}.lora_dropout")
-    a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A")
-    bb = linear(g, ctx, a, b_w, rank, out_features, None, f"{label}.lora_B")
-    g.drop(a, d)
-    sc = scalar_op(g, bb, f"{label} * scaling")
-    g.drop(bb)
-    total = add(g, result, sc, f"{label} + lora")
-    g.drop(result, sc)
-    out = cast(g, total, result_dt, f"{label} to result dtype")
-    g.drop(total, xa)
-    return out
+    return lora_update(g, ctx, x, result, a_w, b_w, in_features, out_features, rank, dropout_p, label)
 
 
 def linear_strided_grad(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, in_features: int, out_features: int,
@@ -801,20 +802,8 @@ def linear_strided_grad(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, in_features
     r0 = linear(g, ctx, x, w, in_features, out_features, b, f"{label}.base_layer")
     result = heads_view(g, r0, f"{label}.base_layer output reshape", clone_grad=strided)
     g.drop(r0)
-    result_dt = result.dt
-    xa = cast(g, x, a_w.dt, f"{label} lora input cast")
-    d = dropout(g, ctx, xa, dropout_p, f"{label}.lora_dropout")
-    a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A")
-    b0 = linear(g, ctx, a, b_w, rank, out_features, None, f"{label}.lora_B")
-    bb = heads_view(g, b0, f"{label}.lora_B output reshape", clone_grad=strided)
-    g.drop(b0, a, d)
-    sc = scalar_op(g, bb, f"{label} * scaling")
-    g.drop(bb)
-    total = add(g, result, sc, f"{label} + lora")
-    g.drop(result, sc)
-    out = cast(g, total, result_dt, f"{label} to result dtype")
-    g.drop(total, xa)
-    return out
+    return lora_update(g, ctx, x, result, a_w, b_w, in_features, out_features, rank, dropout_p, label,
+                       reshape_grad=strided)
 
 
 def cat_last(g: Graph, ctx: Ctx, parts: Sequence[T], label: str = "cat") -> T:
