@@ -8,34 +8,26 @@ Run: python benchmarks/bench_estimate.py
 from __future__ import annotations
 
 import itertools
-import statistics
 import time
+
+from _timing import median_ms
 
 import trainmem_nb as tm
 from trainmem_nb.presets import get_model
 from trainmem_nb.simulate import compile_step
 
 
-def _median_ms(fn, n: int) -> float:  # type: ignore[no-untyped-def]
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
     m = get_model("llama-3-8b")
     tm.estimate(m, micro_batch=2, seq_len=2048)  # compile once
-    warm = _median_ms(lambda i: tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048), 2000)
+    warm = median_ms(lambda i: tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048), 2000)
     print(f"estimate() warm, llama-3-8b:            median {warm:.3f} ms   (goal <= 0.2 ms)")
 
     def cold(i: int) -> None:
         compile_step.cache_clear()
         tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048, checkpointing=("none", "full")[i % 2])
 
-    print(f"estimate() cold (program compiled):     median {_median_ms(cold, 50):.2f} ms")
+    print(f"estimate() cold (program compiled):     median {median_ms(cold, 50):.2f} ms")
 
     grid = list(itertools.product(range(1, 26), (128, 256, 512, 1024, 2048, 3072, 4096, 8192),
                                   ("bf16-mixed", "bf16-true"), ("none", "full"), ("adamw", "sgd"),
@@ -67,12 +59,12 @@ def main() -> None:
             print(f"tm.sweep, {name} ({label}): {len(df):,} rows in {took:.2f} s  (goal <= 1 s for 10,000)")
     for layout in (dict(gpus=8, engine="fsdp", zero=3), dict(gpus=8, zero=3), dict(gpus=16, tp=4, pp=4, nodes=2)):
         tm.estimate(m, micro_batch=1, seq_len=2048, **layout)
-        ms = _median_ms(lambda i, layout=layout: tm.estimate(m, micro_batch=1 + i % 4, seq_len=2048, **layout), 200)
+        ms = median_ms(lambda i, layout=layout: tm.estimate(m, micro_batch=1 + i % 4, seq_len=2048, **layout), 200)
         print(f"estimate() warm, per rank {layout!s:<42} median {ms:.3f} ms")
     for name in ("gpt2", "mixtral-8x7b", "llama-3.1-405b"):
         mm = get_model(name)
         tm.estimate(mm, micro_batch=1, seq_len=1024)
-        print(f"estimate() warm, {name:<22} median {_median_ms(lambda i, mm=mm: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=1024), 500):.3f} ms")
+        print(f"estimate() warm, {name:<22} median {median_ms(lambda i, mm=mm: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=1024), 500):.3f} ms")
 
 
 if __name__ == "__main__":

@@ -6,32 +6,23 @@ Run: python benchmarks/bench_planner.py
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable
+
+from _timing import median_ms
 
 import trainmem_nb as tm
 from trainmem_nb.planner import fewest_gpus, fit, max_micro_batch, plan
 from trainmem_nb.presets import get_model
 
 
-def _median_ms(fn: Callable[[int], object], n: int) -> float:
-    times = []
-    for i in range(n):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
-
-
 def main() -> None:
     m = get_model("llama-3.2-1b")
     est = tm.estimate(m, micro_batch=4, seq_len=2048)
-    print(f"fit()                                   median {_median_ms(lambda i: fit(est, 'H100'), 2000):.3f} ms")
+    print(f"fit()                                   median {median_ms(lambda i: fit(est, 'H100'), 2000):.3f} ms")
     max_micro_batch(m, "H100", seq_len=2048)
-    warm = _median_ms(lambda i: max_micro_batch(m, "H100", seq_len=1024 + 64 * (i % 16)), 64)
+    warm = median_ms(lambda i: max_micro_batch(m, "H100", seq_len=1024 + 64 * (i % 16)), 64)
     print(f"max_micro_batch() warm, llama-3.2-1b    median {warm:.2f} ms   (goal: a slider redraw < 100 ms)")
-    slider = _median_ms(lambda i: (fit(tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048), "H100"),
+    slider = median_ms(lambda i: (fit(tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048), "H100"),
                                    max_micro_batch(m, "H100", seq_len=2048)), 64)
     print(f"estimate + fit + max_micro_batch        median {slider:.2f} ms")
     t0 = time.perf_counter()
