@@ -8,10 +8,9 @@ by ``1 + weight`` *before* casting back (so its saved product is fp32), and the 
 from __future__ import annotations
 
 from .. import ops
-from ..activations import Shared, causal_mask, tok
-from ..ops import F32, I64
-from ..specs import Attention
-from ..tape import Graph, T, const, per_seq
+from ..activations import tok
+from ..ops import F32
+from ..tape import Graph, T, const
 from .llama import LlamaRecipe
 from .mistral import eager_attention, math_attention
 
@@ -44,25 +43,16 @@ class GemmaRecipe(LlamaRecipe):
         g.drop(prod)
         return out
 
-    def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
-        """GemmaModel.forward up to the layers: ``embed_tokens(input_ids)`` is the embedding times
-        ``embed_scale.to(weight.dtype)`` (a 0-d buffer already in the model's dtype: no copy), whose
-        multiply saves only the scalar; then positions, the mask (eager) and rotary cos/sin as llama."""
-        m = self.m
+    def embed_tokens(self, g: Graph, ids: T, p: dict[str, T]) -> T:
+        """GemmaModel.forward: ``embed_tokens(input_ids)`` times ``embed_scale.to(weight.dtype)`` (a 0-d
+        buffer already in the model's dtype: no copy), whose multiply saves only the scalar; the
+        positions, mask and rotary cos/sin follow as llama's."""
         w = p["embed_tokens.weight"]
-        e = ops.embedding(g, ids, w, tok(m.hidden), "embed_tokens")
+        e = ops.embedding(g, ids, w, tok(self.m.hidden), "embed_tokens")
         scale = g.external(const(1), w.dt, "embed_scale")
         x = ops.mul(g, e, scale, "embed_tokens * embed_scale")
         g.drop(e)
-        sh = Shared()
-        ar = g.alloc(per_seq(1), I64, "arange")
-        pos = g.alloc(per_seq(1), I64, "cache_position")
-        g.drop(ar)
-        sh.extra.append(pos)
-        if self.t.attention is Attention.EAGER:
-            sh.mask = causal_mask(g, x.dt)
-        sh.cos, sh.sin = self.rotary(g, x.dt)
-        return x, sh
+        return x
 
     def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
         """HF ``eager_attention_forward``: `trainmem_nb.families.mistral.eager_attention`."""

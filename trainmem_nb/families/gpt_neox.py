@@ -12,7 +12,7 @@ Mirrors the HF code op by op, including the lifetimes of its Python locals.
 from __future__ import annotations
 
 from .. import ops
-from ..activations import Shared, causal_lm_loss, causal_mask, tok
+from ..activations import Shared, causal_lm_loss, causal_mask, rotary_cos_sin, tok
 from ..ops import F32, I64
 from ..specs import Attention
 from ..tape import Graph, T, per_seq, per_token_sq
@@ -39,28 +39,9 @@ class GPTNeoXRecipe(LayerNormRecipe):
         if self.t.attention is Attention.EAGER:
             sh.mask = causal_mask(g, inputs_embeds.dt)
         h = ops.dropout(g, ctx, inputs_embeds, self.dropout_embd, "emb_dropout")
-        sh.cos, sh.sin = self.rotary(g, h.dt)
+        sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, h.dt)
         self.model_locals = [inputs_embeds]
         return h, sh
-
-    def rotary(self, g: Graph, x_dt: int) -> tuple[T, T]:
-        """GPTNeoXRotaryEmbedding.forward: ``position_ids[..., None].float() * inv_freq``, ``cat``,
-        ``cos``/``sin`` times ``attention_scaling`` (fp32, (1, s, rotary_dims)), cast to the hidden
-        states' dtype on return (a no-op under autocast, whose hidden states are fp32)."""
-        d = self.m.rotary_dims
-        pos_f = g.alloc(per_seq(1), F32, "position_ids float")
-        freqs = g.alloc(per_seq(d / 2), F32, "freqs")
-        g.drop(pos_f)
-        emb = g.alloc(per_seq(d), F32, "emb cat")
-        full = []
-        for name in ("cos", "sin"):
-            raw = g.alloc(per_seq(d), F32, name)
-            scaled = g.alloc(per_seq(d), F32, f"{name} * attention_scaling")
-            g.drop(raw)
-            full.append(scaled)
-        out = [ops.cast(g, full[0], x_dt, "cos to dtype"), ops.cast(g, full[1], x_dt, "sin to dtype")]
-        g.drop(freqs, emb, full[0], full[1])
-        return out[0], out[1]
 
     def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
         """GPTNeoXLayer.forward: ``attn(input_layernorm(x))`` and its dropout, then either the parallel

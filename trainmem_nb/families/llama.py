@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import ops
-from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, tok
+from ..activations import Recipe, Shared, causal_lm_loss, causal_mask, rotary_cos_sin, tok
 from ..ops import BOOL, F32, I64
 from ..specs import Attention
 from ..tape import Graph, Sz, T, const, per_seq, per_token_sq
@@ -41,36 +41,27 @@ class LlamaRecipe(Recipe):
         return out
 
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
-        m = self.m
-        x = ops.embedding(g, ids, p["embed_tokens.weight"], tok(m.hidden), "embed_tokens")
+        """LlamaModel.forward up to the layers: the token embeddings, the position ids, the attention
+        mask (`attention_mask`) and rotary cos/sin, in that order."""
+        x = self.embed_tokens(g, ids, p)
         sh = Shared()
         # position ids: cache_position = arange(s) (+ past length) -> unsqueeze
         ar = g.alloc(per_seq(1), I64, "arange")
         pos = g.alloc(per_seq(1), I64, "cache_position")
         g.drop(ar)
         sh.extra.append(pos)
-        if self.t.attention is Attention.EAGER:
-            sh.mask = causal_mask(g, x.dt)
-        sh.cos, sh.sin = self.rotary(g, x.dt)
+        sh.mask = self.attention_mask(g, x.dt)
+        sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt)
         return x, sh
 
-    def rotary(self, g: Graph, x_dt: int) -> tuple[T, T]:
-        """LlamaRotaryEmbedding.forward: fp32 ``cos``/``sin`` of (s, rotary_dims), cast to x's dtype on
-        return (the fp32 locals die when the function returns)."""
-        d = self.m.rotary_dims
-        pos_f = g.alloc(per_seq(1), F32, "position_ids float")
-        freqs = g.alloc(per_seq(d / 2), F32, "freqs")
-        g.drop(pos_f)
-        emb = g.alloc(per_seq(d), F32, "emb cat")
-        full = []
-        for name in ("cos", "sin"):
-            raw = g.alloc(per_seq(d), F32, name)
-            scaled = g.alloc(per_seq(d), F32, f"{name} * scaling")
-            g.drop(raw)
-            full.append(scaled)
-        out = [ops.cast(g, full[0], x_dt, "cos to dtype"), ops.cast(g, full[1], x_dt, "sin to dtype")]
-        g.drop(freqs, emb, full[0], full[1])
-        return out[0], out[1]
+    def embed_tokens(self, g: Graph, ids: T, p: dict[str, T]) -> T:
+        """``embed_tokens(input_ids)``: (tokens, hidden) in the weight's dtype."""
+        return ops.embedding(g, ids, p["embed_tokens.weight"], tok(self.m.hidden), "embed_tokens")
+
+    def attention_mask(self, g: Graph, dt: int) -> T | None:
+        """The mask the layers get: a (b, 1, s, s) causal mask for eager attention, none for SDPA
+        (``is_causal``)."""
+        return causal_mask(g, dt) if self.t.attention is Attention.EAGER else None
 
     def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
         m = self.m

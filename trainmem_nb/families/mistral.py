@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .. import ops
-from ..activations import Shared, causal_mask, tok
+from ..activations import causal_mask, tok
 from ..ops import BOOL, F32, I64
 from ..specs import Attention
 from ..tape import Graph, Sz, T, const, per_seq, per_token_sq
@@ -78,22 +78,13 @@ class MistralRecipe(LlamaRecipe):
         w = self.m.sliding_window
         return bool(w) and self.t.attention is Attention.SDPA and self.t.seq_len >= w
 
-    def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
-        """MistralModel.forward up to the layers: embeddings, positions, then the mask of
-        ``create_sliding_window_causal_mask`` (when the config has a window) and rotary cos/sin."""
-        m = self.m
-        x = ops.embedding(g, ids, p["embed_tokens.weight"], tok(m.hidden), "embed_tokens")
-        sh = Shared()
-        ar = g.alloc(per_seq(1), I64, "arange")
-        pos = g.alloc(per_seq(1), I64, "cache_position")
-        g.drop(ar)
-        sh.extra.append(pos)
+    def attention_mask(self, g: Graph, dt: int) -> T | None:
+        """MistralModel.forward's mask: ``create_sliding_window_causal_mask`` (when the config has a
+        window) or the causal one for eager attention; with a window and SDPA, the boolean window mask
+        SDPA converts (`sliding_window_mask` with no dtype)."""
         if self.t.attention is Attention.EAGER:
-            sh.mask = sliding_window_mask(g, x.dt) if m.sliding_window else causal_mask(g, x.dt)
-        elif self.masked:
-            sh.mask = sliding_window_mask(g, None)
-        sh.cos, sh.sin = self.rotary(g, x.dt)
-        return x, sh
+            return sliding_window_mask(g, dt) if self.m.sliding_window else causal_mask(g, dt)
+        return sliding_window_mask(g, None) if self.masked else None
 
     #: The rotary outputs are contiguous (b, heads, s, d) tensors (phi3's ``cat``), not views in the
     #: projections' (b, s, heads, d) layout (llama's element-wise rotary): decides matmul copies.
