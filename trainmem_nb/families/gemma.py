@@ -12,7 +12,7 @@ from ..activations import tok
 from ..ops import F32
 from ..tape import Graph, T, const
 from .llama import LlamaRecipe
-from .mistral import eager_attention, math_attention
+from .mistral import math_attention
 
 __all__ = ["GemmaRecipe"]
 
@@ -54,9 +54,6 @@ class GemmaRecipe(LlamaRecipe):
         g.drop(e)
         return x
 
-    def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
-        """HF ``eager_attention_forward``: `trainmem_nb.families.mistral.eager_attention`."""
-        return eager_attention(self, g, q, k, v, mask)
 
     def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
         """SDPA's CPU math kernel (attention dropout): `trainmem_nb.families.mistral.math_attention`."""

@@ -86,10 +86,6 @@ class MistralRecipe(LlamaRecipe):
             return sliding_window_mask(g, dt) if self.m.sliding_window else causal_mask(g, dt)
         return sliding_window_mask(g, None) if self.masked else None
 
-    #: The rotary outputs are contiguous (b, heads, s, d) tensors (phi3's ``cat``), not views in the
-    #: projections' (b, s, heads, d) layout (llama's element-wise rotary): decides matmul copies.
-    qk_contiguous = False
-
     @property
     def value_grad_contiguous(self) -> bool:
         """MistralAttention.forward is llama's except here: the value's gradient also comes back
@@ -147,10 +143,6 @@ class MistralRecipe(LlamaRecipe):
     def sdpa_math(self, g: Graph, q: T, k: T, v: T) -> T:
         """SDPA's math kernel (CPU with attention dropout): `math_attention`."""
         return math_attention(self, g, q, k, v, masked=self.masked, qk_contiguous=self.qk_contiguous)
-
-    def eager(self, g: Graph, q: T, k: T, v: T, mask: T | None) -> T:
-        """HF ``eager_attention_forward``: `eager_attention`."""
-        return eager_attention(self, g, q, k, v, mask, qk_contiguous=self.qk_contiguous)
 
     def sdpa_additive_mask(self, g: Graph, dt: int) -> T:
         """``convert_boolean_attn_mask`` (aten/src/ATen/native/transformers/attention.cpp): ``where``
@@ -245,51 +237,4 @@ def math_attention(rec: LlamaRecipe, g: Graph, q: T, k: T, v: T, masked: bool = 
     g.drop(kx, qs, mask, k32, v32, q32, pd, vx, attn16, qc, kc, vc)
     out = ops.clone(g, o, "attn_output transpose contiguous")
     g.drop(o, k, v)
-    return out
-
-
-def eager_attention(rec: LlamaRecipe, g: Graph, q: T, k: T, v: T, mask: T | None,
-                    qk_contiguous: bool = False) -> T:
-    """HF ``eager_attention_forward``: repeat k/v for GQA, ``q @ k^T * scaling + mask``, fp32 softmax
-    cast back to q's dtype, dropout, ``@ v``, transpose back to contiguous; the attention weights stay
-    bound in the decoder layer until it returns.
-
-    ``matmul`` copies operands whose (b, heads) cannot fold into one batch dim (b > 1): the query and
-    key in the projections' layout (not `qk_contiguous`), the key and value when not repeated; with
-    b == 1 nothing is copied and neither is the output's gradient."""
-    m, ctx = rec.m, rec.ctx
-    n_rep = m.n_heads // m.n_kv_heads
-    fold = ctx.batch1
-    copy_qk = not qk_contiguous and not fold
-    copy_kv = n_rep == 1 and not fold
-    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
-    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
-    # matmul(query, key^T): autocast casts key then query
-    kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
-    qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
-    q2 = ops.clone(g, qc, "query contiguous") if copy_qk else g.hold(qc)
-    k2 = ops.clone(g, kc, "key^T contiguous") if copy_qk and copy_kv else g.hold(kc)
-    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
-    g.drop(q2, k2, qc, kc)  # matmul's operands and their copies die when matmul returns
-    w = ops.scalar_op(g, scores, "* scaling")
-    g.drop(scores)
-    if mask is not None:
-        w2 = ops.add(g, w, mask, "+ mask")
-        g.drop(w)
-        w = w2
-    probs = ops.softmax(g, w, F32, "softmax")
-    pq = ops.cast(g, probs, q.dt, "probs to q dtype")
-    g.drop(probs, w)  # `attn_weights = softmax(...).to(dtype)` rebinds the name after the cast
-    pd = ops.dropout(g, ctx, pq, rec.dropout_attn, "attn dropout")
-    g.drop(pq)
-    pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
-    vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
-    v2 = ops.clone(g, vc, "value contiguous") if copy_kv else g.hold(vc)
-    o3 = ops.bmm(g, ctx, pc, v2, q.n, "probs @ v")
-    g.drop(v2, pc, vc)
-    o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
-    g.drop(o3)
-    out = ops.clone(g, o, "attn_output transpose contiguous")
-    g.drop(o, kx, vx)  # locals of eager_attention_forward
-    rec.attn_weights.append(pd)
     return out
