@@ -360,14 +360,20 @@ ONE = const(1)
 
 
 # -- attention building blocks ------------------------------------------------------------------
-def bmm(g: Graph, ctx: Ctx, a: T, b: T, out_n: Sz, label: str = "bmm") -> T:
+def bmm(g: Graph, ctx: Ctx, a: T, b: T, out_n: Sz, label: str = "bmm", grad_b_first: bool = False) -> T:
     """``torch.matmul`` of two (batched) matrices (``bmm`` after reshapes); autocast casts both to
-    16 bit. Saves b if a needs a gradient and a if b does."""
+    16 bit. Saves b if a needs a gradient and a if b does. With `grad_b_first`, backward allocates the
+    second operand's gradient before the first's (measured for the LayerNorm families' matmuls:
+    ``BmmBackward0`` computes ``mat2``'s gradient ``self^T.bmm(grad)`` first)."""
     (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),), "other")
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
-        gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
+        if grad_b_first:
+            gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
+            ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
+        else:
+            ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
+            gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
         return [ga, gb]
 
     g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
@@ -634,21 +640,6 @@ def sdpa_flash(g: Graph, ctx: Ctx, q: T, k: T, v: T, lse_n: Sz, label: str = "sd
     return out
 
 
-def matmul_bmm(g: Graph, ctx: Ctx, a: T, b: T, out_n: Sz, label: str = "bmm") -> T:
-    """``torch.matmul`` of batched matrices as ``bmm``: like `bmm`, but backward allocates the second
-    operand's gradient before the first's (measured: ``BmmBackward0`` computes ``mat2``'s gradient
-    ``self^T.bmm(grad)`` first, then ``self``'s ``grad.bmm(mat2^T)``)."""
-    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),), "other")
-
-    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
-        ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
-        return [ga, gb]
-
-    g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
-    return out
-
-
 def dropout_last(g: Graph, ctx: Ctx, x: T, p: float, label: str = "dropout") -> T:
     """`dropout` for the last saving op of a checkpointed region: on CPU ``at::dropout`` is
     ``input * noise`` and the ``mul`` packs its saved input (the noise) before its kernel runs, so a
@@ -695,7 +686,7 @@ def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, caus
     kt = scalar_op(g, k32, f"{label} k^T * sqrt(scale)")
     q2 = clone(g, qs, f"{label} query contiguous") if copy_q else g.hold(qs)
     k2 = clone(g, kt, f"{label} key^T contiguous") if copy_k else g.hold(kt)
-    scores = matmul_bmm(g, ctx, q2, k2, scores_n, f"{label} q @ k^T")
+    scores = bmm(g, ctx, q2, k2, scores_n, f"{label} q @ k^T", grad_b_first=True)
     g.drop(q2, k2, kt)
     if mask is not None:
         sm = add(g, scores, mask, f"{label} + mask")
@@ -709,7 +700,7 @@ def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, caus
     # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
     attn16 = cast(g, pd, qc.dt, f"{label} attn to input dtype") if reduced else None
     v2 = clone(g, v32, f"{label} value contiguous") if copy_v else g.hold(v32)
-    o3 = matmul_bmm(g, ctx, pd, v2, q.n, f"{label} probs @ v")
+    o3 = bmm(g, ctx, pd, v2, q.n, f"{label} probs @ v", grad_b_first=True)
     g.drop(v2)
     # matmul returns a view of the bmm result; the gradient reaching it through the transpose is
     # strided and its reshape copies it, unless (b, heads) fold into one dim (b == 1)
@@ -746,7 +737,7 @@ def eager_attention(g: Graph, ctx: Ctx, q: T, k: T, v: T, mask: T | None, scores
     copy_qk = fold and not contiguous_qk
     q2 = clone(g, qc, f"{label} query contiguous") if copy_qk else g.hold(qc)
     k2 = clone(g, kc, f"{label} key^T contiguous") if copy_qk else g.hold(kc)
-    scores = matmul_bmm(g, ctx, q2, k2, scores_n, f"{label} q @ k^T")
+    scores = bmm(g, ctx, q2, k2, scores_n, f"{label} q @ k^T", grad_b_first=True)
     g.drop(q2, k2, qc, kc)
     w = scalar_op(g, scores, f"{label} * scaling")
     g.drop(scores)
@@ -767,7 +758,7 @@ def eager_attention(g: Graph, ctx: Ctx, q: T, k: T, v: T, mask: T | None, scores
     vc = cast(g, v, cd, f"{label} matmul value cast") if cd else g.hold(v)
     pc = cast(g, pd, cd, f"{label} matmul probs cast") if cd else g.hold(pd)
     v2 = clone(g, vc, f"{label} value contiguous") if fold else g.hold(vc)
-    o3 = matmul_bmm(g, ctx, pc, v2, v.n, f"{label} probs @ v")
+    o3 = bmm(g, ctx, pc, v2, v.n, f"{label} probs @ v", grad_b_first=True)
     g.drop(pc, vc, v2)
     o = heads_view(g, o3, f"{label} matmul unsafe_view", clone_grad=fold)
     g.drop(o3)
