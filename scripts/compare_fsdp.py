@@ -7,37 +7,25 @@ from __future__ import annotations
 
 import argparse
 
+from _step_args import add_step_args, step_from_args
+
 from trainmem_nb.distributed import _hooks, simulate_parallel
 from trainmem_nb.measure.fsdp import run_fsdp_step
 from trainmem_nb.measure.step import summarize
 from trainmem_nb.measure.tracker import cuda_round
 from trainmem_nb.parallelism import ParallelSpec
 from trainmem_nb.simulate import _round, compile_step, program_key
-from trainmem_nb.specs import ModelSpec, TrainingSpec
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--family", default="llama")
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=0)
-    ap.add_argument("--ffn", type=int, default=768)
-    ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
+    add_step_args(ap)
     ap.add_argument("--gpus", type=int, default=4)
     ap.add_argument("--zero", type=int, default=3)
     ap.add_argument("--rank", type=int, default=0)
-    ap.add_argument("--set", action="append", default=[])
     ap.add_argument("--live", action="store_true", help="print live bytes per event side by side")
     a = ap.parse_args()
-    m = ModelSpec.model_validate(dict(family=a.family, n_layers=a.layers, hidden=a.hidden, n_heads=a.heads,
-                                      n_kv_heads=a.kv_heads, ffn=a.ffn, vocab=a.vocab, max_positions=max(4096, a.seq)))
-    opts = dict(s.split("=", 1) for s in a.set)
-    opts.setdefault("device", "cpu")
-    t = TrainingSpec.model_validate({"micro_batch": a.batch, "seq_len": a.seq, **opts})
+    m, t = step_from_args(a)
     p = ParallelSpec(gpus=a.gpus, engine="fsdp", zero=a.zero)
     e = simulate_parallel(m, t, p, None, backend="nccl")  # the fake process group allocates as NCCL does
     s = summarize(run_fsdp_step(m, t, p, rank=a.rank))

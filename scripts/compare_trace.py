@@ -9,37 +9,22 @@ from __future__ import annotations
 import argparse
 import difflib
 
+from _step_args import add_step_args, step_from_args
+
 from trainmem_nb.measure.step import run_step
 from trainmem_nb.measure.tracker import cuda_round
 from trainmem_nb.simulate import _round, compile_step
-from trainmem_nb.specs import ModelSpec, TrainingSpec
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--family", default="llama")
-    ap.add_argument("--layers", type=int, default=3)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=0)
-    ap.add_argument("--ffn", type=int, default=768)
-    ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--set", action="append", default=[])
-    ap.add_argument("--mset", action="append", default=[])
+    add_step_args(ap)
     ap.add_argument("--phase", default="")
     ap.add_argument("--min-bytes", type=int, default=0)
     ap.add_argument("--live", action="store_true",
                     help="compare live bytes at each allocation; print where they first diverge")
     a = ap.parse_args()
-    kw = dict(family=a.family, n_layers=a.layers, hidden=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads,
-              ffn=a.ffn, vocab=a.vocab, max_positions=max(4096, a.seq))
-    kw.update(dict(s.split("=", 1) for s in a.mset))
-    m = ModelSpec.model_validate(kw)
-    opts = dict(s.split("=", 1) for s in a.set)
-    opts.setdefault("device", "cpu")
-    t = TrainingSpec.model_validate({"micro_batch": a.batch, "seq_len": a.seq, **opts})
+    m, t = step_from_args(a)
     sbh = a.batch * a.seq * m.hidden
     prog = compile_step(m, t)
     est = []

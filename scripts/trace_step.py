@@ -9,40 +9,20 @@ from __future__ import annotations
 
 import argparse
 
+from _step_args import add_step_args, step_from_args
+
 from trainmem_nb.measure.step import run_step, summarize
 from trainmem_nb.measure.tracker import cuda_round
-from trainmem_nb.presets import get_model
-from trainmem_nb.specs import ModelSpec, TrainingSpec
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model")
-    ap.add_argument("--family", default="llama")
-    ap.add_argument("--layers", type=int, default=2)
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--kv-heads", type=int, default=0)
-    ap.add_argument("--ffn", type=int, default=512)
-    ap.add_argument("--vocab", type=int, default=1000)
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--set", action="append", default=[], help="training option key=value")
-    ap.add_argument("--mset", action="append", default=[], help="model field key=value")
+    add_step_args(ap, layers=2, ffn=512, batch=1)
     ap.add_argument("--device", default="fake")
     ap.add_argument("--min-bytes", type=int, default=1)
     ap.add_argument("--phase", default="")
     a = ap.parse_args()
-    if a.model:
-        m = get_model(a.model)
-    else:
-        kw = dict(family=a.family, n_layers=a.layers, hidden=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads,
-                  ffn=a.ffn, vocab=a.vocab, max_positions=max(4096, a.seq))
-        kw.update(dict(s.split("=", 1) for s in a.mset))
-        m = ModelSpec.model_validate(kw)
-    opts = dict(s.split("=", 1) for s in a.set)
-    opts.setdefault("device", "cpu")
-    t = TrainingSpec.model_validate({"micro_batch": a.batch, "seq_len": a.seq, **opts})
+    m, t = step_from_args(a)
     trace = run_step(m, t, a.device)
     tr = trace.tracker
     sbh = t.micro_batch * t.seq_len * m.hidden
