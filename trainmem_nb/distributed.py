@@ -854,9 +854,9 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         tops: dict[str, int] = {}
         for k, v in detail.items():
             tops[k.split("/")[0]] = tops.get(k.split("/")[0], 0) + v
-        reserved, total = reserved_and_total(t, peak, tops.get("activations", 0) + tops.get("transient", 0), calibration)
         # a paged optimizer's unified-memory states (`paged_state_bytes`): only where the optimizer is
         # the training loop's (DDP, FSDP) and steps on the GPU; DeepSpeed and Megatron run their own
+        paged = 0
         if t.device is Device.CUDA and isinstance(hooks, (FSDP2Hooks, DDPHooks)) and p.offload is Offload.NONE:
             degree = p.shard_degree if (p.zero or p.engine is Engine.FSDP) else 1
 
@@ -864,7 +864,9 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
                             d: int = degree) -> ParamTensor | None:
                 return _row_shard(q, d) if _held(h, q, sm) else None
 
-            total += paged_state_bytes(stage_model, t, stage_shard)
+            paged = paged_state_bytes(stage_model, t, stage_shard)
+        reserved, total = reserved_and_total(t, peak, tops.get("activations", 0) + tops.get("transient", 0),
+                                             calibration, paged)
         per_stage = p.gpus // p.pp
         first, last = stage * per_stage, (stage + 1) * per_stage - 1
         label = f"stage {stage} (ranks {first}-{last})" if p.pp > 1 else f"every rank (0-{p.gpus - 1})"

@@ -593,11 +593,14 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
                                 "grad_accum": min(t.grad_accum, 2)})
 
 
-def reserved_and_total(t: TrainingSpec, peak: int, churn: int, calibration: Calibration | None) -> tuple[int, int]:
+def reserved_and_total(t: TrainingSpec, peak: int, churn: int, calibration: Calibration | None,
+                       unified: int = 0) -> tuple[int, int]:
     """The caching allocator's reserved bytes and the device total (nvidia-smi) for an allocated peak.
 
     ``churn`` is the activation and temporary bytes at the peak: memory that is freed and reused within
-    a step, where cached blocks and fragmentation come from. CPU: both equal the peak."""
+    a step, where cached blocks and fragmentation come from; ``unified``, CUDA unified memory outside the
+    allocator (a paged optimizer's states, `paged_state_bytes`), which nvidia-smi counts while resident.
+    CPU: both equal the peak."""
     if t.device is not Device.CUDA:
         return peak, peak
     from .device import CUDA_CONTEXT_BYTES, LARGE_SEGMENT_BYTES, RESERVED_CHURN_FRACTION
@@ -605,7 +608,7 @@ def reserved_and_total(t: TrainingSpec, peak: int, churn: int, calibration: Cali
     frac = calibration.reserved_churn_fraction if calibration else RESERVED_CHURN_FRACTION
     context = calibration.cuda_context_bytes if calibration else CUDA_CONTEXT_BYTES
     reserved = -(-int(peak + frac * churn) // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES
-    return reserved, reserved + context
+    return reserved, reserved + context + unified
 
 
 def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None,
@@ -623,14 +626,13 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
     tops = dict.fromkeys(TOP_KEYS, 0)
     for k, v in ev.detail.items():
         tops[k.split("/")[0]] += v
-    reserved, total = reserved_and_total(t, ev.peak, tops["activations"] + tops["transient"], calibration)
+    paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0
+    reserved, total = reserved_and_total(t, ev.peak, tops["activations"] + tops["transient"], calibration, paged)
     overhead = {}
     if t.device is Device.CUDA:
-        overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved}
-        paged = paged_state_bytes(m, t)
+        overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved - paged}
         if paged:  # unified memory: outside the allocator, on the device while it has room
             overhead["paged_optimizer_states"] = paged
-            total += paged
     from .distributed import RankMemory
 
     only = RankMemory("the only device (rank 0)", 0, m.n_layers, ev.peak, reserved, total, ev.peak_phase, ev.peak_at,

@@ -182,8 +182,8 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
         for j, (r, _, _) in enumerate(members):
             peak = int(res["peak"][j])
             tops = {f"{k}_bytes": int(res["breakdown"][i][j]) for i, k in enumerate(TOP_KEYS)}
-            reserved, total = reserved_and_total(t, peak, tops["activations_bytes"] + tops["transient_bytes"], None)
-            total += paged
+            reserved, total = reserved_and_total(t, peak, tops["activations_bytes"] + tops["transient_bytes"], None,
+                                                 paged)
             rows[r].update(peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
                            peak_phase=str(res["phase"][j]), **tops,
                            saved_activations_bytes=int(res["saved_activations"][j]),
