@@ -13,8 +13,8 @@ import time
 from _timing import median_ms
 
 import trainmem_nb as tm
-from trainmem_nb.presets import get_model
-from trainmem_nb.simulate import compile_step
+from trainmem_nb.model.presets import get_model
+from trainmem_nb.step.compile import compile_step
 
 
 def main() -> None:

@@ -11,8 +11,9 @@ import time
 from _timing import median_ms
 
 import trainmem_nb as tm
-from trainmem_nb.planner import fewest_gpus, fit, max_micro_batch, plan
-from trainmem_nb.presets import get_model
+from trainmem_nb.model.presets import get_model
+from trainmem_nb.planning.fit import fewest_gpus, fit, max_micro_batch
+from trainmem_nb.planning.search import plan
 
 
 def main() -> None:

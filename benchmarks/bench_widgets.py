@@ -85,7 +85,7 @@ def main() -> None:
     for v in grid.values():
         n *= len(v)
     tm.sweep("llama-3.1-8b", micro_batch=1, seq_len=1024)  # import pandas and numpy once
-    from trainmem_nb.simulate import compile_step
+    from trainmem_nb.step.compile import compile_step
 
     compile_step.cache_clear()
     walls, cpus = _time(lambda i: tm.sweep("llama-3.1-8b", **grid), 1)

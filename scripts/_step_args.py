@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import argparse
 
-from trainmem_nb.presets import get_model
-from trainmem_nb.specs import ModelSpec, TrainingSpec
+from trainmem_nb.model.presets import get_model
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.spec.training import TrainingSpec
 
 
 def add_step_args(ap: argparse.ArgumentParser, layers: int = 3, ffn: int = 768, batch: int = 2) -> None:

@@ -9,12 +9,14 @@ import argparse
 
 from _step_args import add_step_args, step_from_args
 
-from trainmem_nb.distributed import _hooks, simulate_parallel
+from trainmem_nb.engine.program import _round
 from trainmem_nb.measure.fsdp import run_fsdp_step
 from trainmem_nb.measure.step import summarize
 from trainmem_nb.measure.tracker import cuda_round
-from trainmem_nb.parallelism import ParallelSpec
-from trainmem_nb.simulate import _round, compile_step, program_key
+from trainmem_nb.parallel.layout import _hooks
+from trainmem_nb.parallel.simulate import simulate_parallel
+from trainmem_nb.spec.parallel import ParallelSpec
+from trainmem_nb.step.compile import compile_step, program_key
 
 
 def main() -> None:

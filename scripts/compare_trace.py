@@ -11,9 +11,10 @@ import difflib
 
 from _step_args import add_step_args, step_from_args
 
+from trainmem_nb.engine.program import _round
 from trainmem_nb.measure.step import run_step
 from trainmem_nb.measure.tracker import cuda_round
-from trainmem_nb.simulate import _round, compile_step
+from trainmem_nb.step.compile import compile_step
 
 
 def main() -> None:

@@ -72,7 +72,8 @@ def _rank(rank: int, a: dict[str, Any], init_method: str, out: Any) -> None:
     from trainmem_nb.measure.fsdp import ResizeAwareTracker, _follow_resizes
     from trainmem_nb.measure.step import build, make_optimizer
     from trainmem_nb.measure.tracker import cuda_round
-    from trainmem_nb.specs import ModelSpec, TrainingSpec
+    from trainmem_nb.model.spec import ModelSpec
+    from trainmem_nb.spec.training import TrainingSpec
 
     pp, dp, n_mb = a["pp"], a["dp"], a["grad_accum"]
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=pp * dp)
@@ -182,8 +183,9 @@ def measure(a: dict[str, Any], timeout_s: float = 600) -> list[dict[str, Any]]:
 
 def estimate(a: dict[str, Any]) -> Any:
     import trainmem_nb as tm
-    from trainmem_nb.parallelism import ParallelSpec
-    from trainmem_nb.specs import ModelSpec, TrainingSpec
+    from trainmem_nb.model.spec import ModelSpec
+    from trainmem_nb.spec.parallel import ParallelSpec
+    from trainmem_nb.spec.training import TrainingSpec
 
     m = ModelSpec.model_validate(a["model"])
     t = TrainingSpec.model_validate({"micro_batch": a["micro_batch"], "seq_len": a["seq_len"], "device": "cpu",

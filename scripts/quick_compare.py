@@ -6,9 +6,10 @@ import itertools
 import sys
 import time
 
-from trainmem_nb.estimate import estimate
+from trainmem_nb.estimator.api import estimate
 from trainmem_nb.measure.step import run_step, summarize
-from trainmem_nb.specs import ModelSpec, TrainingSpec
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.spec.training import TrainingSpec
 
 #: Families without grouped-query attention (n_kv_heads must equal n_heads).
 NO_GQA = ("gpt2", "opt", "bert", "gpt_neox")

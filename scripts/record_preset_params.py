@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 from trainmem_nb.measure.models import hf_param_shapes
-from trainmem_nb.params import param_inventory
-from trainmem_nb.presets import get_model, list_presets
+from trainmem_nb.model.params import param_inventory
+from trainmem_nb.model.presets import get_model, list_presets
 
 DATA = Path(__file__).resolve().parents[1] / "trainmem_nb" / "data" / "presets.json"
 

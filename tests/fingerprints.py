@@ -162,7 +162,7 @@ def _plain(x: Any) -> Any:
 def program_fingerprint(prog: Any) -> str:
     """Hash of what is alive before the step (merged by category and size) and of the step's event
     stream, expanded over each segment's repetitions: (phase, category, +k/-k, size form)."""
-    from trainmem_nb.breakdown import DETAIL_KEYS
+    from trainmem_nb.engine.breakdown import DETAIL_KEYS
 
     init: dict[tuple[str, tuple[float, ...]], int] = {}
     for cat, sz, count in prog.init:
@@ -198,7 +198,8 @@ def numbers_fingerprint(est: Any) -> str:
 def fingerprint(case: dict[str, Any]) -> dict[str, str]:
     """Both fingerprints of one grid case, or its one-line refusal (an invalid combination)."""
     import trainmem_nb as tm
-    from trainmem_nb.specs import ModelSpec, SpecError
+    from trainmem_nb.errors import SpecError
+    from trainmem_nb.model.spec import ModelSpec
 
     m = ModelSpec.model_validate({"name": "fingerprint", **case["model"]})
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainmem_nb.estimate import estimate
+from trainmem_nb.estimator.api import estimate
 from trainmem_nb.measure.dataset import MeasuredCase, load_cases
 
 CASES = load_cases()

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from trainmem_nb import estimate
-from trainmem_nb.specs import ModelSpec, TrainingSpec
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.spec.training import TrainingSpec
 
 DATA = Path(__file__).resolve().parents[1] / "validation" / "harness_cases.json"
 CASES = json.loads(DATA.read_text())["cases"]

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import trainmem_nb as tm
-from trainmem_nb.breakdown import DETAIL_KEYS, TOP_KEYS
-from trainmem_nb.cli import main
+from trainmem_nb.cli.main import main
+from trainmem_nb.engine.breakdown import DETAIL_KEYS, TOP_KEYS
 
 CONTRACT = {"n_params", "n_trainable_params", "peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes",
             "peak_phase", "breakdown_bytes"}
@@ -100,7 +100,7 @@ def test_cli_reads_an_hf_config_file(tmp_path, capsys: pytest.CaptureFixture[str
     ([], "one of the arguments --model --hf-config --params is required"),
 ])
 def test_cli_bad_input_prints_one_line_and_exits_2(args: list[str], message: str) -> None:
-    proc = subprocess.run([sys.executable, "-m", "trainmem_nb.cli", "estimate", *args],
+    proc = subprocess.run([sys.executable, "-m", "trainmem_nb.cli.main", "estimate", *args],
                           capture_output=True, text=True, check=False)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
@@ -114,7 +114,7 @@ def test_presets_command_lists_them(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_estimate_sweep_and_default_calibration_share_one_compiled_program() -> None:
     from trainmem_nb.device import CUBLAS_WORKSPACE_BYTES
-    from trainmem_nb.simulate import compile_step
+    from trainmem_nb.step.compile import compile_step
 
     compile_step.cache_clear()
     tm.estimate("gpt2", micro_batch=2, seq_len=256)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import trainmem_nb as tm
-from trainmem_nb.params import NF4_BLOCK, nf4_bytes, param_inventory, quantized
-from trainmem_nb.presets import get_model
+from trainmem_nb.model.params import NF4_BLOCK, nf4_bytes, param_inventory, quantized
+from trainmem_nb.model.presets import get_model
 
 KW = dict(micro_batch=1, seq_len=512, precision="bf16-true", device="cuda")
 
@@ -122,7 +122,7 @@ def test_8bit_adamw_keeps_about_a_quarter_of_adamws_state() -> None:
     ("llama-2-7b", []),  # the only linear outside the layers is the output head, which all-linear skips
 ])
 def test_all_linear_also_adapts_the_linears_outside_the_layers_but_not_the_head(name: str, outer: list[str]) -> None:
-    from trainmem_nb.params import lora_inventory
+    from trainmem_nb.model.params import lora_inventory
 
     m = get_model(name)
     adapters = [p.name for p in lora_inventory(m, "all-linear", 8) if not p.name.startswith("layers.")]
@@ -131,7 +131,7 @@ def test_all_linear_also_adapts_the_linears_outside_the_layers_but_not_the_head(
 
 
 def test_paged_adamw_states_of_large_tensors_are_unified_memory_not_allocator_bytes() -> None:
-    from trainmem_nb.optimizers import BNB_PAGED_MIN_NUMEL
+    from trainmem_nb.step.optimizers import BNB_PAGED_MIN_NUMEL
 
     kw = dict(micro_batch=1, seq_len=512, precision="bf16-true", device="cuda")
     adamw = tm.estimate("llama-3.2-1b", optimizer="adamw", **kw)

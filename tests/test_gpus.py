@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-import trainmem_nb.gpus as gpus_module
-from trainmem_nb.gpus import GPU, get_gpu, list_gpus, list_prices, load_gpus, load_prices, snapshot_date
-from trainmem_nb.specs import SpecError
+import trainmem_nb.planning.gpus as gpus_module
+from trainmem_nb.errors import SpecError
+from trainmem_nb.planning.gpus import GPU, get_gpu, list_gpus, list_prices, load_gpus, load_prices, snapshot_date
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 

@@ -23,15 +23,15 @@ from typing import Any
 
 import pytest
 
-import trainmem_nb.launch as launch_module
-from trainmem_nb.launch import (
+import trainmem_nb.planning.launch as launch_module
+from trainmem_nb.errors import SpecError
+from trainmem_nb.planning.launch import (
     accelerate_fsdp_config,
     deepspeed_config,
     to_yaml,
     torchrun_command,
     write_launch_files,
 )
-from trainmem_nb.specs import SpecError
 
 
 class _DataParallelMPU:

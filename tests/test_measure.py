@@ -15,11 +15,13 @@ pytestmark = pytest.mark.torch
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from trainmem_nb.breakdown import DETAIL_KEYS, TOP_KEYS  # noqa: E402
+from trainmem_nb.engine.breakdown import DETAIL_KEYS, TOP_KEYS  # noqa: E402
 from trainmem_nb.measure import measure  # noqa: E402
 from trainmem_nb.measure.dataset import CASES_FILE, HARNESS_FILE, load_cases  # noqa: E402
 from trainmem_nb.measure.step import run_step, summarize  # noqa: E402
-from trainmem_nb.specs import Family, ModelSpec, TrainingSpec  # noqa: E402
+from trainmem_nb.model.families import Family  # noqa: E402
+from trainmem_nb.model.spec import ModelSpec  # noqa: E402
+from trainmem_nb.spec.training import TrainingSpec  # noqa: E402
 
 ALL_FAMILIES = [f.value for f in Family]
 
@@ -122,7 +124,7 @@ def test_fake_equals_cpu_byte_for_byte_for_mixture_of_experts(option: str) -> No
 
 
 def test_breakdown_sums_to_the_peak_with_the_estimators_keys() -> None:
-    from trainmem_nb.estimate import estimate
+    from trainmem_nb.estimator.api import estimate
 
     r = measure(tiny("llama"), training(precision="bf16-mixed"), device="fake")
     d = r.to_dict()
@@ -147,7 +149,7 @@ def test_measurement_round_trips_through_its_dict() -> None:
 
 
 def test_measure_accepts_the_model_forms_of_estimate() -> None:
-    from trainmem_nb.hf_config import to_hf_config
+    from trainmem_nb.model.hf_config import to_hf_config
 
     m = tiny("gpt2")
     by_spec = measure(m, training(), device="fake")
@@ -260,7 +262,7 @@ def test_dataset_file_is_present() -> None:
 
 def test_cpu_step_that_cannot_fit_in_ram_is_refused_before_allocating() -> None:
     from trainmem_nb.measure.api import check_fits_in_ram
-    from trainmem_nb.presets import get_model
+    from trainmem_nb.model.presets import get_model
 
     m = get_model("llama-2-7b")
     with pytest.raises(RuntimeError, match="use --device fake"):

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from trainmem_nb.cli import main
+from trainmem_nb.cli.main import main
 
 
 def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -35,7 +35,7 @@ def _python(code: str) -> subprocess.CompletedProcess[str]:
 def test_cli_does_not_import_torch_until_measure_runs() -> None:
     proc = _python(
         "import sys\n"
-        "from trainmem_nb.cli import build_parser\n"
+        "from trainmem_nb.cli.main import build_parser\n"
         "parser = build_parser()\n"
         "parser.parse_args(['measure', '--model', 'gpt2'])\n"
         "import trainmem_nb.measure.dataset, trainmem_nb.measure.validate\n"
@@ -49,7 +49,7 @@ def test_missing_torch_says_how_to_install_the_extra() -> None:
     proc = _python(
         "import sys\n"
         "sys.modules['torch'] = None  # what an environment without torch looks like to `import torch`\n"
-        "from trainmem_nb.cli import main\n"
+        "from trainmem_nb.cli.main import main\n"
         "sys.exit(main(['measure', '--model', 'gpt2', '--seq-len', '64']))\n"
     )
     assert_one_line_error(proc.returncode, proc.stderr, 'pip install "trainmem_nb[measure]"')
@@ -125,9 +125,10 @@ def test_unsupported_family_is_one_line_and_exit_2(tmp_path: Path, capsys: pytes
 
 def _cuda_measurement() -> Any:
     """A cuda `Measurement` as the CUDA path builds it (its numbers are arbitrary but consistent)."""
-    from trainmem_nb.breakdown import DETAIL_KEYS
+    from trainmem_nb.engine.breakdown import DETAIL_KEYS
     from trainmem_nb.measure.result import Measurement
-    from trainmem_nb.specs import ModelSpec, TrainingSpec
+    from trainmem_nb.model.spec import ModelSpec
+    from trainmem_nb.spec.training import TrainingSpec
 
     detail = dict.fromkeys(DETAIL_KEYS, 0)
     detail.update({"weights/params": 4 << 20, "gradients": 4 << 20, "optimizer_states": 8 << 20,
@@ -147,8 +148,8 @@ def _cuda_measurement() -> Any:
 @pytorch
 def test_saved_calibration_is_read_by_the_estimator(tmp_path: Path) -> None:
     pytest.importorskip("torch")
-    from trainmem_nb.device import load_calibration
     from trainmem_nb.measure.cuda import write_calibration
+    from trainmem_nb.spec.calibration import load_calibration
 
     m = _cuda_measurement()
     path = write_calibration(m, tmp_path / "cal.json")

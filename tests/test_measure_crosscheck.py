@@ -13,7 +13,8 @@ pytest.importorskip("transformers")
 
 from trainmem_nb.measure import measure  # noqa: E402
 from trainmem_nb.measure.crosscheck import memtracker_peak, rss_step_delta  # noqa: E402
-from trainmem_nb.specs import ModelSpec, TrainingSpec  # noqa: E402
+from trainmem_nb.model.spec import ModelSpec  # noqa: E402
+from trainmem_nb.spec.training import TrainingSpec  # noqa: E402
 
 MODEL = ModelSpec(family="gpt2", name="gpt2-4L-256", n_layers=4, hidden=256, n_heads=4, ffn=1024, vocab=8192,
                   max_positions=512)

@@ -10,9 +10,11 @@ from fractions import Fraction
 import pytest
 
 import trainmem_nb as tm
-from trainmem_nb.distributed import simulate_parallel
-from trainmem_nb.parallelism import ParallelSpec
-from trainmem_nb.specs import ModelSpec, SpecError, TrainingSpec
+from trainmem_nb.errors import SpecError
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.parallel.simulate import simulate_parallel
+from trainmem_nb.spec.parallel import ParallelSpec
+from trainmem_nb.spec.training import TrainingSpec
 
 GIB = 2**30
 
@@ -126,8 +128,8 @@ def test_1f1b_with_one_micro_batch_holds_one_micro_batch_on_every_stage() -> Non
     """1F1B over grad_accum=1: stage 0 runs F0 then waits for B0, so it holds one micro-batch, not
     pp - stage (there is no second one to warm up with). llama-2-7b on pp=2 (16 layers a stage),
     micro_batch=2 so both stages peak in the backward of that micro-batch."""
-    from trainmem_nb.distributed import _in_flight
-    from trainmem_nb.presets import resolve_model
+    from trainmem_nb.model.presets import resolve_model
+    from trainmem_nb.parallel.pipeline import _in_flight
 
     assert [_in_flight(ParallelSpec(gpus=2, pp=2), stage, 1) for stage in (0, 1)] == [1, 1]
     m = resolve_model("llama-2-7b")
@@ -211,8 +213,8 @@ def test_tensor_parallel_degree_must_divide_heads() -> None:
 
 def test_trainmem_measure_runs_one_fsdp_rank_and_matches_the_per_rank_estimate(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("torch")
-    from trainmem_nb.cli import main
-    from trainmem_nb.presets import get_model
+    from trainmem_nb.cli.main import main
+    from trainmem_nb.model.presets import get_model
 
     args = ["--model", "gpt2", "--micro-batch", "2", "--seq-len", "128", "--precision", "bf16-mixed",
             "--gpus", "4", "--engine", "fsdp", "--zero", "3"]
@@ -325,7 +327,7 @@ def _megatron_in_flight(pp: int, v: int, rank: int, micro_batches: int) -> float
 
 @pytest.mark.parametrize(("pp", "v"), [(2, 2), (4, 2), (4, 4), (8, 3)])
 def test_interleaved_in_flight_follows_megatrons_warmup_and_the_papers_first_stage(pp: int, v: int) -> None:
-    from trainmem_nb.distributed import _in_flight
+    from trainmem_nb.parallel.pipeline import _in_flight
 
     p = ParallelSpec(gpus=pp, pp=pp, pp_schedule="interleaved", virtual_stages=v)
     one_f_one_b = ParallelSpec(gpus=pp, pp=pp)
@@ -407,8 +409,8 @@ def test_pipeline_stage_buffers_follow_torch_pipelining() -> None:
     on a non-first stage, one gradient receive buffer per micro-batch on a non-last stage, and each
     backwarded micro-batch's input gradient (``buffer.grad``); with ``return_outputs=True`` (torch's
     default, torchtitan's loop) the last stage keeps every forwarded micro-batch's logits."""
-    from trainmem_nb.distributed import _pipeline_buffers
-    from trainmem_nb.presets import resolve_model
+    from trainmem_nb.model.presets import resolve_model
+    from trainmem_nb.parallel.pipeline import _pipeline_buffers
 
     m = resolve_model("llama-2-7b")
     t = TrainingSpec.model_validate(dict(micro_batch=1, seq_len=2048, precision="bf16-mixed", grad_accum=4))

@@ -13,24 +13,21 @@ from typing import Any
 import pytest
 
 import trainmem_nb as tm
-import trainmem_nb.planner as planner
-from trainmem_nb.cli import main
-from trainmem_nb.gpus import get_gpu
-from trainmem_nb.parallelism import ParallelSpec, build_parallel
-from trainmem_nb.planner import (
-    Fit,
-    checkpoint_bytes,
-    fewest_gpus,
-    fit,
-    flops_per_token,
-    max_micro_batch,
-    plan,
-    plot_options,
-    run_cost,
-    step_time,
-)
-from trainmem_nb.presets import get_model
-from trainmem_nb.specs import ModelSpec, SpecError, TrainingSpec
+import trainmem_nb.planning.fit as fit_module
+import trainmem_nb.planning.search as search_module
+import trainmem_nb.planning.throughput as throughput
+from trainmem_nb.cli.main import main
+from trainmem_nb.errors import SpecError
+from trainmem_nb.model.presets import get_model
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.planning.cost import checkpoint_bytes, run_cost
+from trainmem_nb.planning.fit import Fit, fewest_gpus, fit, max_micro_batch
+from trainmem_nb.planning.gpus import get_gpu
+from trainmem_nb.planning.search import plan
+from trainmem_nb.planning.throughput import flops_per_token, step_time
+from trainmem_nb.spec.parallel import ParallelSpec, build_parallel
+from trainmem_nb.spec.training import TrainingSpec
+from trainmem_nb.ui.plots import plan_options
 
 # ---------------------------------------------------------------------------------------------------------
 # helpers
@@ -40,7 +37,7 @@ def _with_total(est: tm.MemoryEstimate, total: int, per_rank: tuple[Any, ...] = 
     return dataclasses.replace(est, device_total_bytes=total, per_rank=per_rank)
 
 
-_real_estimate = planner.estimate
+_real_estimate = tm.estimate
 
 
 def _fake_parallel_estimate(model: Any, training: Any = None, *, parallel: Any = None, **kw: Any) -> tm.MemoryEstimate:
@@ -67,7 +64,8 @@ def _fake_parallel_estimate(model: Any, training: Any = None, *, parallel: Any =
 
 @pytest.fixture
 def fake_parallel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(planner, "estimate", _fake_parallel_estimate)
+    monkeypatch.setattr(fit_module, "estimate", _fake_parallel_estimate)
+    monkeypatch.setattr(search_module, "estimate", _fake_parallel_estimate)
     yield
 
 
@@ -75,14 +73,6 @@ def _gpt(hidden: int, heads: int, layers: int) -> ModelSpec:
     """GPT models of the Megatron papers: vocab 51200, sequence 2048, tied head, 4h MLP."""
     return ModelSpec(name=f"gpt-{hidden}", family="gpt2", n_layers=layers, hidden=hidden, n_heads=heads,
                      ffn=4 * hidden, vocab=51200, max_positions=2048)
-
-
-def _has_distributed() -> bool:
-    try:
-        import trainmem_nb.distributed  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -155,7 +145,7 @@ def test_max_micro_batch_needs_only_logarithmically_many_estimates(monkeypatch: 
         calls.append(1)
         return _real_estimate(*args, **kwargs)
 
-    monkeypatch.setattr(planner, "estimate", counting)
+    monkeypatch.setattr(fit_module, "estimate", counting)
     best = max_micro_batch(get_model("llama-3.2-1b"), "H100", seq_len=2048, checkpointing="full")
     assert best > 8
     assert 0 < len(calls) <= 2 * best.bit_length() + 2
@@ -170,7 +160,7 @@ def test_fewest_gpus_shards_until_it_fits(fake_parallel: None) -> None:
     p = fewest_gpus("llama-2-7b", "A100 40GB", seq_len=2048, checkpointing="full")
     assert p is not None and p.gpus > 1 and p.zero == 3
     smaller = build_parallel(p, gpus=p.gpus // 2, nodes=max(1, p.nodes // 2))
-    est = planner.estimate("llama-2-7b", seq_len=2048, checkpointing="full", parallel=smaller)
+    est = _fake_parallel_estimate("llama-2-7b", seq_len=2048, checkpointing="full", parallel=smaller)
     assert not fit(est, "A100 40GB").fits
     assert fewest_gpus("llama-3.1-405b", "T4", max_gpus=4) is None
 
@@ -288,11 +278,11 @@ def test_a_group_inside_a_rack_scale_nvlink_domain_talks_over_nvlink_across_node
     # ZeRO-3 traffic runs at NVLink speed, as on one node; two 8-GPU H100 HGX nodes talk over the network.
     gb200, h100 = get_gpu("GB200"), get_gpu("H100")
     assert (gb200.gpus_per_node, gb200.nvlink_domain) == (4, 72)
-    nvlink = gb200.interconnect_bidir_gbs / 2 * planner.COMM_EFFICIENCY[gb200.interconnect_kind]  # type: ignore[operator]
-    network = planner.INTER_NODE_GBS_PER_GPU * planner.COMM_EFFICIENCY["network"]
-    assert planner._link_gbs(gb200, 8, 2, planner.INTER_NODE_GBS_PER_GPU) == pytest.approx(nvlink)
-    assert planner._link_gbs(gb200, 144, 36, planner.INTER_NODE_GBS_PER_GPU) == pytest.approx(network)
-    assert planner._link_gbs(h100, 16, 2, planner.INTER_NODE_GBS_PER_GPU) == pytest.approx(network)
+    nvlink = gb200.interconnect_bidir_gbs / 2 * throughput.COMM_EFFICIENCY[gb200.interconnect_kind]  # type: ignore[operator]
+    network = throughput.INTER_NODE_GBS_PER_GPU * throughput.COMM_EFFICIENCY["network"]
+    assert throughput._link_gbs(gb200, 8, 2, throughput.INTER_NODE_GBS_PER_GPU) == pytest.approx(nvlink)
+    assert throughput._link_gbs(gb200, 144, 36, throughput.INTER_NODE_GBS_PER_GPU) == pytest.approx(network)
+    assert throughput._link_gbs(h100, 16, 2, throughput.INTER_NODE_GBS_PER_GPU) == pytest.approx(network)
     t = TrainingSpec(micro_batch=1, seq_len=2048)
     m = get_model("llama-2-7b")
     two_nodes = step_time(m, t, ParallelSpec(gpus=8, nodes=2, engine="fsdp", zero=3), gb200)
@@ -305,8 +295,8 @@ def test_a_comm_bound_option_inside_an_nvlink_domain_does_not_blame_the_network(
     p = ParallelSpec(gpus=8, nodes=2, engine="fsdp", zero=3)
     row = {"comm_bound": True, "compute_time_s": 1.0, "comm_time_s": 2.0, "step_time_s": 2.0,
            "price_on_demand_usd_per_gpu_hour": 1.0}
-    gb200 = planner._row_warnings(get_gpu("GB200"), p, TrainingSpec(), row)
-    h100 = planner._row_warnings(get_gpu("H100"), p, TrainingSpec(), row)
+    gb200 = search_module._row_warnings(get_gpu("GB200"), p, TrainingSpec(), row)
+    h100 = search_module._row_warnings(get_gpu("H100"), p, TrainingSpec(), row)
     assert any("over nvswitch" in w for w in gb200) and not any("network" in w for w in gb200)
     assert any("the network between nodes" in w for w in h100)
 
@@ -438,7 +428,7 @@ def test_the_options_are_a_dataframe_and_the_chart_returns_its_artists(fake_para
     p = plan("llama-3.2-1b", gpus=["H100", "L40S"], seq_len=2048, target_global_batch=64, tokens=2e9)
     assert len(p.options) == len(p.rows) and "cost_usd_on_demand" in p.options.columns
     fig, ax = plt.subplots()
-    artists = plot_options(p, ax=ax)
+    artists = plan_options(p, ax=ax)
     assert artists["points"] and artists["front"] is not None
     assert p.prices_date in ax.get_title()
     plt.close(fig)
@@ -526,7 +516,6 @@ def test_the_snapshot_is_still_called_a_dated_snapshot() -> None:
     assert plan("gpt2", gpus=["H100"], seq_len=512, n_gpus=1, prices=False).prices_source == "none"
 
 
-@pytest.mark.skipif(not _has_distributed(), reason="the per-rank simulation (trainmem_nb.distributed) has not landed")
 def test_the_seed_example_gives_a_per_device_breakdown_and_the_gpus_it_fits() -> None:
     # The seed's request: a 13B model with ZeRO Stage 3, activation checkpointing, BF16 mixed precision and a
     # micro-batch of 4 across 8 GPUs: a detailed memory breakdown per device, and where it fits.
@@ -617,7 +606,8 @@ def test_cli_gpus_lists_the_catalog_with_dated_prices(capsys: pytest.CaptureFixt
 
 
 def test_module_examples_run() -> None:
-    assert doctest.testmod(planner).failed == 0
+    for module in (fit_module, search_module, throughput):
+        assert doctest.testmod(module).failed == 0
 
 
 def test_plan_refuses_a_sequence_beyond_the_models_positions_instead_of_fitting_nothing() -> None:
@@ -628,9 +618,9 @@ def test_plan_refuses_a_sequence_beyond_the_models_positions_instead_of_fitting_
 def test_fit_says_when_paged_optimizer_states_could_spill_to_host_ram() -> None:
     est = tm.estimate("llama-3.2-1b", optimizer="paged-adamw", precision="bf16-true", micro_batch=1, seq_len=512)
     paged = est.overhead_bytes["paged_optimizer_states"]
-    from trainmem_nb.gpus import load_gpus
+    from trainmem_nb.planning.gpus import load_gpus
 
-    (gpu,) = load_gpus([{"name": "test card", "memory_bytes": int((planner.needed_bytes(est) - paged / 2) / 0.9)}])
+    (gpu,) = load_gpus([{"name": "test card", "memory_bytes": int((fit_module.needed_bytes(est) - paged / 2) / 0.9)}])
     f = tm.fit(est, gpu)
     assert f.verdict != "fits" and any("pages them to host RAM" in n for n in f.notes)
     roomy = tm.fit(est, "H100")

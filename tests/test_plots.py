@@ -1,4 +1,4 @@
-"""Charts (`trainmem_nb.plots`) under Agg: what each draws is read back from its artists and compared
+"""Charts (`trainmem_nb.ui.plots`, `tm.plots`) under Agg: what each draws is read back from its artists and compared
 with the estimate, the sweep or the planner it was drawn from."""
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import trainmem_nb as tm  # noqa: E402
-from trainmem_nb import planner, plots  # noqa: E402
-from trainmem_nb.breakdown import TOP_KEYS  # noqa: E402
-from trainmem_nb.gpus import GPU  # noqa: E402
+from trainmem_nb.engine.breakdown import TOP_KEYS  # noqa: E402
+from trainmem_nb.planning import fit as planner  # noqa: E402
+from trainmem_nb.planning.gpus import GPU  # noqa: E402
+from trainmem_nb.ui import plots  # noqa: E402
 from trainmem_nb.units import format_bytes  # noqa: E402
 
 #: A made-up card, so that the charts' arithmetic is checked independently of the catalog.
@@ -161,7 +162,7 @@ def test_a_gpu_is_a_catalog_name_or_a_gpu_object() -> None:
 
 
 def test_importing_plots_loads_no_matplotlib() -> None:
-    code = "import sys, trainmem_nb.plots; print('matplotlib' in sys.modules)"
+    code = "import sys, trainmem_nb.ui.plots; print('matplotlib' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
 

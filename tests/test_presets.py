@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 
-from trainmem_nb.params import count_params
-from trainmem_nb.presets import get_model, get_preset, list_presets
+from trainmem_nb.model.params import count_params
+from trainmem_nb.model.presets import get_model, get_preset, list_presets
 
 REQUIRED = ["gpt2", "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "mistral-7b", "mixtral-8x7b",
             "qwen2.5-7b", "gemma-2b", "phi-3-mini", "pythia-1.4b", "tinyllama-1.1b", "bert-large"]

@@ -14,8 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainmem_nb import estimate
-from trainmem_nb.families import RECIPES
-from trainmem_nb.specs import ModelSpec, TrainingSpec
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.recipes.registry import RECIPES
+from trainmem_nb.spec.training import TrainingSpec
 
 FAMILIES = sorted(f.value for f in RECIPES)
 GQA = {"llama", "mistral", "qwen2", "gemma", "phi3", "mixtral"}

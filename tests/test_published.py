@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 
 import trainmem_nb as tm
-from trainmem_nb.specs import TrainingSpec
+from trainmem_nb.spec.training import TrainingSpec
 
 GB = 10**9
 GiB = 2**30

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from trainmem_nb import SpecError, TrainingSpec, estimate
-from trainmem_nb.specs import ModelSpec
+from trainmem_nb.model.spec import ModelSpec
 
 
 def test_heads_not_dividing_hidden_names_both_and_suggests_divisors() -> None:
@@ -90,7 +90,7 @@ def test_config_model_type_and_flags_of_the_wrong_type_are_named(extra: dict, me
 
 
 def test_a_bare_parameter_count_below_the_smallest_shape_names_the_minimum_which_works() -> None:
-    from trainmem_nb.hf_config import _smallest_shape_params
+    from trainmem_nb.model.hf_config import _smallest_shape_params
 
     smallest = int(_smallest_shape_params())
     with pytest.raises(SpecError, match=rf"must be between {smallest:,} \("):

@@ -8,9 +8,9 @@ pd = pytest.importorskip("pandas")
 
 import trainmem_nb as tm  # noqa: E402
 from trainmem_nb import SpecError  # noqa: E402
-from trainmem_nb.breakdown import TOP_KEYS  # noqa: E402
-from trainmem_nb.presets import resolve_model  # noqa: E402
-from trainmem_nb.specs import ModelSpec  # noqa: E402
+from trainmem_nb.engine.breakdown import TOP_KEYS  # noqa: E402
+from trainmem_nb.model.presets import resolve_model  # noqa: E402
+from trainmem_nb.model.spec import ModelSpec  # noqa: E402
 
 
 @pytest.mark.parametrize("opts", [

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from trainmem_nb.cli import main
+from trainmem_nb.cli.main import main
 from trainmem_nb.measure import validate
 from trainmem_nb.measure.dataset import CASES_FILE, HARNESS_FILE, load_cases
-from trainmem_nb.specs import Checkpointing, Family
+from trainmem_nb.model.families import Family
+from trainmem_nb.spec.choices import Checkpointing
 
 SHARED_RESULTS = Path(__file__).resolve().parents[2] / "shared" / "harness" / "results"
 

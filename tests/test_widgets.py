@@ -16,9 +16,9 @@ matplotlib.use("Agg")
 import ipywidgets as w  # noqa: E402
 
 import trainmem_nb as tm  # noqa: E402
-from trainmem_nb import planner  # noqa: E402
-from trainmem_nb.presets import get_preset  # noqa: E402
-from trainmem_nb.widgets import Explorer  # noqa: E402
+from trainmem_nb.model.presets import get_preset  # noqa: E402
+from trainmem_nb.planning import fit as planner  # noqa: E402
+from trainmem_nb.ui.explorer import Explorer  # noqa: E402
 
 
 @pytest.fixture
@@ -227,7 +227,7 @@ def test_every_control_through_its_extremes_and_invalid_combinations_keeps_answe
 
 
 def test_checkpointing_buttons_offer_every_policy_by_value_with_what_it_keeps(app: Explorer) -> None:
-    from trainmem_nb.specs import CHECKPOINTING_HELP, Checkpointing
+    from trainmem_nb.spec.choices import CHECKPOINTING_HELP, Checkpointing
 
     control = app.controls["checkpointing"]
     assert [v for _label, v in control.options] == [c.value for c in Checkpointing]

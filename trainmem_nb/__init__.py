@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from .estimate import MemoryEstimate, estimate
-from .presets import get_model, list_presets
-from .specs import ModelSpec, SpecError, TrainingSpec
+from .errors import SpecError
+from .estimator.api import estimate
+from .estimator.result import MemoryEstimate
+from .model.presets import get_model, list_presets
+from .model.spec import ModelSpec
+from .spec.training import TrainingSpec
 from .units import format_bytes, format_count
 
 __all__ = [
@@ -38,15 +41,16 @@ __version__ = "0.1.0"
 def __getattr__(name: str) -> Any:
     """Load the optional parts (widgets, plots, sweeps, planner, measurement) only when used."""
     lazy = {
-        "explore": ("trainmem_nb.widgets", "explore"),
-        "sweep": ("trainmem_nb.sweeps", "sweep"),
-        "fit": ("trainmem_nb.planner", "fit"),
-        "plan": ("trainmem_nb.planner", "plan"),
-        "max_micro_batch": ("trainmem_nb.planner", "max_micro_batch"),
-        "fewest_gpus": ("trainmem_nb.planner", "fewest_gpus"),
-        "get_gpu": ("trainmem_nb.gpus", "get_gpu"),
+        "explore": ("trainmem_nb.ui.explorer", "explore"),
+        "sweep": ("trainmem_nb.planning.sweeps", "sweep"),
+        "fit": ("trainmem_nb.planning.fit", "fit"),
+        "plan": ("trainmem_nb.planning.search", "plan"),
+        "max_micro_batch": ("trainmem_nb.planning.fit", "max_micro_batch"),
+        "fewest_gpus": ("trainmem_nb.planning.fit", "fewest_gpus"),
+        "get_gpu": ("trainmem_nb.planning.gpus", "get_gpu"),
+        "list_gpus": ("trainmem_nb.planning.gpus", "list_gpus"),
         "measure": ("trainmem_nb.measure", "measure"),
-        "plots": ("trainmem_nb.plots", None),
+        "plots": ("trainmem_nb.ui.plots", None),
     }
     if name in lazy:
         import importlib

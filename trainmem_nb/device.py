@@ -5,28 +5,11 @@ to 512 B) plus cuBLAS workspaces, which PyTorch allocates through its caching al
 ``peak_reserved_bytes`` adds what the caching allocator holds but has not handed out (segment rounding
 and fragmentation). ``device_total_bytes`` is what ``nvidia-smi`` shows: reserved plus the CUDA
 context. The constants below are modelled from their sources, not measured here (this machine has no
-GPU); a calibration measured on the user's GPU (``trainmem measure --device cuda``) replaces them.
-"""
+GPU); a calibration measured on the user's GPU (``trainmem measure --device cuda``) replaces them."""
 
 from __future__ import annotations
 
-import json
-from collections.abc import Mapping
-from pathlib import Path
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field
-
-__all__ = [
-    "CUBLAS_WORKSPACE_BYTES",
-    "CUDA_BLOCK_BYTES",
-    "CUDA_CONTEXT_BYTES",
-    "LARGE_SEGMENT_BYTES",
-    "RESERVED_CHURN_FRACTION",
-    "Calibration",
-    "load_calibration",
-    "round_block",
-]
+__all__ = ['CUBLAS_WORKSPACE_BYTES', 'CUDA_BLOCK_BYTES', 'CUDA_CONTEXT_BYTES', 'LARGE_SEGMENT_BYTES', 'RESERVED_CHURN_FRACTION', 'round_block']
 
 #: Every CUDA caching-allocator block is a multiple of 512 B (``kMinBlockSize``,
 #: c10/cuda/CUDACachingAllocator.cpp); ``max_memory_allocated`` counts the rounded sizes.
@@ -57,35 +40,3 @@ RESERVED_CHURN_FRACTION = 0.10
 def round_block(nbytes: int) -> int:
     """Bytes the CUDA caching allocator accounts for a tensor of `nbytes` (0 stays 0)."""
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if nbytes > 0 else 0
-
-
-class Calibration(BaseModel):
-    """What only a real GPU shows, measured by ``trainmem measure --device cuda --save-calibration``."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    gpu_name: str = ""
-    total_memory_bytes: int = Field(default=0, ge=0)
-    cuda_context_bytes: int = Field(default=CUDA_CONTEXT_BYTES, ge=0)
-    workspace_bytes: int = Field(default=CUBLAS_WORKSPACE_BYTES["default"], ge=0)
-    reserved_churn_fraction: float = Field(default=RESERVED_CHURN_FRACTION, ge=0.0, le=10.0)
-    torch_version: str = ""
-    measured_on: str = ""
-    source: str = "defaults"
-
-
-def load_calibration(calibration: Calibration | Mapping[str, Any] | str | Path | None) -> Calibration | None:
-    """A `Calibration` from an object, a dict or a JSON file written by ``trainmem measure``."""
-    if calibration is None or isinstance(calibration, Calibration):
-        return calibration
-    if isinstance(calibration, (str, Path)):
-        from .specs import SpecError
-
-        try:
-            data = json.loads(Path(calibration).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise SpecError(f"calibration={str(calibration)!r} cannot be read as JSON: {exc}") from None
-        calibration = data.get("calibration", data) if isinstance(data, dict) else data
-    from .specs import _validate
-
-    return _validate(Calibration, calibration)  # type: ignore[arg-type]

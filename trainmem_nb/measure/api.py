@@ -8,9 +8,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..breakdown import DETAIL_KEYS
-from ..presets import resolve_model
-from ..specs import ModelSpec, SpecError, TrainingSpec, build_training
+from ..engine.breakdown import DETAIL_KEYS
+from ..errors import SpecError
+from ..model.presets import resolve_model
+from ..model.spec import ModelSpec
+from ..spec.training import TrainingSpec, build_training
 from ..units import format_bytes
 from . import require_torch
 from .result import Measurement
@@ -123,7 +125,7 @@ def measure(
 ) -> Measurement:
     """Run one steady-state training step and return its measured memory.
 
-    `model` and `options` are what `trainmem_nb.estimate` takes (a preset name, `ModelSpec`, HF config
+    `model` and `options` are what `trainmem_nb.estimator.api` takes (a preset name, `ModelSpec`, HF config
     dict or parameter count; `TrainingSpec` fields as keywords). `device` is ``fake`` (FakeTensorMode:
     any size, no memory, CPU kernels), ``cpu`` (real tensors) or ``cuda`` (a GPU's allocator). For
     ``fake`` and ``cpu`` the training spec's device is ``cpu`` (the kernels that ran). A first step (``first_step=True``, or

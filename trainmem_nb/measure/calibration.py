@@ -16,7 +16,7 @@ def calibration_from(measurement: Any) -> Any:
     * ``reserved_churn_fraction`` = (peak reserved − peak allocated) / (activations + transient bytes
       at the peak): the allocator's overhead per byte that churns within a step.
     """
-    from ..device import Calibration
+    from ..spec.calibration import Calibration
 
     cuda = measurement.measured_with.get("cuda")
     if measurement.mode != "cuda" or not cuda:

@@ -22,7 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..specs import ModelSpec, TrainingSpec
+from ..model.spec import ModelSpec
+from ..spec.training import TrainingSpec
 
 __all__ = ["MALLOC_ENV", "memtracker_peak", "rss_step_delta"]
 

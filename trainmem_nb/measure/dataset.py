@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..specs import ModelSpec, TrainingSpec
+from ..model.spec import ModelSpec
+from ..spec.training import TrainingSpec
 from .result import Measurement
 
 __all__ = ["VALIDATION_DIR", "CaseSpec", "MeasuredCase", "full_matrix", "load_cases", "main", "quick_matrix"]
@@ -115,7 +116,7 @@ def _m(family: str, name: str, **kw: Any) -> ModelSpec:
 
 
 def _preset(preset: str, **overrides: Any) -> ModelSpec:
-    from ..presets import get_model
+    from ..model.presets import get_model
 
     spec = get_model(preset)
     if not overrides:

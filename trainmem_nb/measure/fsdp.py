@@ -22,8 +22,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..parallelism import ParallelSpec
-from ..specs import ModelSpec, Precision, TrainingSpec
+from ..model.spec import ModelSpec
+from ..spec.choices import Precision
+from ..spec.parallel import ParallelSpec
+from ..spec.training import TrainingSpec
 from .step import _categorize, _module_context, build, layer_module_names, make_optimizer
 from .tracker import StorageTracker
 

@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ..specs import ModelSpec, TrainingSpec
+from ..model.spec import ModelSpec
+from ..spec.training import TrainingSpec
 
 __all__ = [
     "DEFAULT_RESULTS",

@@ -9,7 +9,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..specs import AdapterDtype, Family, Method, ModelSpec, SpecError, TrainingSpec
+from ..errors import SpecError
+from ..model.families import Family
+from ..model.spec import ModelSpec
+from ..spec.choices import AdapterDtype, Method
+from ..spec.training import TrainingSpec
 
 __all__ = ["QV_TARGETS", "apply_lora", "lora_target_modules"]
 
@@ -32,7 +36,7 @@ QV_TARGETS: dict[Family, list[str]] = {
 def lora_target_modules(model_spec: ModelSpec, targets: str) -> list[str] | str:
     """peft's ``target_modules`` for a ``lora_targets`` option.
 
-    >>> from trainmem_nb.specs import ModelSpec
+    >>> from trainmem_nb.errors import ModelSpec
     >>> lora_target_modules(ModelSpec(family="gpt2", n_layers=1, hidden=64, n_heads=4, ffn=256, vocab=100), "qv")
     ['c_attn']
     """

@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..breakdown import TOP_KEYS
+from ..engine.breakdown import TOP_KEYS
 from ..units import format_bytes
 
 __all__ = ["harness_agreement", "write_dataset_reports"]

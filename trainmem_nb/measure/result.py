@@ -11,8 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..breakdown import DETAIL_KEYS, roll_up
-from ..specs import ModelSpec, TrainingSpec
+from ..engine.breakdown import DETAIL_KEYS, roll_up
+from ..model.spec import ModelSpec
+from ..spec.training import TrainingSpec
 from ..units import format_bytes, format_count
 
 __all__ = ["CONTRACT_KEYS", "Measurement"]
@@ -29,7 +30,7 @@ CONTRACT_KEYS: tuple[str, ...] = (
 def _single_device_layout() -> dict[str, Any]:
     """The parallel layout of a measured step: one device, no sharding (the estimator's default)."""
     try:
-        from ..parallelism import ParallelSpec
+        from ..spec.parallel import ParallelSpec
     except ImportError:  # an estimator without parallel layouts
         return {"gpus": 1}
     return ParallelSpec().model_dump(mode="json")

@@ -35,20 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..breakdown import DETAIL_KEYS
-from ..hf_config import to_hf_config
-from ..specs import (
-    Attention,
-    Checkpointing,
-    Family,
-    Method,
-    ModelSpec,
-    OptimizerImpl,
-    OptimizerName,
-    Precision,
-    SpecError,
-    TrainingSpec,
-)
+from ..engine.breakdown import DETAIL_KEYS
+from ..errors import SpecError
+from ..model.families import Family
+from ..model.hf_config import to_hf_config
+from ..model.spec import ModelSpec
+from ..spec.choices import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
+from ..spec.training import TrainingSpec
 from .models import hf_config_object, instantiate
 from .tracker import StorageTracker, cuda_round
 

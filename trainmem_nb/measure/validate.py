@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ..breakdown import TOP_KEYS
+from ..engine.breakdown import TOP_KEYS
 from ..units import format_bytes
 from .result import Measurement
 
@@ -30,7 +30,7 @@ CATEGORY_SLACK_BYTES = 64 << 20
 
 def _estimate_dict(m: Measurement) -> dict[str, Any]:
     """The estimator's ``to_dict()`` for a measured case (monkeypatched in plumbing tests)."""
-    from ..estimate import estimate
+    from ..estimator.api import estimate
 
     return estimate(m.model, m.training).to_dict()
 

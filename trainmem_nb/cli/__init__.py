@@ -1,0 +1,1 @@
+"""The ``trainmem`` command line."""

@@ -1,0 +1,191 @@
+"""``trainmem``: estimate (and, with the measure extra, measure) one training step's memory.
+
+Every subcommand takes the same model and training options; bad input prints one line and exits 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from ..errors import SpecError
+from .options import (
+    add_model_options,
+    add_training_options,
+    model_from_args,
+    parallel_options_from_args,
+    training_options_from_args,
+)
+
+__all__ = ['main']
+
+
+def _cmd_estimate(args: argparse.Namespace) -> int:
+    from ..estimator.api import estimate
+
+    est = estimate(model_from_args(args), calibration=args.calibration, **training_options_from_args(args),
+                   **parallel_options_from_args(args))
+    if args.json:
+        print(json.dumps(est.to_dict(), indent=2))
+    else:
+        print(est.summary())
+    return 0
+
+
+def _cmd_presets(args: argparse.Namespace) -> int:
+    from ..model.presets import get_model, list_presets
+    from ..units import format_count
+
+    rows = [(p.name, p.hf_id, format_count(get_model(p.name).n_params)) for p in list_presets()]
+    if args.json:
+        print(json.dumps([{"name": n, "hf_id": h, "n_params": get_model(n).n_params} for n, h, _ in rows], indent=2))
+        return 0
+    width = max(len(r[0]) for r in rows)
+    for name, hf_id, count in rows:
+        print(f"{name:<{width}}  {count:>7}  {hf_id}")
+    return 0
+
+
+def _add_planner_subcommands(sub: Any) -> None:
+    """``trainmem plan`` (which GPU, how many, how long, how much) and ``trainmem gpus`` (the catalog)."""
+    pl = sub.add_parser("plan", help="which GPU, how many, how long and what it costs (searches layouts)")
+    add_model_options(pl)
+    add_training_options(pl)
+    # what is not given is searched: leave the layout, micro-batch, accumulation and checkpointing unset
+    pl.set_defaults(micro_batch=None, grad_accum=None, checkpointing=None, gpus=None, nodes=None, engine=None,
+                    zero=None, hybrid_shard=None, tp=None, sp=None, pp=None, pp_schedule=None, virtual_stages=None,
+                    cp=None, ep=None, offload=None, ddp_bucket_view=None,
+                    no_pp_return_outputs=None)
+    g = pl.add_argument_group("planning")
+    g.add_argument("--gpu", action="append", metavar="NAME", help="GPU type to try (repeat; default: the whole catalog)")
+    g.add_argument("--gpu-file", metavar="PATH", help="your own GPUs (CSV/YAML/JSON with the catalog's columns)")
+    g.add_argument("--target-global-batch", type=int, metavar="N", help="sequences per optimizer step to reach")
+    g.add_argument("--tokens", metavar="N", help="total training tokens, e.g. 2e9 (gives time and cost)")
+    g.add_argument("--prices", metavar="PATH", help="your prices (CSV/YAML/JSON); default: the dated snapshot")
+    g.add_argument("--no-prices", action="store_true", help="do not cost the options")
+    g.add_argument("--provider", metavar="NAME", help="only this provider's prices")
+    g.add_argument("--mfu", type=float, metavar="F", help="utilisation of the dense peak (default: per GPU class)")
+    g.add_argument("--headroom", type=float, default=0.10, metavar="F", help="fraction of memory kept free (0.10)")
+    g.add_argument("--max-gpus", type=int, default=512, metavar="N", help="largest GPU count to try (512)")
+    g.add_argument("--spot-rate", type=float, metavar="F", help="spot interruptions per node-hour (default 1/24)")
+    g.add_argument("--storage-gbs", type=float, metavar="F", help="checkpoint write GB/s per node (default 1)")
+    g.add_argument("--top", type=int, default=15, metavar="N", help="rows in the table (15)")
+    g.add_argument("--export", metavar="DIR", help="write ds_config.json, accelerate_fsdp.yaml, launch.sh for the best option")
+    g.add_argument("--best", default="cost", choices=["cost", "time", "gpus"], help="which option --export takes")
+    pl.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
+    pl.set_defaults(func=_cmd_plan)
+    gp = sub.add_parser("gpus", help="list the GPU catalog (usable memory, dense TFLOPS, links, prices)")
+    gp.add_argument("--json", action="store_true")
+    gp.set_defaults(func=_cmd_gpus)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..errors import finite_number
+    from ..planning.cost import SPOT_INTERRUPTIONS_PER_NODE_HOUR, STORAGE_WRITE_GBS_PER_NODE
+    from ..planning.gpus import load_gpus
+    from ..planning.launch import write_launch_files
+    from ..planning.search import plan
+
+    catalog = load_gpus(args.gpu_file) if args.gpu_file else []
+    gpu_names = [n.strip() for item in args.gpu or [] for n in item.split(",") if n.strip()] or None
+    par = {k: v for k, v in parallel_options_from_args(args).items() if v is not None}
+    par["n_gpus"] = par.pop("gpus", None)  # plan(gpus=...) names GPU types; --gpus is the count
+    result = plan(
+        model_from_args(args), gpus=gpu_names, catalog=catalog, target_global_batch=args.target_global_batch,
+        tokens=finite_number(args.tokens, "--tokens") if args.tokens else None,
+        prices=False if args.no_prices else args.prices, provider=args.provider, mfu=args.mfu,
+        headroom=args.headroom, max_gpus=args.max_gpus,
+        spot_interruptions_per_node_hour=SPOT_INTERRUPTIONS_PER_NODE_HOUR if args.spot_rate is None else args.spot_rate,
+        storage_gbs=STORAGE_WRITE_GBS_PER_NODE if args.storage_gbs is None else args.storage_gbs,
+        **training_options_from_args(args), **par,
+    )
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(result.summary(max_rows=args.top))
+    if args.export:
+        best = result.best(args.best) or result.best("time") or result.best("gpus")  # unpriced: fastest, smallest
+        if best is None:
+            raise SpecError("--export: no option fits, nothing to export")
+        paths = write_launch_files({**best, "family": result.model.family.value}, args.export)
+        print(f"wrote {', '.join(str(p) for p in paths)} for {best['n_gpus']}x {best['gpu']} ({best['layout']})",
+              file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _cmd_gpus(args: argparse.Namespace) -> int:
+    from ..planning.gpus import list_gpus, list_prices
+    from ..units import format_bytes
+
+    rows = []
+    for g in list_gpus():
+        offers = [p for p in list_prices(g) if p.on_demand_usd_per_gpu_hour is not None]
+        cheapest = min(offers, key=lambda p: p.on_demand_usd_per_gpu_hour or 0.0, default=None)
+        rows.append((g, cheapest))
+    if args.json:
+        print(json.dumps([{**g.model_dump(mode="json"), "interconnect_kind": g.interconnect_kind,
+                           "cheapest_on_demand": p.model_dump(mode="json") if p else None} for g, p in rows], indent=2))
+        return 0
+    print(f"{'gpu':<30} {'usable':>11} {'bf16 TF':>8} {'link':<16} {'per node':>8}  cheapest on-demand $/GPU-h (seen)")
+    for g, p in rows:
+        link = f"{g.interconnect_kind} {g.scale_up_bidir_gbs or 0:g}"
+        price = f"{p.on_demand_usd_per_gpu_hour:.2f} {p.provider} ({p.date_seen})" if p else "-"
+        print(f"{g.name:<30} {format_bytes(g.memory_bytes):>11} {g.bf16_tflops or 0:>8g} {link:<16} "
+              f"{g.gpus_per_node:>8}  {price}")
+    print("usable = nvidia-smi memory.total; TFLOPS are dense; links bidirectional GB/s; prices are a dated snapshot")
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag gets one line (not the whole usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``trainmem`` argument parser with all subcommands (they inherit its class)."""
+    parser = _Parser(
+        prog="trainmem", description="How much GPU memory does one training step need, and where does it go?"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    est = sub.add_parser("estimate", help="estimate one training step's memory (no torch needed)")
+    add_model_options(est)
+    add_training_options(est)
+    est.add_argument("--calibration", metavar="PATH", help="a calibration JSON from `trainmem measure --device cuda`")
+    est.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
+    est.set_defaults(func=_cmd_estimate)
+    pre = sub.add_parser("presets", help="list the model presets")
+    pre.add_argument("--json", action="store_true")
+    pre.set_defaults(func=_cmd_presets)
+    _add_planner_subcommands(sub)
+    try:
+        from .measure import add_subcommands
+    except ImportError:  # the measure package is part of the wheel; its torch imports are lazy
+        pass
+    else:
+        add_subcommands(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``trainmem`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:  # output piped into `head`: not an error
+        sys.stderr.close()
+        return 0
+    except (SpecError, ValueError, RuntimeError, OSError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"trainmem {args.command}: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""The options every ``trainmem`` subcommand shares: the model, the training step and the layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from typing import Any
+
+from ..spec.choices import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
+
+__all__ = ['add_model_options', 'add_training_options', 'model_from_args', 'parallel_options_from_args', 'training_options_from_args']
+
+
+def _choices(enum: Any) -> list[str]:
+    return [m.value for m in enum]
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """``--model NAME | --hf-config PATH | --params N``: exactly one names the model."""
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--model", help="preset short name or Hugging Face repo id (see `trainmem presets`)")
+    group.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (file or folder)")
+    group.add_argument("--params", metavar="N", help="a bare parameter count, e.g. 7e9 (llama-shaped)")
+
+
+def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequence[str] = ("cuda", "cpu")) -> None:
+    """The training-step options shared by ``estimate`` and ``measure``."""
+    g = parser.add_argument_group("training step")
+    g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    g.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
+    g.add_argument("--grad-accum", type=int, default=1, help="gradient-accumulation steps (default 1)")
+    g.add_argument("--precision", default="bf16-mixed", metavar="|".join(_choices(Precision)))
+    g.add_argument("--optimizer", default="adamw", metavar="|".join(_choices(OptimizerName)))
+    g.add_argument("--optimizer-impl", default=None, metavar="|".join(_choices(OptimizerImpl)),
+                   help="default: the device's PyTorch default (cuda: foreach, cpu: for-loop)")
+    g.add_argument("--checkpointing", default="none", metavar="|".join(_choices(Checkpointing)))
+    g.add_argument("--attention", default="sdpa", metavar="|".join(_choices(Attention)))
+    g.add_argument("--dropout", type=float, default=None, help="every dropout rate (default: the config's)")
+    g.add_argument("--device", default=device_choices[0], choices=list(device_choices))
+    p = parser.add_argument_group("parallel layout")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs in total (default 1)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
+    p.add_argument("--engine", default="ddp", metavar="ddp|fsdp|deepspeed|megatron")
+    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (fsdp: 2 shard-grad-op, 3 full-shard)")
+    p.add_argument("--hybrid-shard", action="store_true", help="FSDP HYBRID_SHARD: shard within a node only")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--pp-schedule", default="1f1b", metavar="1f1b|interleaved|gpipe")
+    p.add_argument("--virtual-stages", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="context-parallel degree")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (MoE)")
+    p.add_argument("--offload", default="none", metavar="none|optimizer|optimizer+params")
+    p.add_argument("--ddp-bucket-view", action="store_true",
+                   help="DDP gradient_as_bucket_view: gradients are views into the all-reduce buckets")
+    p.add_argument("--no-pp-return-outputs", action="store_true",
+                   help="the pipeline loop passes return_outputs=False: the last stage keeps no micro-batch's logits")
+    f = parser.add_argument_group("fine-tuning")
+    f.add_argument("--method", default="full", metavar="|".join(_choices(Method)))
+    f.add_argument("--lora-rank", type=int, default=16)
+    f.add_argument("--lora-alpha", type=float, default=32.0)
+    f.add_argument("--lora-targets", default="qv", help="'qv', 'all-linear' or comma-separated module names")
+    f.add_argument("--lora-dropout", type=float, default=0.0)
+    f.add_argument("--lora-dtype", default="fp32", metavar="fp32|base",
+                   help="adapter dtype: fp32 (peft's default) or the base weights' dtype")
+    f.add_argument("--qlora-single-quant", action="store_true",
+                   help="QLoRA without double quantization of the NF4 block scales")
+    parser.add_argument("--first-step", action="store_true",
+                        help="the very first step: the optimizer creates its state inside step()")
+
+
+def model_from_args(args: argparse.Namespace) -> Any:
+    """The `ModelSpec` named by ``--model``, ``--hf-config`` or ``--params``."""
+    from ..errors import finite_number
+    from ..model.presets import get_model
+    from ..model.spec import ModelSpec
+
+    if args.model:
+        return get_model(args.model)
+    if args.hf_config:
+        return ModelSpec.from_hf_config(args.hf_config)
+    return ModelSpec.from_params(finite_number(args.params, "--params"))
+
+
+def training_options_from_args(args: argparse.Namespace, device: str | None = None) -> dict[str, Any]:
+    """Keyword options for `TrainingSpec` from parsed arguments."""
+    return {
+        "micro_batch": args.micro_batch, "seq_len": args.seq_len, "grad_accum": args.grad_accum,
+        "precision": args.precision, "optimizer": args.optimizer, "optimizer_impl": args.optimizer_impl,
+        "checkpointing": args.checkpointing, "attention": args.attention, "dropout": args.dropout,
+        "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
+        "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
+        "lora_dtype": args.lora_dtype, "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
+    }
+
+
+def parallel_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword options for `ParallelSpec` from parsed arguments."""
+    return {
+        "gpus": args.gpus, "nodes": args.nodes, "engine": args.engine, "zero": args.zero,
+        "hybrid_shard": args.hybrid_shard, "tp": args.tp, "sp": args.sp, "pp": args.pp,
+        "pp_schedule": args.pp_schedule, "virtual_stages": args.virtual_stages, "cp": args.cp, "ep": args.ep,
+        "offload": args.offload, "ddp_bucket_view": args.ddp_bucket_view,
+        "pp_return_outputs": None if args.no_pp_return_outputs is None else not args.no_pp_return_outputs,
+    }

@@ -1,0 +1,203 @@
+"""Matmul ops: ``nn.Linear`` (and bitsandbytes' 4-bit linear), ``addmm``, batched matmuls and the
+embedding lookup, with autocast's weight copies and the gradients each backward allocates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..tape import Graph, Sz, T, const
+from .core import Ctx, autocast_weight, cast
+
+
+# -- matmuls ------------------------------------------------------------------------------------
+def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, b: T | None = None,
+           label: str = "linear", grad_w_first: bool | None = None, w_leaf: bool = True) -> T:
+    """``F.linear(x, w, b)`` on (tokens, in) activations: ``mm``/``addmm`` (cuBLAS/MKL) output of
+    (tokens, out). Saves x if the weight needs a gradient and the weight if x does; under autocast
+    the saved copies are the 16-bit casts (`w_leaf`: whether autocast may cache the weight's)."""
+    if w.nf4:
+        return linear_4bit(g, x, w, in_features, out_features, b, label)
+    if ctx.autocast is None:
+        xc = g.hold(x)
+        wc: T = g.hold(w)
+        bc = g.hold(b) if b is not None else None
+    else:  # autocast casts the arguments right to left (C++ evaluation order): bias, weight, input
+        bc = autocast_weight(g, ctx, b) if b is not None else None
+        wc = autocast_weight(g, ctx, w, w_leaf)
+        xc = cast(g, x, ctx.autocast, f"{label} input cast")
+    ins = [xc, wc] + ([bc] if bc is not None else [])
+    saved = [wc if xc.rg else None, xc if wc.rg else None]  # released weight first, then input
+    g.before_outputs(ins, saved)
+    # at::linear runs a biased 3-D linear as ``addmm`` on a flattened view, an unbiased one as ``mm``
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), xc.dt, label),),
+                           "mm" if bc is None else "other")
+    has_bias = bc is not None
+    w_first = (not has_bias) if grad_w_first is None else grad_w_first
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        gx = gw = gb = None
+        if w_first and wc.rg:
+            gw = g.alloc(wc.n, wc.dt, f"{label} grad w")
+        if xc.rg:
+            gx = g.alloc(xc.n, xc.dt, f"{label} grad x")
+        if not w_first and wc.rg:
+            gw = g.alloc(wc.n, wc.dt, f"{label} grad w")
+        if has_bias and bc is not None and bc.rg:
+            gb = g.alloc(bc.n, bc.dt, f"{label} grad b")
+        return [gx, gw] + ([gb] if has_bias else [])
+
+    g.record(label, ins, [out], saved, bwd)
+    g.drop(xc, wc, bc)
+    return out
+
+
+def linear_4bit(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T | None, label: str) -> T:
+    """bitsandbytes ``Linear4bit`` (QLoRA's frozen NF4 base): the input goes to the compute dtype,
+    ``MatMul4Bit`` dequantizes the weight into a temporary (out, in) buffer for the matmul and saves
+    nothing of size; backward dequantizes again for the input's gradient. The output returns to the
+    input's dtype (bitsandbytes/nn/modules.py, autograd/_functions.py)."""
+    cdt = w.nf4
+    xc = cast(g, x, cdt, f"{label} input to compute dtype")
+    ins = [xc] + ([b] if b is not None else [])
+    g.before_outputs(ins, [None])
+    deq = g.alloc(const(in_features * out_features), cdt, f"{label} dequantize_4bit")
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), cdt, label),), "mm")
+    g.drop(deq)
+    n_in = xc.n
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        deq_b = g.alloc(const(in_features * out_features), cdt, f"{label} dequantize_4bit (backward)")
+        gx = g.alloc(n_in, cdt, f"{label} grad x")
+        g.drop(deq_b)
+        return [gx] + ([None] if b is not None else [])
+
+    g.record(label, ins, [out], [], bwd)
+    g.drop(xc)
+    res = cast(g, out, x.dt, f"{label} output to input dtype")
+    g.drop(out)
+    return res
+
+
+def embedding(g: Graph, ids: T, w: T, tokens_n: Sz, label: str = "embedding") -> T:
+    """``F.embedding(ids, w)``: (tokens, d) in the weight's dtype; saves the indices; backward
+    ``embedding_dense_backward`` allocates a full weight-sized gradient."""
+    out = g.alloc(tokens_n, w.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [None, g.alloc(w.n, w.dt, f"{label} grad")]
+
+    g.record(label, [ids, w], [out], [ids], bwd)
+    return out
+
+
+# -- attention building blocks ------------------------------------------------------------------
+def bmm(g: Graph, ctx: Ctx, a: T, b: T, out_n: Sz, label: str = "bmm", grad_b_first: bool = False) -> T:
+    """``torch.matmul`` of two (batched) matrices (``bmm`` after reshapes); autocast casts both to
+    16 bit. Saves b if a needs a gradient and a if b does. With `grad_b_first`, backward allocates the
+    second operand's gradient before the first's (measured for the LayerNorm families' matmuls:
+    ``BmmBackward0`` computes ``mat2``'s gradient ``self^T.bmm(grad)`` first)."""
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),), "other")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        if grad_b_first:
+            gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
+            ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
+        else:
+            ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
+            gb = g.alloc(b.n, b.dt, f"{label} grad b") if b.rg else None
+        return [ga, gb]
+
+    g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
+    return out
+
+
+def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: int, label: str = "addmm",
+          linear_casts: bool = False) -> T:
+    """transformers ``Conv1D``: ``torch.addmm(bias, x.view(-1, nx), weight)`` with a (in, out) weight;
+    with `linear_casts`, ``F.linear(x, w, b)`` with a bias, which ``at::linear`` also runs as
+    ``addmm(b, x.view(-1, in), w.t())`` (aten/src/ATen/native/Linear.cpp).
+
+    Saves the input and the weight; backward allocates the input's then the weight's gradient; the
+    bias's gradient is the output gradient itself (derivatives.yaml addmm: ``maybe_multiply(grad,
+    beta)``), which the engine reduces to the bias's shape after the node returns (so after
+    recomputed saved tensors are released). Autocast's wrapper casts its arguments right to left (GCC
+    evaluates the ``cached_cast(args)...`` pack from the last argument): for ``addmm`` the weight
+    (cached), the input, then the bias (cached); for ``linear`` the bias, the weight, the input."""
+    if ctx.autocast is None:
+        xc, wc, bc = g.hold(x), g.hold(w), g.hold(b)
+    elif linear_casts:
+        bc = autocast_weight(g, ctx, b)
+        wc = autocast_weight(g, ctx, w)
+        xc = cast(g, x, ctx.autocast, f"{label} input cast")
+    else:
+        wc = autocast_weight(g, ctx, w)
+        xc = cast(g, x, ctx.autocast, f"{label} input cast")
+        bc = autocast_weight(g, ctx, b)
+    ins = [xc, wc, bc]
+    saved = [wc if xc.rg else None, xc if wc.rg else None]
+    g.before_outputs(ins, saved)
+    (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), xc.dt, label),), "other")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        gx = g.alloc(xc.n, xc.dt, f"{label} grad x") if xc.rg else None
+        gw = g.alloc(wc.n, wc.dt, f"{label} grad w") if wc.rg else None
+        gb = g.hold(go[0]) if bc.rg and go[0] is not None else None
+        return [gx, gw, gb]
+
+    g.record(label, ins, [out], saved, bwd)
+    g.drop(xc, wc, bc)
+    return out
+
+
+
+
+def grouped_mm(g: Graph, a: T, w: T, offs: T, out_n: Sz, label: str = "grouped_mm") -> T:
+    """``F.grouped_mm(a, w, offs)`` (``aten._grouped_mm``) of (rows, k) activations with a 3-D
+    (experts, k, n) weight (a transposed view of the parameter): (rows, n) in a's dtype; not an
+    autocast op. Saves the weight, the offsets and the input (released in that order); backward
+    computes the weight's gradient (in the parameter's layout) before the input's. On CUDA the bf16
+    CUTLASS kernel or ``_grouped_mm_fallback`` (a loop of ``mm_out`` into the output) allocate
+    nothing else (aten/src/ATen/native/cuda/GroupedBlas.cpp)."""
+    saved = [w if a.rg else None, offs, a if w.rg else None]
+    g.before_outputs([a, w, offs], saved)
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, a.dt, label),), "other")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        gw = g.alloc(w.n, w.dt, f"{label} grad w") if w.rg else None
+        ga = g.alloc(a.n, a.dt, f"{label} grad a") if a.rg else None
+        return [ga, gw, None]
+
+    g.record(label, [a, w, offs], [out], saved, bwd)
+    return out
+
+
+def baddbmm(g: Graph, w: T, lhs: T, rhs: T, alpha: float, label: str = "baddbmm") -> T:
+    """``torch.baddbmm(W, lhs, rhs, alpha=scaling)`` with autocast off (peft's ``_LoraFactorsProxy``):
+    the merged expert weight in W's dtype. Saves lhs and rhs (released in that order); backward
+    computes ``grad.bmm(rhs^T)`` then ``lhs^T.bmm(grad)``, each times alpha unless it is 1 (another
+    tensor; derivatives.yaml ``baddbmm``, ``maybe_multiply``); W is frozen."""
+    saved = [lhs if rhs.rg else None, rhs if lhs.rg else None]
+    g.before_outputs([w, lhs, rhs], saved)
+    (out,) = g.sac_outputs(lambda: (g.alloc(w.n, w.dt, label),), "other")
+
+    def one(g: Graph, x: T, name: str) -> T:
+        r = g.alloc(x.n, x.dt, f"{label} grad {name}")
+        if alpha == 1:
+            return r
+        s = g.alloc(x.n, x.dt, f"{label} grad {name} * alpha")
+        g.drop(r)
+        return s
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [None, one(g, lhs, "lhs") if lhs.rg else None, one(g, rhs, "rhs") if rhs.rg else None]
+
+    g.record(label, [w, lhs, rhs], [out], saved, bwd)
+    return out
+
+
+def baddbmm_check(g: Graph, w: T, label: str) -> None:
+    """The registration check of a ``_LoraFactorsProxy``: one ``baddbmm`` whose result is dropped at
+    once (selective checkpointing's cache keeps it: ``baddbmm`` is a saved op)."""
+    (out,) = g.sac_outputs(lambda: (g.alloc(w.n, w.dt, f"{label} parametrization check"),), "other")
+    g.drop(out)

@@ -1,0 +1,1 @@
+"""The estimator: ``estimate()`` and its result, `MemoryEstimate`."""

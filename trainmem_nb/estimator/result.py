@@ -1,0 +1,189 @@
+"""`MemoryEstimate`: per-device memory of one training step, the JSON contract and how it prints.
+"""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.breakdown import TOP_KEYS, roll_up
+from ..model.spec import ModelSpec
+from ..spec.calibration import Calibration
+from ..spec.parallel import ParallelSpec
+from ..spec.training import TrainingSpec
+from ..units import format_bytes, format_count
+
+__all__ = ['MemoryEstimate']
+
+#: What each top-level category means, for tables and charts.
+CATEGORY_HELP = {
+    "weights": "parameters and buffers",
+    "gradients": ".grad of the trained parameters",
+    "optimizer_states": "moments and step counters kept by the optimizer",
+    "activations": "tensors kept for backward (and autocast weight copies)",
+    "transient": "temporaries: activation gradients, logits, optimizer scratch",
+    "overhead": "cuBLAS workspaces counted by the allocator",
+}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-device memory of one training step: the peak, when it happens and what it is made of.
+
+    All memory fields are ``int`` bytes. ``breakdown_bytes`` (weights, gradients, optimizer_states,
+    activations, transient, overhead) sums exactly to ``peak_allocated_bytes`` (what
+    ``torch.cuda.max_memory_allocated()`` reports); ``detail_bytes`` splits it further with slash
+    keys (``activations/layers``). ``peak_reserved_bytes`` adds the caching allocator's unused
+    cache, ``device_total_bytes`` the CUDA context (what nvidia-smi shows).
+    """
+
+    model: ModelSpec
+    training: TrainingSpec
+    n_params: int
+    n_trainable_params: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    peak_phase: str
+    peak_at: str
+    detail_bytes: dict[str, int]
+    phase_peaks_bytes: dict[str, int]
+    overhead_bytes: dict[str, int] = field(default_factory=dict)
+    calibration: Calibration | None = None
+    program: Any = field(default=None, repr=False, compare=False)
+    parallel: ParallelSpec = field(default_factory=ParallelSpec)
+    per_rank: tuple[Any, ...] = ()
+    host_bytes: int = 0
+
+    @property
+    def breakdown_bytes(self) -> dict[str, int]:
+        """The top-level categories at the peak; they sum to ``peak_allocated_bytes``."""
+        return roll_up(self.detail_bytes)
+
+    @property
+    def saved_activations_bytes(self) -> int:
+        """Activations alive at the end of the forward pass (kept for backward), in bytes."""
+        from ..engine.program import activations_at_forward_end
+
+        return activations_at_forward_end(self.program, self.training.micro_batch, self.training.seq_len)
+
+    @property
+    def host_load_bytes(self) -> int:
+        """Host RAM one process needs to load the model: the full state dict in the weights' dtype
+        (16-bit for QLoRA, which quantizes while moving to the GPU). Each data-parallel process pays
+        it unless the model is loaded on rank 0 only or built on the meta device."""
+        from ..model.params import weight_tensors
+        from ..spec.choices import Method
+
+        t = self.training
+        dt = 2 if t.method is Method.QLORA and t.param_bytes == 4 and not t.mixed else None
+        total = 0
+        for p, pdt, _ in weight_tensors(self.model, t):
+            total += p.numel * p.count * (dt or (2 if t.method is Method.QLORA and pdt < 1 else pdt))
+        return int(total)
+
+    def timeline(self, max_points: int = 1500) -> list[Any]:
+        """Live bytes after each operation of the step (`trainmem_nb.engine.program.TimelinePoint`s), of the
+        worst rank's program. Under pipeline parallelism that program runs one micro-batch: the other
+        micro-batches' activations a stage keeps are in the peak but not drawn."""
+        from ..engine.program import timeline
+
+        return timeline(self.program, self.training.micro_batch, self.training.seq_len, max_points)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON contract (``trainmem estimate --json``)."""
+        return {
+            "model": self.model.name,
+            "family": self.model.family.value,
+            "device": self.training.device.value,
+            "n_params": self.n_params,
+            "n_trainable_params": self.n_trainable_params,
+            "peak_allocated_bytes": self.peak_allocated_bytes,
+            "peak_reserved_bytes": self.peak_reserved_bytes,
+            "device_total_bytes": self.device_total_bytes,
+            "peak_phase": self.peak_phase,
+            "peak_at": self.peak_at,
+            "breakdown_bytes": self.breakdown_bytes,
+            "detail_bytes": dict(self.detail_bytes),
+            "phase_peaks_bytes": dict(self.phase_peaks_bytes),
+            "saved_activations_bytes": self.saved_activations_bytes,
+            "overhead_bytes": dict(self.overhead_bytes),
+            "calibration": self.calibration.model_dump() if self.calibration else None,
+            "host_bytes": self.host_bytes,
+            "host_load_bytes": self.host_load_bytes,
+            "parallel": self.parallel.model_dump(mode="json"),
+            "per_rank": [r.to_dict() for r in self.per_rank],
+            "training": self.training.model_dump(mode="json"),
+            "model_spec": self.model.model_dump(mode="json"),
+        }
+
+    def _headline(self) -> str:
+        t = self.training
+        impl = t.resolved_optimizer_impl.value if t.optimizer.value != "none" else ""
+        opt = f"{t.optimizer.value} ({impl})" if impl else t.optimizer.value
+        method = "" if t.method.value == "full" else f", {t.method.value} r={t.lora_rank} on {t.lora_targets}"
+        return (
+            f"{self.model.name}: {format_count(self.n_params)} parameters ({format_count(self.n_trainable_params)} "
+            f"trained{method}), {t.precision.value}, {opt}, micro-batch {t.micro_batch} x {t.seq_len} tokens, "
+            f"checkpointing {t.checkpointing.value}, {t.attention.value} attention, device {t.device.value}"
+        )
+
+    def summary(self) -> str:
+        """A plain-text table for terminals."""
+        lines = [
+            self._headline(),
+            f"peak allocated {format_bytes(self.peak_allocated_bytes)} during {self.peak_phase} ({self.peak_at})",
+        ]
+        total = self.peak_allocated_bytes or 1
+        for key, value in self.breakdown_bytes.items():
+            lines.append(f"  {key:<17} {format_bytes(value):>12}  {100 * value / total:5.1f} %")
+        lines.append(f"peak reserved    {format_bytes(self.peak_reserved_bytes):>12}  (PyTorch's caching allocator)")
+        lines.append(f"device total     {format_bytes(self.device_total_bytes):>12}  (what nvidia-smi shows)")
+        paged = self.overhead_bytes.get("paged_optimizer_states", 0)
+        if paged:
+            lines.append(f"  of which {format_bytes(paged)} paged optimizer states (CUDA unified memory, outside "
+                         f"the allocator; paged to host RAM when the GPU runs short)")
+        if not self.parallel.single_device:
+            p = self.parallel
+            lines.append(f"layout: {p.gpus} GPUs ({p.nodes} node{'s' if p.nodes > 1 else ''}), engine {p.engine.value}, "
+                         f"zero {p.zero}, dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, offload {p.offload.value}")
+            for r in self.per_rank:
+                lines.append(f"  {r.ranks:<28} peak {format_bytes(r.peak_allocated_bytes):>12}  device total "
+                             f"{format_bytes(r.device_total_bytes):>12}  ({r.n_layers} layers, peak in {r.peak_phase})")
+        if self.host_bytes:
+            lines.append(f"host RAM (offload) {format_bytes(self.host_bytes):>10}  per process")
+        lines.append(f"host RAM to load   {format_bytes(self.host_load_bytes):>10}  per process (full state dict)")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def __repr__(self) -> str:
+        """One line (notebooks compare outputs: the repr must not grow with every new field)."""
+        where = "" if self.parallel.single_device else f", worst of {len(self.per_rank)} rank group(s) on {self.parallel.gpus} GPUs"
+        return (f"<MemoryEstimate {self.model.name}: peak {format_bytes(self.peak_allocated_bytes)} allocated during "
+                f"{self.peak_phase}, {format_bytes(self.device_total_bytes)} device total{where}>")
+
+    def _repr_html_(self) -> str:
+        """A compact table for notebooks: the breakdown with bars, the peak and when it happens."""
+        total = self.peak_allocated_bytes or 1
+        rows = []
+        for key in TOP_KEYS:
+            value = self.breakdown_bytes[key]
+            share = 100 * value / total
+            rows.append(
+                f"<tr><td>{key}</td><td style='text-align:right'>{format_bytes(value)}</td>"
+                f"<td style='text-align:right'>{share:.1f} %</td>"
+                f"<td><div style='background:#4c72b0;height:0.8em;width:{share * 1.5:.0f}px'></div></td>"
+                f"<td style='color:#666'>{CATEGORY_HELP[key]}</td></tr>"
+            )
+        return (
+            "<div class='trainmem-estimate'>"
+            f"<p>{html.escape(self._headline())}</p>"
+            "<table><thead><tr><th>category</th><th>bytes</th><th>share</th><th></th><th></th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>"
+            f"<p><b>peak allocated {format_bytes(self.peak_allocated_bytes)}</b> during <b>{self.peak_phase}</b> "
+            f"({html.escape(self.peak_at)}) &middot; reserved {format_bytes(self.peak_reserved_bytes)} "
+            f"&middot; device total {format_bytes(self.device_total_bytes)}</p></div>"
+        )

@@ -1,0 +1,52 @@
+"""One device: compile the step (cached), evaluate it, add the device's reserved and context bytes.
+"""
+
+from __future__ import annotations
+
+from ..engine.breakdown import TOP_KEYS
+from ..engine.program import evaluate
+from ..model.spec import ModelSpec
+from ..spec.calibration import Calibration
+from ..spec.choices import Device
+from ..spec.parallel import ParallelSpec
+from ..spec.training import TrainingSpec
+from ..step.compile import _SINGLE, compile_step, program_key
+from ..step.optimizers import paged_state_bytes
+from ..step.reserved import reserved_and_total
+
+__all__ = ['simulate']
+
+
+def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None,
+             parallel: ParallelSpec | None = None) -> object:
+    """`estimate()`'s engine: compile (cached), evaluate, add the device's reserved and context bytes."""
+    from .result import MemoryEstimate
+
+    if parallel is not None and not parallel.single_device:
+        from ..parallel.simulate import simulate_parallel
+
+        return simulate_parallel(m, t, parallel, calibration)
+
+    prog = compile_step(m, program_key(t, m), _SINGLE, calibration.workspace_bytes if calibration else None)
+    ev = evaluate(prog, t.micro_batch, t.seq_len)
+    tops = dict.fromkeys(TOP_KEYS, 0)
+    for k, v in ev.detail.items():
+        tops[k.split("/")[0]] += v
+    paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0
+    reserved, total = reserved_and_total(t, ev.peak, tops["activations"] + tops["transient"], calibration, paged)
+    overhead = {}
+    if t.device is Device.CUDA:
+        overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved - paged}
+        if paged:  # unified memory: outside the allocator, on the device while it has room
+            overhead["paged_optimizer_states"] = paged
+    from ..parallel.ranks import RankMemory
+
+    only = RankMemory("the only device (rank 0)", 0, m.n_layers, ev.peak, reserved, total, ev.peak_phase, ev.peak_at,
+                      tops, dict(ev.detail), 0)
+    return MemoryEstimate(
+        model=m, training=t, n_params=prog.n_params, n_trainable_params=prog.n_trainable,
+        peak_allocated_bytes=ev.peak, peak_reserved_bytes=reserved, device_total_bytes=total,
+        peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
+        phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
+        parallel=parallel or ParallelSpec(), per_rank=(only,),
+    )

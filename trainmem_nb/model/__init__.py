@@ -1,0 +1,1 @@
+"""The model description: families, the validated `ModelSpec`, its parameter inventory, config readers and presets."""

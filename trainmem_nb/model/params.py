@@ -1,0 +1,399 @@
+"""Every parameter tensor of a model, as Hugging Face's ``named_parameters()`` lists it.
+
+The inventory is what weights, gradients and optimizer states are made of: counts per tensor (the CUDA
+allocator rounds each tensor to 512 B), which are matmul weights (autocast copies them to 16 bit), which
+sit in the decoder layers (checkpointing and sharding work per layer) and which LoRA can target. Tied
+weights appear once, as in ``sum(p.numel() for p in model.parameters())``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+from ..spec.choices import Method
+from ..spec.training import TrainingSpec
+from .families import Family
+from .spec import ModelSpec
+
+__all__ = [
+    "LORA_QV", "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules",
+    "lora_moe_params", "nf4_bytes", "on_stage", "param_inventory", "quantized", "trainable_tensors", "weight_tensors",
+]
+
+
+class ParamTensor(NamedTuple):
+    """One parameter tensor (or `count` identical ones, one per layer)."""
+
+    name: str  #: Hugging Face name without the layer index, e.g. ``layers.self_attn.q_proj.weight``
+    shape: tuple[int, ...]
+    #: how many tensors of this shape (n_layers for per-layer tensors)
+    count: int  # type: ignore[assignment]  # a public field that shadows tuple.count on purpose
+    matmul: bool  #: used as a matmul weight (autocast makes a 16-bit copy of it)
+    in_layer: bool  #: inside a repeated transformer layer
+
+    @property
+    def numel(self) -> int:
+        """Elements in one tensor."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+def _linear(prefix: str, out_f: int, in_f: int, bias: bool, count: int, in_layer: bool = True) -> list[ParamTensor]:
+    items = [ParamTensor(f"{prefix}.weight", (out_f, in_f), count, True, in_layer)]
+    if bias:
+        items.append(ParamTensor(f"{prefix}.bias", (out_f,), count, False, in_layer))
+    return items
+
+
+def _norm(prefix: str, dim: int, bias: bool, count: int, in_layer: bool = True) -> list[ParamTensor]:
+    items = [ParamTensor(f"{prefix}.weight", (dim,), count, False, in_layer)]
+    if bias:
+        items.append(ParamTensor(f"{prefix}.bias", (dim,), count, False, in_layer))
+    return items
+
+
+@lru_cache(maxsize=512)
+def param_inventory(m: ModelSpec) -> tuple[ParamTensor, ...]:
+    """All parameter tensors of `m` in the order the model registers them.
+
+    >>> from trainmem_nb.model.presets import get_model
+    >>> sum(p.numel * p.count for p in param_inventory(get_model("gpt2")))
+    124439808
+    """
+    L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
+    fam = m.family
+    items: list[ParamTensor] = []
+    if fam is Family.GPT2:
+        items += [ParamTensor("wte.weight", (V, h), 1, False, False), ParamTensor("wpe.weight", (m.max_positions, h), 1, False, False)]
+        items += _norm("layers.ln_1", h, True, L)
+        # Conv1D stores (in, out); its bias is (out,)
+        items += [ParamTensor("layers.attn.c_attn.weight", (h, 3 * h), L, True, True), ParamTensor("layers.attn.c_attn.bias", (3 * h,), L, False, True)]
+        items += [ParamTensor("layers.attn.c_proj.weight", (h, h), L, True, True), ParamTensor("layers.attn.c_proj.bias", (h,), L, False, True)]
+        items += _norm("layers.ln_2", h, True, L)
+        items += [ParamTensor("layers.mlp.c_fc.weight", (h, f), L, True, True), ParamTensor("layers.mlp.c_fc.bias", (f,), L, False, True)]
+        items += [ParamTensor("layers.mlp.c_proj.weight", (f, h), L, True, True), ParamTensor("layers.mlp.c_proj.bias", (h,), L, False, True)]
+        items += _norm("ln_f", h, True, 1, False)
+        if not m.tie_embeddings:
+            items += _linear("lm_head", V, h, False, 1, False)
+        return tuple(items)
+    if fam is Family.GPT_NEOX:
+        items.append(ParamTensor("embed_in.weight", (V, h), 1, False, False))
+        items += _norm("layers.input_layernorm", h, True, L)
+        items += _norm("layers.post_attention_layernorm", h, True, L)
+        items += _linear("layers.attention.query_key_value", 3 * h, h, m.qkv_bias, L)
+        items += _linear("layers.attention.dense", h, h, m.out_bias, L)
+        items += _linear("layers.mlp.dense_h_to_4h", f, h, True, L)
+        items += _linear("layers.mlp.dense_4h_to_h", h, f, True, L)
+        items += _norm("final_layer_norm", h, True, 1, False)
+        if not m.tie_embeddings:
+            items += _linear("embed_out", V, h, False, 1, False)
+        return tuple(items)
+    if fam is Family.OPT:
+        proj = m.word_embed_proj_dim or h
+        items.append(ParamTensor("embed_tokens.weight", (V, proj), 1, False, False))
+        items.append(ParamTensor("embed_positions.weight", (m.max_positions + 2, h), 1, False, False))
+        if proj != h:
+            items += _linear("project_out", proj, h, False, 1, False)
+            items += _linear("project_in", h, proj, False, 1, False)
+        for name in ("k_proj", "v_proj", "q_proj", "out_proj"):
+            items += _linear(f"layers.self_attn.{name}", h, h, m.qkv_bias, L)
+        items += _norm("layers.self_attn_layer_norm", h, True, L)
+        items += _linear("layers.fc1", f, h, m.mlp_bias, L)
+        items += _linear("layers.fc2", h, f, m.mlp_bias, L)
+        items += _norm("layers.final_layer_norm", h, True, L)
+        if m.pre_norm:
+            items += _norm("final_layer_norm", h, True, 1, False)
+        if not m.tie_embeddings:
+            items += _linear("lm_head", V, proj, False, 1, False)
+        return tuple(items)
+    if fam is Family.BERT:
+        items.append(ParamTensor("embeddings.word_embeddings.weight", (V, h), 1, False, False))
+        items.append(ParamTensor("embeddings.position_embeddings.weight", (m.max_positions, h), 1, False, False))
+        if m.type_vocab:
+            items.append(ParamTensor("embeddings.token_type_embeddings.weight", (m.type_vocab, h), 1, False, False))
+        items += _norm("embeddings.LayerNorm", h, True, 1, False)
+        for name in ("query", "key", "value"):
+            items += _linear(f"layers.attention.self.{name}", h, h, True, L)
+        items += _linear("layers.attention.output.dense", h, h, True, L)
+        items += _norm("layers.attention.output.LayerNorm", h, True, L)
+        items += _linear("layers.intermediate.dense", f, h, True, L)
+        items += _linear("layers.output.dense", h, f, True, L)
+        items += _norm("layers.output.LayerNorm", h, True, L)
+        items += _linear("cls.predictions.transform.dense", h, h, True, 1, False)
+        items += _norm("cls.predictions.transform.LayerNorm", h, True, 1, False)
+        items.append(ParamTensor("cls.predictions.bias", (V,), 1, False, False))
+        if not m.tie_embeddings:
+            items.append(ParamTensor("cls.predictions.decoder.weight", (V, h), 1, True, False))
+            # untied, the decoder keeps its own bias (cls.predictions.bias then gets no gradient)
+            items.append(ParamTensor("cls.predictions.decoder.bias", (V,), 1, False, False))
+        return tuple(items)
+    # llama-style decoders: llama, mistral, qwen2, gemma, phi3, mixtral
+    q, kv = m.q_dim, m.kv_dim
+    items.append(ParamTensor("embed_tokens.weight", (V, h), 1, False, False))
+    if fam is Family.PHI3:
+        items += _linear("layers.self_attn.o_proj", h, q, m.out_bias, L)
+        items += _linear("layers.self_attn.qkv_proj", q + 2 * kv, h, m.qkv_bias, L)
+        items += _linear("layers.mlp.gate_up_proj", 2 * f, h, m.mlp_bias, L)
+        items += _linear("layers.mlp.down_proj", h, f, m.mlp_bias, L)
+    else:
+        items += _linear("layers.self_attn.q_proj", q, h, m.qkv_bias, L)
+        items += _linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, L)
+        items += _linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, L)
+        items += _linear("layers.self_attn.o_proj", h, q, m.out_bias, L)
+        if m.is_moe:
+            E = m.n_experts
+            items.append(ParamTensor("layers.mlp.gate.weight", (E, h), L, True, True))
+            items.append(ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * f, h), L, True, True))
+            items.append(ParamTensor("layers.mlp.experts.down_proj", (E, h, f), L, True, True))
+        else:
+            items += _linear("layers.mlp.gate_proj", f, h, m.mlp_bias, L)
+            items += _linear("layers.mlp.up_proj", f, h, m.mlp_bias, L)
+            items += _linear("layers.mlp.down_proj", h, f, m.mlp_bias, L)
+    items += _norm("layers.input_layernorm", h, False, L)
+    items += _norm("layers.post_attention_layernorm", h, False, L)
+    items += _norm("norm", h, False, 1, False)
+    if not m.tie_embeddings:
+        items += _linear("lm_head", V, h, False, 1, False)
+    return tuple(items)
+
+
+def count_params(m: ModelSpec) -> int:
+    """Total parameters of `m` (tied weights once)."""
+    return sum(p.numel * p.count for p in param_inventory(m))
+
+
+@lru_cache(maxsize=512)
+def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
+    """Registered buffers as ``(name, bytes of one, count)``: rotary ``inv_freq`` (fp32), BERT's
+    ``position_ids``/``token_type_ids`` (int64), Gemma's ``embed_scale``; tiny but allocated."""
+    fam = m.family
+    out: list[tuple[str, int, int]] = []
+    if m.positions == "rotary":
+        # one rotary module at model level holds inv_freq and original_inv_freq (a clone):
+        # (rotary_dims // 2,) fp32 each
+        out.append(("rotary_emb.inv_freq", 4 * (m.rotary_dims // 2), 2))
+    if fam is Family.GEMMA:
+        out.append(("embed_tokens.embed_scale", 4, 1))
+    if fam is Family.BERT:
+        out.append(("embeddings.position_ids", 8 * m.max_positions, 1))
+        out.append(("embeddings.token_type_ids", 8 * m.max_positions, 1))
+    return tuple(out)
+
+
+#: Each family's query and value projections (what peft targets for ``lora_targets='qv'``); families
+#: with a fused q/k/v projection adapt the fused layer.
+LORA_QV: dict[Family, tuple[str, ...]] = {
+    Family.LLAMA: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.MISTRAL: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.QWEN2: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.GEMMA: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.MIXTRAL: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.OPT: ("self_attn.q_proj", "self_attn.v_proj"),
+    Family.PHI3: ("self_attn.qkv_proj",),
+    Family.GPT2: ("attn.c_attn",),
+    Family.GPT_NEOX: ("attention.query_key_value",),
+    Family.BERT: ("attention.self.query", "attention.self.value"),
+}
+
+
+def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
+    """The in-layer modules LoRA adapts: ``'qv'``, ``'all-linear'`` (every 2-D matmul weight in the
+    layers, as peft's ``all-linear`` picks nn.Linear/Conv1D layers but not the output head), or
+    comma-separated names matched as suffixes like peft's ``target_modules``. Mixtral's router and
+    experts are parameters, not linear layers: see `lora_moe_params`."""
+    from ..errors import SpecError
+
+    text = targets.strip().lower()
+    linears = [p.name[len("layers."):-len(".weight")] for p in param_inventory(m)
+               if p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
+               and not p.name.endswith("mlp.gate.weight")]
+    if text == "qv":
+        return LORA_QV[m.family]
+    if text in ("all-linear", "all_linear", "all"):
+        return tuple(linears)
+    names = [n.strip() for n in targets.split(",") if n.strip()]
+    chosen = tuple(mod for mod in linears if any(mod == n or mod.endswith("." + n) for n in names))
+    if not chosen and not lora_moe_params(m, targets) and not lora_outer_modules(m, targets):
+        moe = " (mixtral: also gate, w1+w3, w2)" if m.is_moe else ""
+        outer = [mod for mod, _ in lora_outer_modules(m, "all-linear")]
+        beside = f"; outside them: {', '.join(outer)}" if outer else ""
+        raise SpecError(
+            f"lora_targets={targets!r} matches no linear layer of {m.family.value}; "
+            f"its layers have: {', '.join(sorted({x.split('.')[-1] for x in linears}))}{moe}{beside} "
+            f"(or use 'qv', 'all-linear')"
+        )
+    return chosen
+
+
+def lora_outer_modules(m: ModelSpec, targets: str) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """The linear layers outside the transformer layers that LoRA adapts, with their (out, in) shape:
+    peft's ``all-linear`` takes every nn.Linear but the output head (``get_output_embeddings()``), so
+    also BERT's ``cls.predictions.transform.dense`` and OPT-350m's ``project_in`` / ``project_out``;
+    explicit names match them as suffixes, as for the in-layer ones."""
+    text = targets.strip().lower()
+    if text == "qv":
+        return ()
+    outer = [(p.name[:-len(".weight")], p.shape) for p in param_inventory(m)
+             if not p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
+             and p.name not in _NOT_ADAPTED]
+    if text in ("all-linear", "all_linear", "all"):
+        return tuple(outer)
+    names = [n.strip() for n in targets.split(",") if n.strip()]
+    return tuple((mod, shape) for mod, shape in outer if any(mod == n or mod.endswith("." + n) for n in names))
+
+
+#: Matmul weights outside the layers that are not nn.Linear layers peft would wrap: the output
+#: heads (excluded by ``all-linear``) and the embeddings (nn.Embedding).
+_NOT_ADAPTED = ("lm_head.weight", "embed_out.weight", "cls.predictions.decoder.weight")
+
+
+#: transformers 5 stores Mixtral's router as a custom module and its experts as fused 3-D
+#: parameters; peft 0.21 maps the v4 module names a LoRA config may target onto them
+#: (peft/utils/transformers_weight_conversion.py ``_MOE_TARGET_MODULE_MAPPING``): ``gate`` → the
+#: router's ``gate.weight``, ``w1`` and ``w3`` (both or neither) → ``experts.gate_up_proj``, ``w2`` →
+#: ``experts.down_proj``. ``all-linear`` includes all of them (they were nn.Linear in v4).
+_MOE_V4_NAMES = {"gate": "mlp.gate", "w1": "mlp.experts.gate_up_proj", "w3": "mlp.experts.gate_up_proj",
+                 "w2": "mlp.experts.down_proj"}
+
+
+def lora_moe_params(m: ModelSpec, targets: str) -> tuple[str, ...]:
+    """The MoE parameters peft's ``ParamWrapper`` adapts for `targets` (mixtral only), in the order
+    of peft's ``target_parameters`` (sorted: ``down_proj``, ``gate.weight``, ``gate_up_proj``).
+
+    >>> from trainmem_nb.errors import ModelSpec
+    >>> moe = ModelSpec(family="mixtral", n_layers=1, hidden=64, n_heads=4, ffn=128, vocab=100, n_experts=4)
+    >>> lora_moe_params(moe, "all-linear")
+    ('mlp.experts.down_proj', 'mlp.gate', 'mlp.experts.gate_up_proj')
+    >>> lora_moe_params(moe, "qv")
+    ()
+    """
+    from ..errors import SpecError
+
+    if not m.is_moe or m.family is not Family.MIXTRAL:
+        return ()
+    text = targets.strip().lower()
+    if text == "qv":
+        return ()
+    if text in ("all-linear", "all_linear", "all"):
+        names = set(_MOE_V4_NAMES)
+    else:
+        names = {n.strip().rsplit(".", 1)[-1] for n in targets.split(",") if n.strip()} & set(_MOE_V4_NAMES)
+        if len(names & {"w1", "w3"}) == 1:
+            raise SpecError(f"lora_targets={targets!r}: peft cannot target {sorted(names & {'w1', 'w3'})[0]} "
+                            "without the other: w1 and w3 are fused into experts.gate_up_proj")
+    chosen = {_MOE_V4_NAMES[n] for n in names}
+    return tuple(p for p in ("mlp.experts.down_proj", "mlp.gate", "mlp.experts.gate_up_proj") if p in chosen)
+
+
+@lru_cache(maxsize=512)
+def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, ...]:
+    """LoRA adapter tensors: ``lora_A`` (rank, in) and ``lora_B`` (out, rank) per adapted layer, then
+    peft's ``ParamWrapper`` adapters of mixtral's router and experts (`lora_moe_params`), in the order
+    ``named_parameters()`` lists them (router; ``gate_up_proj``, wrapped innermost; ``down_proj``).
+
+    A 3-D expert parameter (E, out, in) gets ``lora_A`` (E*r, in) and ``lora_B`` (out, E*r)
+    (``ParamWrapper.update_layer``: one rank-r adapter per expert, stacked); ``gate_up_proj`` fuses v4's
+    ``w1`` and ``w3``, so peft gives it rank 2r and alpha 2*alpha (the same scaling). The router's
+    (E, h) weight gets a plain (r, h) / (E, r) pair.
+
+    >>> from trainmem_nb.model.presets import get_model
+    >>> m = get_model("mixtral-8x7b")
+    >>> sum(p.numel for p in lora_inventory(m, "all-linear", 8))  # one layer; measured with peft 0.21
+    5619776
+    """
+    shapes = {p.name[len("layers."):-len(".weight")]: p.shape for p in param_inventory(m) if p.in_layer}
+    out: list[ParamTensor] = []
+    for mod in lora_modules(m, targets):
+        shape = shapes[mod]
+        in_f, out_f = (shape[0], shape[1]) if m.family is Family.GPT2 else (shape[1], shape[0])  # Conv1D is (in, out)
+        out.append(ParamTensor(f"layers.{mod}.lora_A.weight", (rank, in_f), m.n_layers, True, True))
+        out.append(ParamTensor(f"layers.{mod}.lora_B.weight", (out_f, rank), m.n_layers, True, True))
+    for mod, (out_f, in_f) in lora_outer_modules(m, targets):
+        out.append(ParamTensor(f"{mod}.lora_A.weight", (rank, in_f), 1, True, False))
+        out.append(ParamTensor(f"{mod}.lora_B.weight", (out_f, rank), 1, True, False))
+    moe = lora_moe_params(m, targets)
+    L, E, h, f = m.n_layers, m.n_experts, m.hidden, m.ffn
+    if "mlp.gate" in moe:
+        out.append(ParamTensor("layers.mlp.gate.lora_A.weight", (rank, h), L, True, True))
+        out.append(ParamTensor("layers.mlp.gate.lora_B.weight", (E, rank), L, True, True))
+    for name, r, in_f, out_f in (("mlp.experts.gate_up_proj", 2 * rank, h, 2 * f), ("mlp.experts.down_proj", rank, f, h)):
+        if name in moe:
+            out.append(ParamTensor(f"layers.{name}.lora_A.weight", (E * r, in_f), L, True, True))
+            out.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, E * r), L, True, True))
+    return tuple(out)
+
+
+#: bitsandbytes NF4 (QLoRA, Dettmers et al. 2023; bitsandbytes/functional.py quantize_4bit): two
+#: 4-bit values per byte, one absmax per block of 64; with double quantization the absmaxes are
+#: stored as uint8 with one fp32 absmax per 256 of them plus a 256-entry fp32 code and an fp32 offset.
+NF4_BLOCK = 64
+NF4_NESTED_BLOCK = 256
+NF4_NESTED_CODE_BYTES = 256 * 4
+
+
+def nf4_bytes(numel: int, double_quant: bool = True) -> float:
+    """Device bytes of one NF4-quantized weight: packed values and quantization state, each storage
+    rounded to the CUDA allocator's 512-B blocks."""
+    def rnd(n: int) -> int:
+        return -(-n // 512) * 512 if n > 0 else 0
+
+    blocks = -(-numel // NF4_BLOCK)
+    total = rnd(-(-numel // 2))
+    if double_quant:
+        total += rnd(blocks) + rnd(-(-blocks // NF4_NESTED_BLOCK) * 4) + rnd(NF4_NESTED_CODE_BYTES) + rnd(4)
+    else:
+        total += rnd(blocks * 4)
+    return float(total)
+
+
+def quantized(p: ParamTensor) -> bool:
+    """Does QLoRA quantize `p`? transformers' bitsandbytes integration replaces the ``nn.Linear``
+    layers inside the transformer blocks; embeddings, norms and the LM head (``lm_head`` is in
+    ``get_keys_to_not_convert``) stay in the model's dtype, as do mixtral's 3-D expert tensors and its
+    router's weight (``MixtralTopKRouter`` is not an nn.Linear in transformers 5)."""
+    return (p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", "mlp.gate.weight"))
+            and ".lora_" not in p.name)
+
+
+def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int, bool]]:
+    """Every weight tensor of the training run as ``(tensor, bytes per element, trainable)``:
+    the base model in the recipe's dtype (frozen under LoRA; NF4 under QLoRA, a fractional element
+    size) plus LoRA adapters, which peft keeps in fp32 on a 16-bit base (``autocast_adapter_dtype=True``) unless
+    ``lora_dtype='base'``."""
+    full = t.method is Method.FULL
+    if t.method is Method.QLORA:
+        qout = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else t.param_bytes, False)
+                for p in param_inventory(m)]
+        qout += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
+        # NF4 weights' bytes per element are fractional: the tape's `dt` is typed int (a float works at run time)
+        return qout  # type: ignore[return-value]
+    out = [(p, t.param_bytes, full) for p in param_inventory(m)]
+    if not full:
+        out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
+    return out
+
+
+def trainable_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int]]:
+    """The tensors the optimizer updates, with their bytes per element."""
+    return [(p, dt) for p, dt, trainable in weight_tensors(m, t) if trainable]
+
+
+#: Names of the input-side parameters outside the layers (token, position and type embeddings; BERT's
+#: embedding LayerNorm); every other one outside the layers belongs to the output side (final norm,
+#: LM head, pythia's ``embed_out``, BERT's ``cls.*``).
+_INPUT_SIDE = ("embed_tokens.", "embed_positions.", "embed_in.", "wte.", "wpe.", "embeddings.")
+
+
+def on_stage(p: ParamTensor, m: ModelSpec, first: bool, last: bool) -> bool:
+    """Does a pipeline stage (the `first` and/or `last` one) hold `p`? Layers are split beforehand;
+    the first stage holds the embeddings, the last the final norm and head, and with tied embeddings
+    the last one holds a copy of the embedding matrix as its head (Megatron-LM keeps both in sync)."""
+    if p.in_layer or (first and last):
+        return True
+    if p.name.startswith(_INPUT_SIDE):
+        return first or (last and m.tie_embeddings and p.name.startswith(("embed_tokens.", "wte.", "embed_in.",
+                                                                            "embeddings.word_embeddings.")))
+    return last

@@ -1,0 +1,268 @@
+"""PyTorch FSDP2 (``fully_shard``) as the step sees it: all-gather and reduce-scatter buffers,
+prefetch and reshard points, the mixed-precision policy and gradient accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine.program import Segment, _segment
+from ..engine.tape import Graph, Sz, T, const
+from ..model.params import ParamTensor
+from ..model.spec import ModelSpec
+from ..spec.training import TrainingSpec
+from ..step.compile import EngineHooks
+from ..step.optimizers import optimizer_program
+from .ranks import _CAT, _held, _padded_shard, _Param, _row_shard, _sharded_states
+
+
+@dataclass(frozen=True)
+class FSDP2Hooks(EngineHooks):
+    """torch FSDP2 (``fully_shard``) on every transformer layer and the root module."""
+
+    world: int
+    reshard_after_forward: bool
+    param_dt: int | None  # MixedPrecisionPolicy.param_dtype bytes (None: parameters keep their dtype)
+    reduce_dt: int | None  # MixedPrecisionPolicy.reduce_dtype bytes (None: the gradient's dtype)
+    units: tuple[tuple[str, tuple[_Param, ...]], ...]  # "root" and "layer" -> their parameters
+    accumulate: bool = False  # gradient accumulation: sharded gradients exist and new ones are added
+    gloo: bool = False  # the CPU backend: its reduce-scatter works on a full copy of the input
+    #: CPUOffloadPolicy: sharded parameters, their gradients and the optimizer live on the CPU
+    offload: bool = False
+    autocast: bool = False
+    local_grads_accumulate: bool = False
+    first_stage: bool = True
+    last_stage: bool = True
+    #: a stage of torch.distributed.pipelining (pp > 1): parameters stay gathered and unsharded
+    #: gradients accumulate over the micro-batches; the reduce-scatter waits for the last (`_pipelined_reduce`)
+    pipelined: bool = False
+    state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def _unit(self, unit: str) -> tuple[_Param, ...]:
+        return dict(self.units)["root" if unit == "root" else "layer"]
+
+    def _st(self, g: Graph) -> dict[str, Any]:
+        return self.state.setdefault(id(g), {"ups": {}})
+
+    def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
+        return self.param_dt or dt
+
+    def _gathered_bytes(self, q: _Param) -> int:
+        return self.world * q.shard * (self.param_dt or q.dt)
+
+    def _all_gather_output(self, g: Graph, unit: str, label: str) -> T:
+        # one flat buffer per unit (uint8 when the unit's dtypes differ): every rank's shards
+        ag = g.alloc(const(sum(self._gathered_bytes(q) for q in self._unit(unit))), 1, label)
+        ag.region, ag.chain = "communication", True
+        return ag
+
+    def _copy_out(self, g: Graph, unit: str) -> None:
+        ups = []
+        for q in self._unit(unit):  # each parameter's unsharded storage (alloc_storage)
+            t = g.alloc(const(self._gathered_bytes(q)), 1, f"unsharded {unit}")
+            t.region = "gathered"
+            ups.append(t)
+        self._st(g)["ups"][unit] = ups
+
+    def _gather(self, g: Graph, unit: str, linger: bool) -> None:
+        st = self._st(g)
+        ag = self._all_gather_output(g, unit, f"all-gather {unit}")
+        self._copy_out(g, unit)
+        if linger:  # forward: the previous all-gather output is freed after this copy-out
+            if st.get("ag") is not None:
+                g.drop(st["ag"])
+            st["ag"] = ag
+        else:
+            g.drop(ag)
+
+    def _reshard(self, g: Graph, unit: str) -> None:
+        g.drop(*self._st(g)["ups"].pop(unit, []))
+
+    def unit_forward_begin(self, g: Graph, unit: str) -> None:
+        if self.pipelined:  # gathered by the first micro-batch's forward, kept (see `init`)
+            return
+        self._gather(g, unit, linger=True)
+
+    def unit_forward_end(self, g: Graph, unit: str) -> None:
+        if self.pipelined:
+            return
+        st = self._st(g)
+        if unit == "root":
+            if self.reshard_after_forward:
+                self._reshard(g, "root")
+            if st.get("ag") is not None:
+                g.drop(st.pop("ag"))
+        elif self.reshard_after_forward:
+            self._reshard(g, unit)
+
+    def unit_backward_begin(self, g: Graph, unit: str) -> None:
+        if self.pipelined:
+            return
+        st = self._st(g)
+        if self.reshard_after_forward:
+            pre = st.pop("prefetched", None)
+            if pre is not None:  # copy-out from the prefetched all-gather, then free it
+                self._copy_out(g, unit)
+                g.drop(pre)
+            elif unit not in st["ups"]:
+                self._gather(g, unit, linger=False)
+        # backward prefetch: the next unit in backward order is all-gathered now (the root is
+        # already unsharded; the first layer has nothing after it)
+        if self.reshard_after_forward and unit != "L0":
+            st["prefetched"] = self._all_gather_output(g, "layer", "all-gather prefetch")
+
+    def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
+        if self.pipelined:
+            self._accumulate_unsharded(g, grads)
+            return
+        st = self._st(g)
+        self._reshard(g, unit)
+        if st.get("rs") is not None:  # reduce_scatter_max_input_buffers = 1: the previous input goes
+            g.drop(st.pop("rs"))
+        trained = [q for q in self._unit(unit) if q.trainable]
+        if not trained:
+            return
+        # foreach_reduce copies the unsharded gradients into one reduce-scatter input and frees them
+        rs_in = g.alloc(const(sum(self.world * q.shard * (self.reduce_dt or q.dt) for q in trained)), 1,
+                        f"reduce-scatter input {unit}")
+        rs_in.region, rs_in.chain = "communication", True
+        for grad in grads:
+            grad.is_grad = False
+        g.drop(*grads)
+        rs_out = g.alloc(const(self._grad_shard_bytes(unit)), 1, f"sharded gradients {unit}")
+        if self.gloo:
+            # ProcessGroupGloo's reduce_scatter_tensor reduces a copy of the whole input and keeps its
+            # own chunk (measured: a transient the size of the input, freed before the next unit)
+            copy = g.alloc(rs_in.bytes, 1, "gloo reduce-scatter copy")
+            copy.region = "communication"
+            g.drop(copy)
+        if self.accumulate or self.offload:
+            # foreach_reduce adds the reduce-scatter output to .grad and drops it; with CPU offload it
+            # copies it to the CPU and drops the GPU copy without waiting (_fsdp_collectives.py,
+            # foreach_reduce: ``new_sharded_grad.to(torch.device("cpu"))``)
+            g.drop(rs_out)
+        else:
+            rs_out.is_grad = True
+        if unit == "root":
+            g.drop(rs_in)  # finalize_backward waits for and frees the last reduce-scatter
+        else:
+            st["rs"] = rs_in
+
+    def _accumulate_unsharded(self, g: Graph, grads: list[T]) -> None:
+        """A pipeline stage's post-backward without gradient sync (_fsdp_param_group.py, post_backward:
+        ``if not self.reduce_grads: ... fsdp_param.to_accumulated_grad_if_needed(); return``).
+
+        With a reduce dtype (mixed precision) each parameter's 16-bit ``.grad`` is added into its
+        ``unsharded_accumulated_grad`` (_fsdp_param.py, accumulate_unsharded_grad_if_needed:
+        ``self.unsharded_accumulated_grad += self.unsharded_param.grad``; ``.grad = None``) or, on the
+        first micro-batch, becomes it: ``unsharded_grad.to(self.reduce_dtype)`` (to_accumulated_grad_if_needed),
+        allocated before the 16-bit gradient goes. Without one, ``.grad`` itself stays and autograd
+        adds later micro-batches into it (``local_grads_accumulate``)."""
+        if self.reduce_dt is None:
+            return
+        for grad in grads:
+            if not self.accumulate:
+                acc = g.alloc(grad.n, self.reduce_dt, f"unsharded accumulated {grad.label}")
+                acc.is_grad = True
+            grad.is_grad = False
+            g.drop(grad)
+
+    def _unsharded_grad_bytes(self, q: _Param) -> int:
+        """An unsharded gradient of a pipeline stage: the parameter's shape, in the reduce dtype."""
+        return q.numel * (self.reduce_dt or q.dt)
+
+    def _pipelined_reduce(self, m: ModelSpec) -> list[Segment]:
+        """torch.distributed.pipelining's deferred gradient sync, after the last micro-batch's backward.
+
+        stage.py, perform_reduce_grad: ``set_reshard_after_backward(True)``,
+        ``set_requires_gradient_sync(True)``, then ``fsdp_param_group.post_backward()`` for every group
+        of ``_state_ctx.all_states`` (the stage root first, then the layers in order). Each
+        post_backward (_fsdp_param_group.py) first reshards (frees the gathered parameters), then frees
+        the previous reduce-scatter input (``reduce_scatter_max_input_buffers`` = 1) and calls
+        foreach_reduce (_fsdp_collectives.py): the reduce-scatter input is allocated, the accumulated
+        gradients are copied in and released (``unsharded_grads.clear()``), and the output becomes the
+        sharded ``.grad``. ``_root_post_backward_final_callback`` frees the last input."""
+        cat = _CAT
+        comm, gath, grad = cat["overhead/communication"], cat["weights/gathered"], cat["gradients"]
+
+        def unit_events(unit: str, prev: int) -> tuple[list[tuple[int, int, Sz, str]], int]:
+            ev: list[tuple[int, int, Sz, str]] = [(gath, -1, const(self._gathered_bytes(q)), f"reshard {unit}")
+                                                  for q in self._unit(unit)]
+            trained = [q for q in self._unit(unit) if q.trainable]
+            if not trained:
+                return ev, prev
+            if prev:
+                ev.append((comm, -1, const(prev), "previous reduce-scatter input freed"))
+            rs = sum(self.world * q.shard * (self.reduce_dt or q.dt) for q in trained)
+            ev.append((comm, 1, const(rs), f"reduce-scatter input {unit}"))
+            ev += [(grad, -1, const(self._unsharded_grad_bytes(q)), f"unsharded gradients {unit} copied in")
+                   for q in trained]
+            ev.append((grad, 1, const(self._grad_shard_bytes(unit)), f"sharded gradients {unit}"))
+            if self.gloo:  # ProcessGroupGloo reduces a copy of the whole input (see unit_backward_end)
+                ev += [(comm, 1, const(rs), "gloo reduce-scatter copy"), (comm, -1, const(rs), "freed")]
+            return ev, rs
+
+        segs = []
+        root, prev = unit_events("root", 0)
+        segs.append(_segment("backward", f"{PIPELINE_REDUCE}: root", 1, tuple(root)))
+        first, after_first = unit_events("layer", prev)
+        segs.append(_segment("backward", f"{PIPELINE_REDUCE}: layer 0", 1, tuple(first)))
+        if m.n_layers > 1:
+            rest, after_first = unit_events("layer", after_first)
+            segs.append(_segment("backward", f"{PIPELINE_REDUCE}: layers", m.n_layers - 1, tuple(rest)))
+        if after_first:
+            segs.append(_segment("backward", f"{PIPELINE_REDUCE}: finalize", 1,
+                                 ((comm, -1, const(after_first), "last reduce-scatter input freed"),)))
+        return segs
+
+    def _grad_shard_bytes(self, unit: str) -> int:
+        """One flat reduce-scatter output per unit holds its sharded gradients (in the reduce dtype)."""
+        return sum(q.shard * (self.reduce_dt or q.dt) for q in self._unit(unit) if q.trainable)
+
+    def _grads(self, m: ModelSpec) -> list[tuple[int, int]]:
+        return [(n, c) for n, c in ((self._grad_shard_bytes("root"), 1), (self._grad_shard_bytes("layer"), m.n_layers))
+                if n]
+
+    def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
+        out: list[tuple[str, Sz, int]] = []
+        for p, dt, _trainable in weights:
+            out.append(("weights/params", const(_padded_shard(p, self.world) * dt), p.count))
+        if self.offload:
+            # the parameter shards are listed so the caller moves them to host memory (`_host_bytes`);
+            # the gradient shards and the optimizer states never reach the GPU
+            return out
+        if self.pipelined:
+            # every parameter of the stage stays gathered from the first micro-batch's forward to
+            # perform_reduce_grad: torchtitan does not reshard after forward under PP (parallelize.py,
+            # "For PP, do not reshard after forward to avoid per-microbatch all-gathers") and pipelining
+            # does not reshard after backward (stage.py, backward_maybe_with_nosync:
+            # ``set_reshard_after_backward(False)``); a later micro-batch finds the earlier ones'
+            # unsharded gradients (`_accumulate_unsharded`)
+            for unit, count in (("root", 1), ("layer", m.n_layers)):
+                for q in self._unit(unit):
+                    out.append(("weights/gathered", const(self._gathered_bytes(q)), count))
+                    if self.accumulate and q.trainable:
+                        out.append(("gradients", const(self._unsharded_grad_bytes(q)), count))
+            if not t.first_step:
+                out += _sharded_states(self, m, t, self.world)
+            return out
+        if self.accumulate:
+            out += [("gradients", const(n), c) for n, c in self._grads(m)]
+        if not t.first_step:
+            out += _sharded_states(self, m, t, self.world)
+        return out
+
+    def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
+        if self.offload:  # the optimizer steps on the CPU's parameter and gradient shards
+            return []
+
+        def shard(p: ParamTensor) -> ParamTensor | None:
+            return _row_shard(p, self.world) if _held(self, p, m) else None
+
+        opt = optimizer_program(m, t, shard, self._grads(m))
+        return self._pipelined_reduce(m) + opt if self.pipelined else opt
+
+
+#: label prefix of the segments of pipelining's deferred reduce-scatter (after every micro-batch)
+PIPELINE_REDUCE = "reduce-scatter after the last micro-batch"

@@ -1,0 +1,124 @@
+"""From a layout to each rank's model and engine: tensor/expert splits, pipeline stages, sequence
+parallelism's saving, host memory for offload.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..model.params import on_stage, weight_tensors
+from ..model.spec import ModelSpec
+from ..spec.choices import Checkpointing, Device, Precision
+from ..spec.parallel import Engine, Offload, ParallelSpec
+from ..spec.training import TrainingSpec
+from ..step.compile import EngineHooks
+from ..step.optimizers import paged_state_bytes, state_bytes
+from .ddp import DDPHooks
+from .deepspeed import DeepSpeedHooks
+from .fsdp import FSDP2Hooks
+from .megatron import MegatronHooks
+from .ranks import _held, _padded_shard, _Param, _row_shard, _trainable, _units
+
+
+def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
+    """The model as one tensor-parallel rank sees it: heads, kv heads, MLP, experts and vocabulary split."""
+    if p.tp == 1 and p.ep == 1:
+        return m
+    data = m.model_dump()
+    tp = p.tp
+    data.update(n_heads=m.n_heads // tp, n_kv_heads=max(1, m.n_kv_heads // tp), head_dim=m.head_dim,
+                ffn=max(1, m.ffn // tp), vocab=-(-m.vocab // tp), name=f"{m.name} (tp rank)")
+    if m.is_moe and p.ep > 1:
+        data["n_experts"] = m.n_experts // p.ep
+        data["experts_top_k"] = min(m.experts_top_k, data["n_experts"])
+    return ModelSpec.model_validate(data)
+
+
+def _stages(m: ModelSpec, p: ParallelSpec) -> list[tuple[int, int]]:
+    """(stage, layers) for each pipeline stage: layers split as evenly as possible, extra to the first."""
+    base, extra = divmod(m.n_layers, p.pp)
+    return [(s, base + (1 if s < extra else 0)) for s in range(p.pp)]
+
+
+def _sequence_parallel_saving(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, seq: int) -> int:
+    """Saved activation bytes sequence parallelism removes from a tensor-parallel rank: the
+    hidden-sized tensors TP leaves replicated (norm inputs and outputs, dropout masks; the layer input
+    alone under full checkpointing) are split `tp` ways instead (Korthikanti et al. 2022, sec. 4.2.2:
+    ``10 sbh`` becomes ``10 sbh / t``). Modelled from the paper, not measured here."""
+    if t.checkpointing is Checkpointing.FULL:
+        per_layer = 1
+    else:
+        dropout = (t.dropout if t.dropout is not None else m.hidden_dropout) > 0
+        per_layer = 4 + (2 if dropout else 0)
+    act_dt = 4 if t.precision is Precision.FP32 else 2
+    return int(m.n_layers * per_layer * t.micro_batch * seq * m.hidden * act_dt * (1 - 1 / p.tp))
+
+
+def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None = None,
+           first: bool = True, last: bool = True) -> EngineHooks:
+    """The engine of layout `p` on a rank of the `first` and/or `last` pipeline stage; `backend` is the
+    collectives library (default: gloo on CPU, NCCL on CUDA)."""
+    weights = [w for w in weight_tensors(m, t) if on_stage(w[0], m, first, last)]
+    stage: dict[str, Any] = {"first_stage": first, "last_stage": last}
+    if p.engine is Engine.FSDP and p.zero >= 2:
+        world = p.shard_degree
+        mixed = t.mixed
+        units = tuple((name, tuple(_Param(_padded_shard(w[0], world), w[2], w[1], w[0].numel) for w in ws))
+                      for name, ws in _units(weights).items())
+        # torch.distributed.pipelining with FSDP2 stages (not with CPU offload, which is not modelled there)
+        pipelined = p.pp > 1 and p.offload is Offload.NONE
+        # the recipe of torchtitan and accelerate: MixedPrecisionPolicy(param_dtype=16-bit,
+        # reduce_dtype=fp32) for mixed precision, parameters' own dtypes otherwise
+        return FSDP2Hooks(world=world, reshard_after_forward=p.zero >= 3, param_dt=2 if mixed else None,
+                          reduce_dt=4 if mixed else None, units=units, accumulate=t.grad_accum > 1,
+                          gloo=(backend or ("gloo" if t.device is Device.CPU else "nccl")) == "gloo",
+                          offload=p.offload is not Offload.NONE, pipelined=pipelined,
+                          local_grads_accumulate=pipelined and not mixed, **stage)
+    if p.engine is Engine.DEEPSPEED:
+        layer_params = sum(w[0].numel for w in weights if w[0].in_layer)
+        return DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero,
+                              model_dt=2 if t.precision is not Precision.FP32 else 4,
+                              offload=p.offload.value, layer_params=layer_params, **stage)
+    if p.engine is Engine.MEGATRON:
+        return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, **stage)
+    zero = p.zero if p.engine is Engine.DDP else 0
+    return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, **stage)
+
+
+def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSpec, detail: dict[str, int]) -> int:
+    """Host (CPU) memory of one process for what the layout offloads; moves the offloaded parameter
+    shards out of the GPU's `detail`."""
+    if p.offload is Offload.NONE:
+        return 0
+    host = detail.pop("weights/params", 0) if p.offload is Offload.OPTIMIZER_PARAMS else 0
+    if isinstance(hooks, FSDP2Hooks):
+        # CPUOffloadPolicy: parameter shards, gradient shards (in the parameters' dtype) and the
+        # optimizer states of the shards, all on the CPU
+        host += sum(n * c for n, c in hooks._grads(m))
+        shard_of = lambda q: _row_shard(q, hooks.world) if _held(hooks, q, m) else None  # noqa: E731
+        # a paged optimizer stepping on the CPU: bitsandbytes allocates plain tensors there, no paging
+        host += sum(int(sz.c0) * c for sz, c in state_bytes(m, t, shard_of)) + paged_state_bytes(m, t, shard_of)
+        return host
+    assert isinstance(hooks, DeepSpeedHooks)
+    shard = -(-sum(q.numel * q.count for q, _ in _trainable(hooks, m, t)) // p.shard_degree)
+    # ZeRO-Offload: fp32 master weights and Adam moments (K = 12, Rajbhandari et al. 2020) ...
+    host += 12 * shard
+    # ... and the gradient partition the CPU optimizer reads, pinned:
+    # * ZeRO-1/2, deepspeed/runtime/zero/stage_1_and_2.py, initialize_optimizer_states:
+    #   ``single_grad_partition = torch.zeros(int(self.partition_size[i]),
+    #   dtype=self.single_partition_of_fp32_groups[i].dtype, device=self.device)``, pinned when
+    #   cpu_offload_pin_memory and kept as ``single_partition_of_fp32_groups[i].grad`` (only set to None
+    #   ``if not self.cpu_offload``): fp32, 4 B per element of the partition;
+    # * ZeRO-3, deepspeed/runtime/zero/stage3.py, _setup_for_real_optimizer: ``grad_partitions_flat_buffer
+    #   = torch.zeros(sum(p.partition_numel() ...), dtype=self.gradient_accumulation_dtype,
+    #   device=self.device)``, pinned when offload_optimizer_pin_memory; the accumulation dtype is the
+    #   model's (runtime/engine.py get_data_types: ``grad_accum_dtype = model_dtype`` under ZeRO unless
+    #   the config sets ``data_types.grad_accum_dtype``): 2 B with bf16/fp16, 4 B with fp32.
+    host += shard * (hooks.model_dt if p.zero >= 3 else 4)
+    if p.zero < 3 and t.grad_accum > 1:
+        # ZeRO-1/2 accumulating over micro-steps keeps a pinned host copy of the rank's gradients in the
+        # model's dtype (stage_1_and_2.py, async_accumulate_grad_in_cpu_via_gpu: ``buffer =
+        # torch.zeros(param.numel(), dtype=param.dtype, device=self.device)`` per parameter of the partition,
+        # in ``accumulated_grads_in_cpu``); ZeRO-3 accumulates into its fp32 partitions above
+        host += shard * hooks.model_dt
+    return host

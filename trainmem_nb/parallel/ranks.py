@@ -1,0 +1,89 @@
+"""What every parallel engine shares: a rank's memory row, shards of parameters and the engines'
+bucket constants (each with its source).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from ..engine.breakdown import DETAIL_KEYS
+from ..engine.tape import Sz
+from ..model.params import ParamTensor, on_stage, trainable_tensors
+from ..model.spec import ModelSpec
+from ..spec.training import TrainingSpec
+from ..step.compile import EngineHooks
+from ..step.optimizers import state_bytes
+
+__all__ = ['RankMemory']
+
+_CAT = {k: i for i, k in enumerate(DETAIL_KEYS)}
+
+#: DDP's default gradient bucket (torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=25)).
+DDP_BUCKET_BYTES = 25 << 20
+#: DeepSpeed ZeRO defaults (deepspeed/runtime/zero/config.py): elements, not bytes.
+DS_REDUCE_BUCKET = 500_000_000
+DS_ALLGATHER_BUCKET = 500_000_000
+DS_STAGE3_PREFETCH = 50_000_000
+DS_STAGE3_MAX_LIVE = 1_000_000_000
+DS_STAGE3_PERSISTENCE = 100_000  # parameters smaller than this stay unsharded on every rank
+
+
+class RankMemory(NamedTuple):
+    """One distinct rank of a layout (e.g. a pipeline stage) and its memory."""
+
+    ranks: str  # which ranks this row stands for, e.g. "stage 0 (ranks 0-7)"
+    stage: int
+    n_layers: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    device_total_bytes: int
+    peak_phase: str
+    peak_at: str
+    breakdown_bytes: dict[str, int]
+    detail_bytes: dict[str, int]
+    host_bytes: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields."""
+        return self._asdict()
+
+
+def _padded_shard(p: ParamTensor, world: int) -> int:
+    """FSDP2's per-rank shard of one parameter: dim 0 chunked into `world` pieces, padded to the largest
+    (rank 0's; a later rank's unpadded shard can be smaller: rank 0 is the worst)."""
+    return _row_shard(p, world).numel
+
+
+def _row_shard(p: ParamTensor, world: int) -> ParamTensor:
+    """Rank 0's part of a parameter split along dim 0 into `world` chunks (torch.chunk's rule)."""
+    return p._replace(shape=(-(-p.shape[0] // world), *p.shape[1:]))
+
+
+def _units(weights: Sequence[tuple[ParamTensor, int, bool]]) -> dict[str, list[tuple[ParamTensor, int, bool]]]:
+    """Parameters of the root unit (outside the layers) and of one layer unit."""
+    return {"root": [w for w in weights if not w[0].in_layer], "layer": [w for w in weights if w[0].in_layer]}
+
+
+class _Param(NamedTuple):
+    shard: int  # elements of the rank's (padded) shard
+    trainable: bool
+    dt: int  # bytes per element of the sharded parameter
+    numel: int = 0  # elements of the unsharded parameter (its gradient's size)
+
+
+def _held(hooks: EngineHooks, p: ParamTensor, m: ModelSpec) -> bool:
+    return on_stage(p, m, hooks.first_stage, hooks.last_stage)
+
+
+def _trainable(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int]]:
+    """The trainable tensors this rank's pipeline stage holds."""
+    return [(p, dt) for p, dt in trainable_tensors(m, t) if _held(hooks, p, m)]
+
+
+def _sharded_states(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, world: int) -> list[tuple[str, Sz, int]]:
+    """Optimizer state of the rank's share of the parameters (ZeRO-1: states split `world` ways)."""
+    if t.first_step:
+        return []
+    return [("optimizer_states", sz, c)
+            for sz, c in state_bytes(m, t, lambda p: _row_shard(p, world) if _held(hooks, p, m) else None)]

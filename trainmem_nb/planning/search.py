@@ -1,0 +1,488 @@
+"""The planner's search: layouts per GPU type (one GPU, one node, several nodes; ZeRO-3/FSDP, tensor
+parallel inside a fast domain, pipeline across nodes), checkpointing, micro-batch and gradient
+accumulation for a target global batch; each option's memory, time and cost.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from ..errors import SpecError
+from ..estimator.api import check_model_options, estimate
+from ..estimator.result import MemoryEstimate
+from ..model.presets import resolve_model
+from ..model.spec import ModelSpec
+from ..spec.choices import Method
+from ..spec.parallel import ParallelSpec, build_parallel
+from ..spec.training import TrainingSpec, build_training
+from .cost import (
+    HW_INTERRUPTIONS_PER_GPU_HOUR,
+    KEEP_CHECKPOINTS,
+    RESTART_OVERHEAD_S,
+    SPOT_INTERRUPTIONS_PER_NODE_HOUR,
+    STORAGE_WRITE_GBS_PER_NODE,
+    _best_prices,
+    _price_warnings,
+    checkpoint_bytes,
+    run_cost,
+)
+from .fit import (
+    DEFAULT_HEADROOM,
+    _check_headroom,
+    _Evaluator,
+    _gpu_counts,
+    _layout,
+    _precision_for,
+    _split_options,
+    _training_dict,
+    fit,
+)
+from .gpus import GPU, Price, get_gpu, list_gpus, load_prices, snapshot_date
+from .report import Plan, _label, _your_prices
+from .throughput import (
+    COMM_EFFICIENCY,
+    INTER_NODE_GBS_PER_GPU,
+    PCIE_WARN_COMM_FRACTION,
+    _in_fast_domain,
+    _mfu_for,
+    step_time,
+)
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ['plan']
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Plan
+
+
+_FAMILY_ORDER = ("single", "ddp", "fsdp", "hsdp", "megatron")
+
+
+def _families(m: ModelSpec, g: GPU, n: int, fixed: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """Layouts to try on `n` GPUs of `g` (only the user's when they fixed any parallel option)."""
+    layout_keys = set(fixed) - {"gpus", "nodes"}
+    if layout_keys:
+        return [("given", dict(fixed))]
+    if n == 1:
+        return [("single", {})]
+    nodes = max(1, -(-n // g.gpus_per_node))
+    out: list[tuple[str, dict[str, Any]]] = [
+        ("ddp", {"engine": "ddp", "zero": 0}),
+        ("fsdp", {"engine": "fsdp", "zero": 3}),
+    ]
+    if nodes > 1:
+        out.append(("hsdp", {"engine": "fsdp", "zero": 3, "hybrid_shard": True}))
+    per_node = n // nodes
+    domain = min(per_node, g.nvlink_domain)
+    tp = max((d for d in range(2, domain + 1) if per_node % d == 0 and m.n_heads % d == 0
+              and (m.n_kv_heads % d == 0 or d % m.n_kv_heads == 0)), default=1)
+    if tp > 1:
+        pp = nodes if (nodes > 1 and nodes <= m.n_layers) else 1
+        dp = n // (tp * pp)
+        out.append(("megatron", {"engine": "megatron", "tp": tp, "sp": True, "pp": pp, "zero": 1 if dp > 1 else 0}))
+    return out
+
+
+
+
+def _scale(p: ParallelSpec, g: GPU) -> str:
+    if p.gpus == 1:
+        return "single GPU"
+    if p.nodes == 1:
+        return "one NVLink node" if p.gpus <= g.nvlink_domain else "one PCIe node"
+    return "multi-node"
+
+
+def _gpu_list(gpus: str | GPU | Iterable[str | GPU] | None, catalog: Sequence[GPU]) -> list[GPU]:
+    if gpus is None:
+        return list(catalog) or list_gpus()
+    if isinstance(gpus, (str, GPU)):
+        gpus = [gpus]
+    out = []
+    for item in gpus:
+        g = get_gpu(item, catalog)
+        if g not in out:
+            out.append(g)
+    if not out:
+        raise SpecError("gpus=[] names no GPU; leave it out to search the whole catalog")
+    return out
+
+
+def _price_list(prices: Any, catalog: Sequence[GPU]) -> list[Price]:
+    if prices is None:
+        from .gpus import list_prices
+
+        return list_prices()
+    if prices is False:
+        return []
+    return load_prices(prices, catalog)
+
+
+def plan(
+    model: Any,
+    training: TrainingSpec | Mapping[str, Any] | None = None,
+    *,
+    gpus: str | GPU | Iterable[str | GPU] | None = None,
+    target_global_batch: int | None = None,
+    tokens: float | None = None,
+    prices: Any = None,
+    mfu: float | Mapping[str, float] | None = None,
+    headroom: float = DEFAULT_HEADROOM,
+    n_gpus: int | None = None,
+    parallel: ParallelSpec | Mapping[str, Any] | None = None,
+    max_gpus: int = 512,
+    scale_out: int = 2,
+    provider: str | None = None,
+    catalog: Iterable[GPU] | None = None,
+    inter_node_gbs: float = INTER_NODE_GBS_PER_GPU,
+    storage_gbs: float = STORAGE_WRITE_GBS_PER_NODE,
+    spot_interruptions_per_node_hour: float = SPOT_INTERRUPTIONS_PER_NODE_HOUR,
+    restart_minutes: float = RESTART_OVERHEAD_S / 60,
+    checkpoint_interval_hours: float | None = None,
+    keep_checkpoints: int = KEEP_CHECKPOINTS,
+    **options: Any,
+) -> Plan:
+    """Search GPU types and layouts for a training run; one row per viable (GPU type, layout).
+
+    `options` are training and parallel fields as for `estimate` (the GPU count is `n_gpus`, since `gpus`
+    names GPU types). Whatever you give is kept; what you leave out is searched: the GPU count (1, 2, 4... a
+    node, then whole nodes doubling, up to `max_gpus`,
+    and `scale_out` doublings past the fewest that fit), the layout (DDP, FSDP ZeRO-3, hybrid shard across
+    nodes, Megatron TP inside the NVLink domain with PP across nodes), checkpointing (none, else full), the
+    micro-batch (the largest that fits) and gradient accumulation (to reach `target_global_batch`
+    sequences). bf16 becomes fp16 on GPUs without bf16. `tokens` (total training tokens) gives time and
+    cost; `prices` is None (the dated snapshot), False, a path, rows or ``{gpu: usd_per_gpu_hour}``;
+    `mfu` a number or ``{gpu or class: number}`` (default: `MFU_DEFAULTS`).
+
+    >>> p = plan("gpt2", gpus=["H100", "T4"], seq_len=1024, target_global_batch=64, tokens=1e9)
+    >>> p.fits_on
+    ['H100 SXM 80GB', 'T4 16GB']
+    """
+    headroom = _check_headroom(headroom)
+    if target_global_batch is not None and int(target_global_batch) < 1:
+        raise SpecError(f"target_global_batch={target_global_batch!r} must be >= 1 (sequences per optimizer step)")
+    if tokens is not None and not (float(tokens) > 0 and math.isfinite(float(tokens))):
+        raise SpecError(f"tokens={tokens!r} must be a positive number of training tokens")
+    if max_gpus < 1:
+        raise SpecError(f"max_gpus={max_gpus!r} must be >= 1")
+    m = resolve_model(model)
+    cat = list(catalog or ())
+    gpu_types = _gpu_list(gpus, cat)
+    price_rows = _price_list(prices, cat + gpu_types)
+    source: Literal["snapshot", "yours", "none"] = "snapshot" if prices is None else "none" if prices is False else "yours"
+    train_opts, par_opts = _split_options(options)
+    given = _training_dict(training, train_opts)
+    fixed: dict[str, Any] = {}
+    if isinstance(parallel, ParallelSpec):
+        fixed.update({k: getattr(parallel, k) for k in parallel.model_fields_set})
+    elif isinstance(parallel, Mapping):
+        fixed.update(parallel)
+    fixed.update({k: v for k, v in par_opts.items() if v is not None})
+    if n_gpus is not None:
+        fixed["gpus"] = int(n_gpus)
+    if fixed:  # bad values fail here, once, with the usual message
+        probe = dict(fixed) if "gpus" in fixed else {k: v for k, v in fixed.items() if k != "nodes"}
+        probe.setdefault("gpus", _model_parallel(fixed))
+        build_parallel(None, **probe)
+    base_training = build_training(None, **given)
+    check_model_options(m, base_training)  # e.g. a sequence beyond the model's positions fails every option alike
+    as_given, as_given_error = None, ""
+    try:
+        as_given = estimate(m, base_training, parallel=build_parallel(None, **fixed))
+    except SpecError as exc:  # e.g. tp given without a GPU count: the search sets one
+        as_given_error = str(exc)
+    except Exception as exc:
+        if int(fixed.get("gpus", 1)) == 1:
+            raise
+        as_given_error = f"{type(exc).__name__}: {exc}"
+    ev = _Evaluator(m, given)
+    ctx = _PlanContext(m=m, ev=ev, given=given, fixed=fixed, target=target_global_batch, tokens=tokens,
+                       prices=price_rows, mfu=mfu, headroom=headroom, provider=provider,
+                       inter_node_gbs=inter_node_gbs, storage_gbs=storage_gbs,
+                       spot_rate=spot_interruptions_per_node_hour, restart_s=restart_minutes * 60,
+                       interval_h=checkpoint_interval_hours, keep=keep_checkpoints, prices_source=source)
+    rows: list[dict[str, Any]] = []
+    rejected: list[dict[str, Any]] = []
+    for g in gpu_types:
+        counts = [int(fixed["gpus"])] if "gpus" in fixed else _gpu_counts(g, max_gpus)
+        _search_gpu(ctx, g, counts, scale_out, rows, rejected)
+    _mark_pareto(rows)
+    rows.sort(key=lambda r: (not r["fits"], r["cost_usd_on_demand"] if r["cost_usd_on_demand"] is not None else math.inf,
+                             r["time_hours"] if r["time_hours"] is not None else math.inf, r["n_gpus"]))
+    notes = _plan_notes(m, rows, gpu_types, tokens, price_rows, fixed.get("gpus"), source)
+    if as_given is None and "gpus" in fixed:
+        notes.insert(0, f"the step as given could not be estimated: {as_given_error}")
+    assumptions = {
+        "headroom": headroom, "target_global_batch": target_global_batch, "tokens": tokens,
+        "mfu": {g.name: _mfu_for(g, mfu)[0] for g in gpu_types},
+        "inter_node_gbs_per_gpu": inter_node_gbs, "storage_write_gbs_per_node": storage_gbs,
+        "spot_interruptions_per_node_hour": spot_interruptions_per_node_hour,
+        "hw_interruptions_per_gpu_hour": HW_INTERRUPTIONS_PER_GPU_HOUR, "restart_minutes": restart_minutes,
+        "keep_checkpoints": keep_checkpoints, "comm_efficiency": COMM_EFFICIENCY,
+    }
+    return Plan(m, as_given, rows, rejected, notes, assumptions, snapshot_date(price_rows) if price_rows else "",
+                ctx.kept, source)
+
+
+@dataclass
+class _PlanContext:
+    m: ModelSpec
+    ev: _Evaluator
+    given: dict[str, Any]
+    fixed: dict[str, Any]
+    target: int | None
+    tokens: float | None
+    prices: list[Price]
+    mfu: Any
+    headroom: float
+    provider: str | None
+    inter_node_gbs: float
+    storage_gbs: float
+    spot_rate: float
+    restart_s: float
+    interval_h: float | None
+    keep: int
+    prices_source: str = "snapshot"
+    kept: dict[tuple[str, int, str], MemoryEstimate] = field(default_factory=dict)
+
+
+def _search_gpu(ctx: _PlanContext, g: GPU, counts: list[int], scale_out: int, rows: list[dict[str, Any]],
+                rejected: list[dict[str, Any]]) -> None:
+    """Rows for one GPU type: every layout family from the fewest GPUs that fit, `scale_out` doublings on."""
+    precision = _precision_for(str(build_training(None, **ctx.given).precision.value), g)
+    fits_seen: dict[str, int] = {}
+    dead: set[str] = set()  # families whose memory per GPU does not fall with more GPUs (DDP)
+    closest: dict[str, Any] | None = None
+    for n in counts:
+        if ctx.target is not None and n > ctx.target * _model_parallel(ctx.fixed):
+            break  # more data-parallel ranks than sequences per step
+        fams = [(f, lay) for f, lay in _families(ctx.m, g, n, ctx.fixed)
+                if f not in dead and fits_seen.get(f, 0) <= scale_out]
+        if not fams and n > 1:
+            break
+        for fam, layout in fams:
+            try:
+                p = _layout(ctx.m, g, n, layout)
+                row = _evaluate_option(ctx, g, p, precision)
+            except SpecError as exc:
+                rejected.append({"gpu": g.name, "n_gpus": n, "layout": fam, "reason": str(exc)})
+                continue
+            if row["verdict"] == "oom":
+                if fam in ("ddp", "single"):  # DDP replicates the single-GPU step: it will not fit either
+                    dead.add("ddp")
+                if closest is None or row["headroom_fraction"] > closest["headroom_fraction"]:
+                    closest = {"gpu": g.name, "n_gpus": n, "layout": row["layout"], "reason": row["message"],
+                               "headroom_fraction": row["headroom_fraction"]}
+                continue
+            rows.append(row)
+            if row["fits"]:
+                fits_seen[fam] = fits_seen.get(fam, 0) + 1
+    if closest is not None and not any(r["gpu"] == g.name for r in rows):
+        rejected.append(closest)
+
+
+def _model_parallel(fixed: Mapping[str, Any]) -> int:
+    return int(fixed.get("tp", 1)) * int(fixed.get("pp", 1)) * int(fixed.get("cp", 1))
+
+
+def _choose_batch(ctx: _PlanContext, g: GPU, p: ParallelSpec, over: dict[str, Any]) -> tuple[int, int, int]:
+    """``(micro_batch, grad_accum, max_micro_batch)`` for this layout on `g` (micro_batch 0: nothing fits)."""
+    limit = g.memory_bytes * (1.0 - ctx.headroom)
+    ga_given = ctx.given.get("grad_accum")
+    dp = p.dp
+    if "micro_batch" in ctx.given:
+        mb = int(ctx.given["micro_batch"])
+        ga = int(ga_given) if ga_given else (-(-ctx.target // (mb * dp)) if ctx.target else 1)
+        mx = ctx.ev.max_micro_batch(p, {**over, "grad_accum": ga}, limit)
+        return mb, ga, mx
+    if ctx.target is None:
+        ga = int(ga_given or 1)
+        mx = ctx.ev.max_micro_batch(p, {**over, "grad_accum": ga}, limit)
+        return mx, ga, mx
+    per_rank = -(-ctx.target // dp)
+    if ga_given:
+        ga = int(ga_given)
+        mx = ctx.ev.max_micro_batch(p, {**over, "grad_accum": ga}, limit)
+        return min(mx, -(-per_rank // ga)), ga, mx
+    # accumulating holds every gradient through the later micro-steps, so ga=2 needs the most memory:
+    # search with it, and drop to ga=1 when one micro-step already reaches the batch
+    mx = ctx.ev.max_micro_batch(p, {**over, "grad_accum": 2 if per_rank > 1 else 1}, limit)
+    if mx >= per_rank:
+        if per_rank > 1:  # the exact largest for one micro-step (ga=1 needs less memory than ga=2)
+            mx = ctx.ev.max_micro_batch(p, {**over, "grad_accum": 1}, limit)
+        return per_rank, 1, mx
+    if mx == 0:  # nothing fits with the headroom: judge one sequence per micro-step
+        return 0, per_rank, 0
+    divisors = [d for d in range(mx, max(1, mx // 2) - 1, -1) if per_rank % d == 0]
+    mb = divisors[0] if divisors else mx
+    return mb, -(-per_rank // mb), mx
+
+
+def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str) -> dict[str, Any]:
+    """One row: the batch that fits, the verdict, time and cost (raises SpecError for bad layouts)."""
+    ckpts = [ctx.given["checkpointing"]] if "checkpointing" in ctx.given else ["none", "full"]
+    for ck in ckpts:  # no recomputation when it fits, else full checkpointing
+        over: dict[str, Any] = {"precision": precision, "checkpointing": ck}
+        mb, ga, mx = _choose_batch(ctx, g, p, over)
+        if 0 < mb <= mx:
+            break
+    over = {**over, "micro_batch": max(mb, 1), "grad_accum": ga}
+    est = ctx.ev.estimate(p, over)
+    f = fit(est, g, ctx.headroom)
+    t = est.training
+    label = _label(p)
+    row: dict[str, Any] = {
+        "gpu": g.name, "model": ctx.m.name, "family": ctx.m.family.value, "n_gpus": p.gpus, "nodes": p.nodes, "gpus_per_node": p.gpus_per_node, "layout": label,
+        "scale": _scale(p, g), "engine": p.engine.value, "zero": p.zero, "tp": p.tp, "pp": p.pp, "sp": p.sp,
+        "hybrid_shard": p.hybrid_shard, "offload": p.offload.value, "precision": t.precision.value,
+        "checkpointing": t.checkpointing.value, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
+        "global_batch": t.micro_batch * t.grad_accum * p.dp, "seq_len": t.seq_len,
+        "fits": f.fits, "verdict": f.verdict, "headroom_fraction": f.margin_fraction, "needed_bytes": f.needed_bytes,
+        "usable_bytes": f.usable_bytes, "max_micro_batch": mx, "message": f.message,
+    }
+    if f.verdict == "oom":
+        return row
+    ctx.kept[(g.name, p.gpus, label)] = est
+    od_price, sp_price = _best_prices(ctx.prices, g.name, p.gpus, ctx.provider)
+    row.update(_time_and_cost(ctx, g, p, t, od_price, sp_price))
+    row["warnings"] = (list(f.notes) + _row_warnings(g, p, t, row, ctx.prices_source)
+                       + _price_warnings(g, p, od_price, sp_price))
+    asked = str(ctx.given.get("precision", "bf16-mixed"))
+    if asked != t.precision.value:
+        row["warnings"].insert(0, f"{g.name} has no bf16: planned as {t.precision.value} (same memory, loss scaling)")
+    row["pareto"] = False
+    return row
+
+
+def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec, od_price: Price | None,
+                   sp_price: Price | None) -> dict[str, Any]:
+    st = step_time(ctx.m, t, p, g, ctx.mfu, ctx.inter_node_gbs)
+    ck = checkpoint_bytes(ctx.m, t)
+    writers = p.nodes if (p.zero >= 1 or p.tp * p.pp > 1) else 1
+    write_s = ck / (ctx.storage_gbs * 1e9 * writers)
+    out: dict[str, Any] = {
+        "step_time_s": st.step_s if st else None, "compute_time_s": st.compute_s if st else None,
+        "comm_time_s": (st.overlapped_comm_s + st.exposed_comm_s) if st else None,
+        "comm_bound": st.comm_bound if st else None, "tokens_per_s": st.tokens_per_s if st else None,
+        "mfu_assumed": st.mfu if st else None, "mfu_effective": st.effective_mfu if st else None,
+        "mfu_source": st.mfu_source if st else None,
+        "model_flops_per_token": st.model_flops_per_token if st else None,
+        "checkpoint_bytes": ck, "checkpoint_write_s": write_s, "storage_bytes": ck * max(1, ctx.keep),
+        "steps": None, "time_hours": None, "gpu_hours": None,
+        "cost_usd_on_demand": None, "cost_usd_spot": None, "spot_time_hours": None,
+        "spot_expected_interruptions": None, "checkpoint_interval_hours": None, "spot_checkpoint_interval_hours": None,
+        "lost_hours_on_demand": None, "spot_lost_hours": None,
+        "price_on_demand_usd_per_gpu_hour": None, "price_spot_usd_per_gpu_hour": None,
+        "price_provider": None, "price_instance": None, "price_date_seen": None,
+        "spot_provider": None, "spot_date_seen": None, "billing_granularity_s": None,
+    }
+    if od_price:
+        out.update(price_on_demand_usd_per_gpu_hour=od_price.on_demand_usd_per_gpu_hour,
+                   price_provider=od_price.provider, price_instance=od_price.instance,
+                   price_date_seen=od_price.date_seen, billing_granularity_s=od_price.billing_granularity_s)
+    if sp_price:
+        out.update(price_spot_usd_per_gpu_hour=sp_price.spot_usd_per_gpu_hour, spot_provider=sp_price.provider,
+                   spot_date_seen=sp_price.date_seen)
+    if st is None or ctx.tokens is None:
+        return out
+    tokens_per_step = st.tokens_per_step
+    steps = math.ceil(float(ctx.tokens) / tokens_per_step)
+    run_s = steps * st.step_s
+    interval = ctx.interval_h * 3600 if ctx.interval_h else None
+    hw = HW_INTERRUPTIONS_PER_GPU_HOUR * p.gpus
+    od = run_cost(run_s, p.gpus, p.nodes, od_price.on_demand_usd_per_gpu_hour if od_price else None,
+                  market="on-demand", checkpoint_write_s=write_s, interval_s=interval, restart_s=ctx.restart_s,
+                  interruptions_per_hour=hw, granularity_s=od_price.billing_granularity_s if od_price else 1,
+                  minimum_s=od_price.minimum_billed_s if od_price else 0,
+                  gpus_per_instance=od_price.gpus_per_instance if od_price else 1)
+    sp = run_cost(run_s, p.gpus, p.nodes, sp_price.spot_usd_per_gpu_hour if sp_price else None, market="spot",
+                  checkpoint_write_s=write_s, interval_s=interval, restart_s=ctx.restart_s,
+                  interruptions_per_hour=hw + ctx.spot_rate * p.nodes,
+                  granularity_s=sp_price.billing_granularity_s if sp_price else 1,
+                  minimum_s=sp_price.minimum_billed_s if sp_price else 0,
+                  gpus_per_instance=sp_price.gpus_per_instance if sp_price else 1)
+    out.update(steps=steps, time_hours=od.wall_hours, gpu_hours=od.wall_hours * p.gpus,
+               cost_usd_on_demand=od.usd, checkpoint_interval_hours=od.checkpoint_interval_hours,
+               lost_hours_on_demand=od.lost_hours, spot_lost_hours=sp.lost_hours if sp.feasible else None,
+               spot_time_hours=sp.wall_hours if sp.feasible else None,
+               spot_expected_interruptions=sp.expected_interruptions if sp.feasible else None,
+               cost_usd_spot=sp.usd, spot_checkpoint_interval_hours=sp.checkpoint_interval_hours)
+    return out
+
+
+def _row_warnings(g: GPU, p: ParallelSpec, t: TrainingSpec, row: Mapping[str, Any],
+                  prices_source: str = "snapshot") -> list[str]:
+    out = []
+    compute, comm = row.get("compute_time_s"), row.get("comm_time_s")
+    if (g.interconnect_kind == "pcie" and p.nodes == 1 and p.gpus > 1 and compute and comm
+            and comm > PCIE_WARN_COMM_FRACTION * compute):
+        out.append(f"PCIe-only {g.name} box: {p.gpus} GPUs exchange gradients/parameters for {comm:.2f} s per step "
+                   f"against {compute:.2f} s of compute; an NVLink node or fewer, larger GPUs would be faster")
+    if row.get("comm_bound"):
+        where = g.interconnect_kind if _in_fast_domain(g, p.gpus, p.nodes) or p.nodes == 1 else "the network between nodes"
+        out.append(f"communication-bound on {p.gpus}x {g.name}: {comm:.2f} s of collectives over {where} vs "
+                   f"{compute:.2f} s of compute per step")
+    if p.tp > g.nvlink_domain:
+        out.append(f"tp={p.tp} spans more than the {g.nvlink_domain}-GPU fast domain of {g.name}")
+    if row.get("step_time_s") is None:
+        out.append(f"no dense {t.precision.value} TFLOPS for {g.name} in the catalog: time and cost unknown")
+    elif row.get("price_on_demand_usd_per_gpu_hour") is None and prices_source != "none":
+        if prices_source == "yours":
+            out.append(f"no price for {g.name} in your prices: add a row for it to cost it")
+        else:
+            out.append(f"no price for {g.name} in the snapshot: pass prices= to cost it")
+    if t.method is Method.QLORA and row.get("step_time_s") is not None:
+        out.append("QLoRA's dequantization is not in the FLOP count: expect it slower than estimated")
+    return out
+
+
+def _mark_pareto(rows: list[dict[str, Any]]) -> None:
+    """Flag options no other option beats on both wall time and on-demand cost."""
+    pts = [r for r in rows if r["fits"] and r.get("time_hours") is not None and r.get("cost_usd_on_demand") is not None]
+    for r in pts:
+        r["pareto"] = not any(
+            (o["time_hours"] <= r["time_hours"] and o["cost_usd_on_demand"] <= r["cost_usd_on_demand"])
+            and (o["time_hours"] < r["time_hours"] or o["cost_usd_on_demand"] < r["cost_usd_on_demand"])
+            for o in pts
+        )
+
+
+def _plan_notes(m: ModelSpec, rows: list[dict[str, Any]], gpu_types: list[GPU], tokens: float | None,
+                prices: list[Price], given_gpus: int | None, prices_source: str = "snapshot") -> list[str]:
+    """The honest answer first: the smallest scale anything fits at, and on which GPUs."""
+    notes = []
+    ok = [r for r in rows if r["fits"]]
+    if given_gpus is not None and ok:
+        notes.append(f"fits {given_gpus} GPUs as given on: {', '.join(dict.fromkeys(r['gpu'] for r in ok))}")
+    if given_gpus is None:  # per GPU type, the fewest GPUs that fit; grouped by the scale that needs
+        fewest: dict[str, dict[str, Any]] = {}
+        for r in ok:
+            if r["gpu"] not in fewest or r["n_gpus"] < fewest[r["gpu"]]["n_gpus"]:
+                fewest[r["gpu"]] = r
+        first = True
+        for scale in ("single GPU", "one NVLink node", "one PCIe node", "multi-node"):
+            at = sorted((r for r in fewest.values() if r["scale"] == scale), key=lambda r: (r["n_gpus"], r["gpu"]))
+            if at:
+                listed = ", ".join(f"{r['n_gpus']}x {r['gpu']}" for r in at[:8]) + (" ..." if len(at) > 8 else "")
+                notes.append(f"{'smallest scale that fits' if first else 'then'}: {scale} ({listed})")
+                first = False
+    if not ok:
+        notes.append(f"{m.name} fits none of the {len(gpu_types)} GPU types tried with the headroom")
+    bigger = {r["gpu"] for r in ok}
+    if ok and len(bigger) < len(gpu_types):
+        missing = [g.name for g in gpu_types if g.name not in bigger]
+        notes.append(f"does not fit (up to the GPU counts tried): {', '.join(missing[:10])}"
+                     + (" ..." if len(missing) > 10 else ""))
+    if tokens is None:
+        notes.append("pass tokens= (total training tokens) for time and cost")
+    if prices and prices_source == "yours":
+        notes.append(f"costs use {_your_prices(snapshot_date(prices))}")
+    elif prices:
+        notes.append(f"prices are a dated snapshot (seen up to {snapshot_date(prices)}): indicative only")
+    return notes

@@ -1,0 +1,1 @@
+"""Each model family's forward on symbolic tensors, composed from parts that mirror Hugging Face modules."""

@@ -1,0 +1,77 @@
+"""What each model family's forward allocates and keeps for backward, op by op.
+
+Each recipe mirrors the family's Hugging Face modeling code (transformers 5.x): the same ops in the
+same order, and the same Python variable lifetimes (a temporary dies where the code drops its last
+name; a tensor an op saves lives until that op's backward). Run on symbolic tensors
+(`trainmem_nb.engine.tape`), a recipe yields the exact sequence of allocations and frees of a real step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..engine import ops
+from ..engine.ops import Ctx
+from ..engine.tape import Graph, Sz, T, per_token, per_token_sq
+from ..model.families import Family
+from ..model.spec import ModelSpec
+from ..spec.choices import Attention
+from ..spec.training import TrainingSpec
+
+__all__ = ['Recipe', 'Shared', 'tok']
+
+
+@dataclass
+class Shared:
+    """Tensors made once per forward and used by every layer (rotary cos/sin, attention mask)."""
+
+    cos: T | None = None
+    sin: T | None = None
+    mask: T | None = None
+    extra: list[T] = field(default_factory=list)
+
+
+class Recipe:
+    """A family's forward on symbolic tensors: ``embed`` → ``layer`` (per layer) → ``head``."""
+
+    def __init__(self, m: ModelSpec, t: TrainingSpec, ctx: Ctx) -> None:
+        self.m = m
+        self.t = t
+        self.ctx = ctx
+        self.pdt = t.param_bytes  # dtype of weights and of the residual stream
+        self.dropout_attn = m.attn_dropout if t.dropout is None else t.dropout
+        self.dropout_hidden = m.hidden_dropout if t.dropout is None else t.dropout
+        self.dropout_embd = m.embd_dropout if t.dropout is None else t.dropout
+
+    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
+               **kw: object) -> T:
+        """A projection layer (``nn.Linear``/``Conv1D``) by its module name in the layer: the plain
+        matmul, or peft's LoRA-wrapped forward when an adapter targets it."""
+        a_w = p.get(f"{module}.lora_A.weight")
+        if a_w is not None:
+            return ops.lora_linear(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), a_w,
+                                   p[f"{module}.lora_B.weight"], in_features, out_features, self.t.lora_rank,
+                                   self.t.lora_dropout, module)
+        return ops.linear(g, self.ctx, x, p[f"{module}.weight"], in_features, out_features, p.get(f"{module}.bias"),
+                          module, **kw)  # type: ignore[arg-type]
+
+    # parameters are created by simulate.py from the inventory and passed in by name
+    def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
+        raise NotImplementedError
+
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+        raise NotImplementedError
+
+    def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
+        raise NotImplementedError
+
+    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
+        raise NotImplementedError
+
+
+def tok(n: float) -> Sz:
+    """``(b, s, n)`` elements: a per-token activation of width n."""
+    return per_token(n)
+
+
+_ = (Attention, Family, per_token_sq)

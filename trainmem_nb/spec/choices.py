@@ -1,0 +1,90 @@
+"""The named choices of a training step: precision, optimizer and its implementation, checkpointing,
+attention kernel, device, method and adapter dtype. Each member's comment says what it means.
+"""
+
+from __future__ import annotations
+
+from .base import _Choice
+
+__all__ = ['CHECKPOINTING_HELP', 'AdapterDtype', 'Attention', 'Checkpointing', 'Device', 'Method', 'OptimizerImpl', 'OptimizerName', 'Precision']
+
+
+class Precision(_Choice):
+    """How weights, gradients, optimizer states and activations are stored for one step."""
+
+    FP32 = "fp32"  #: everything fp32
+    BF16_MIXED = "bf16-mixed"  #: fp32 weights/grads/states, autocast bf16 compute (HF Trainer bf16=True)
+    FP16_MIXED = "fp16-mixed"  #: as bf16-mixed with fp16 autocast (and a loss scaler)
+    BF16_TRUE = "bf16-true"  #: weights, grads, states and activations all bf16
+    FP16_TRUE = "fp16-true"  #: weights, grads, states and activations all fp16
+
+
+class OptimizerName(_Choice):
+    """Optimizers; their state sizes and step temporaries live in `trainmem_nb.step.optimizers`."""
+
+    ADAMW = "adamw"  #: torch.optim.AdamW: exp_avg + exp_avg_sq + step per parameter
+    ADAM = "adam"  #: torch.optim.Adam: same state as AdamW
+    SGD = "sgd"  #: torch.optim.SGD without momentum: no state
+    SGD_MOMENTUM = "sgd-momentum"  #: torch.optim.SGD(momentum=0.9): one momentum buffer
+    ADAFACTOR = "adafactor"  #: torch.optim.Adafactor: factored second moment (row + column)
+    LION = "lion"  #: Lion: one momentum buffer
+    ADAMW_8BIT = "adamw-8bit"  #: bitsandbytes AdamW8bit: two uint8 states + block-wise absmax
+    PAGED_ADAMW = "paged-adamw"  #: bitsandbytes PagedAdamW (32-bit states, paged to host under pressure)
+    NONE = "none"  #: forward and backward only (no optimizer step)
+
+
+class OptimizerImpl(_Choice):
+    """PyTorch optimizer implementations; they differ in their step temporaries."""
+
+    FOREACH = "foreach"  #: multi-tensor kernels (PyTorch's CUDA default): whole-model temporaries
+    FUSED = "fused"  #: one fused kernel: no temporaries
+    FOR_LOOP = "for-loop"  #: one parameter at a time (PyTorch's CPU default)
+
+
+class Checkpointing(_Choice):
+    """Activation checkpointing of each transformer layer (what each keeps: `CHECKPOINTING_HELP`)."""
+
+    NONE = "none"
+    SELECTIVE = "selective"
+    SELECTIVE_OP = "selective-op"
+    FULL = "full"
+
+
+#: What each checkpointing policy keeps for backward (for docs, the explorer's tooltips and tables).
+CHECKPOINTING_HELP: dict[Checkpointing, str] = {
+    Checkpointing.NONE: "keep every activation for backward",
+    Checkpointing.SELECTIVE: "keep matmul and attention outputs, recompute the cheap element-wise ops",
+    Checkpointing.SELECTIVE_OP: "torchtitan's op-level policy: keep attention outputs and every other matmul "
+                                "output of a layer, recompute the rest",
+    Checkpointing.FULL: "keep only each layer's input, recompute the layer in backward",
+}
+
+
+class Attention(_Choice):
+    """Attention implementation (Hugging Face ``attn_implementation``)."""
+
+    SDPA = "sdpa"  #: torch scaled_dot_product_attention (flash / memory-efficient kernels)
+    FLASH = "flash"  #: flash-attention 2
+    EAGER = "eager"  #: matmul + softmax in Python: keeps the (b, heads, s, s) probabilities
+
+
+class Device(_Choice):
+    """Where the step runs: kernels and their memory differ (see `trainmem_nb.device`)."""
+
+    CUDA = "cuda"
+    CPU = "cpu"
+
+
+class Method(_Choice):
+    """What is trained."""
+
+    FULL = "full"  #: every parameter
+    LORA = "lora"  #: low-rank adapters on a frozen base
+    QLORA = "qlora"  #: LoRA on an NF4-quantized frozen base
+
+
+class AdapterDtype(_Choice):
+    """The dtype peft stores LoRA adapters in."""
+
+    FP32 = "fp32"  #: peft's default on a 16-bit base (``autocast_adapter_dtype=True``)
+    BASE = "base"  #: the base weights' dtype (``autocast_adapter_dtype=False``): bf16 under bf16-true

@@ -1,0 +1,137 @@
+"""`TrainingSpec`: one training step's setup (batch shape, precision recipe, optimizer, recomputation,
+kernels, fine-tuning method), validated and frozen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from ..errors import SpecError, did_you_mean
+from .base import _FROZEN, SpecModel, _validate
+from .choices import AdapterDtype, Attention, Checkpointing, Device, Method, OptimizerImpl, OptimizerName, Precision
+
+__all__ = ['TrainingSpec']
+
+
+class TrainingSpec(SpecModel):
+    """One training step's setup: batch shape, precision recipe, optimizer, recomputation, kernels.
+
+    >>> t = TrainingSpec(micro_batch=2, seq_len=2048, precision="bf16-mixed")
+    >>> t.tokens, t.resolved_optimizer_impl.value
+    (4096, 'foreach')
+    """
+
+    model_config = _FROZEN
+
+    micro_batch: int = Field(default=1, ge=1, le=1 << 20)
+    seq_len: int = Field(default=2048, ge=1, le=1 << 24)
+    grad_accum: int = Field(default=1, ge=1, le=1 << 20)
+    precision: Precision = Precision.BF16_MIXED
+    optimizer: OptimizerName = OptimizerName.ADAMW
+    optimizer_impl: OptimizerImpl | None = Field(
+        default=None, description="None: the device's PyTorch default (cuda: foreach, cpu: for-loop)"
+    )
+    checkpointing: Checkpointing = Checkpointing.NONE
+    attention: Attention = Attention.SDPA
+    dropout: float | None = Field(default=None, ge=0.0, lt=1.0, description="None: the model config's rates")
+    device: Device = Device.CUDA
+    method: Method = Method.FULL
+    lora_rank: int = Field(default=16, ge=1, le=1 << 16)
+    lora_alpha: float = Field(default=32.0, gt=0.0)
+    lora_targets: str = Field(default="qv", description="'qv', 'all-linear' or comma-separated module names")
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    lora_dtype: AdapterDtype = Field(
+        default=AdapterDtype.FP32, description="adapter dtype: 'fp32' (peft's default) or 'base' (the base weights')")
+    qlora_double_quant: bool = Field(
+        default=True, description="QLoRA: quantize the NF4 block scales again (bnb_4bit_use_double_quant)")
+    first_step: bool = Field(
+        default=False,
+        description="the very first step: optimizer state does not exist yet and is created inside step()",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _parse_choices(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping):
+            return data
+        data = dict(data)
+        for key, enum in (
+            ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
+            ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
+        ):
+            if key in data and data[key] is not None:
+                data[key] = enum.parse(data[key], key)
+        if data.get("optimizer_impl") is not None:
+            data["optimizer_impl"] = OptimizerImpl.parse(data["optimizer_impl"], "optimizer_impl")
+        if data.get("checkpointing") is True:
+            data["checkpointing"] = Checkpointing.FULL
+        if data.get("checkpointing") is False:
+            data["checkpointing"] = Checkpointing.NONE
+        return data
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrainingSpec:
+        if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (
+            OptimizerName.ADAMW, OptimizerName.ADAM, OptimizerName.SGD, OptimizerName.SGD_MOMENTUM,
+        ):
+            raise SpecError(
+                f"optimizer_impl='fused' exists only for adam, adamw, sgd and sgd-momentum in PyTorch "
+                f"(got optimizer={self.optimizer.value!r}); use 'foreach' or 'for-loop'"
+            )
+        return self
+
+    @property
+    def tokens(self) -> int:
+        """Tokens in one micro-batch: micro_batch * seq_len."""
+        return self.micro_batch * self.seq_len
+
+    @property
+    def resolved_optimizer_impl(self) -> OptimizerImpl:
+        """The implementation PyTorch would pick: the explicit one, else the device's default."""
+        if self.optimizer_impl is not None:
+            return self.optimizer_impl
+        return OptimizerImpl.FOREACH if self.device is Device.CUDA else OptimizerImpl.FOR_LOOP
+
+    @property
+    def mixed(self) -> bool:
+        """True for autocast recipes (fp32 master weights, 16-bit compute)."""
+        return self.precision in (Precision.BF16_MIXED, Precision.FP16_MIXED)
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the stored weights (and their gradients)."""
+        return 2 if self.precision in (Precision.BF16_TRUE, Precision.FP16_TRUE) else 4
+
+    @property
+    def adapter_bytes(self) -> int:
+        """Bytes per element of LoRA adapters (and their gradients and optimizer states' dtype)."""
+        return 4 if self.lora_dtype is AdapterDtype.FP32 else self.param_bytes
+
+    @property
+    def compute_bytes(self) -> int:
+        """Bytes per element of matmul outputs: 2 for any 16-bit recipe, 4 for fp32."""
+        return 4 if self.precision is Precision.FP32 else 2
+
+
+def build_training(training: TrainingSpec | Mapping[str, Any] | None = None, **options: Any) -> TrainingSpec:
+    """A validated `TrainingSpec` from a spec, a dict and/or keyword options (keywords win)."""
+    if isinstance(training, TrainingSpec) and not options:
+        return training
+    data: dict[str, Any] = {}
+    if isinstance(training, TrainingSpec):
+        data.update(training.model_dump(exclude_defaults=True))
+    elif isinstance(training, Mapping):
+        data.update(training)
+    elif training is not None:
+        raise SpecError(f"training must be a TrainingSpec or a dict, got {type(training).__name__}")
+    data.update({k: v for k, v in options.items() if v is not None or k in ("dropout",)})
+    unknown = sorted(set(data) - set(TrainingSpec.model_fields))
+    if unknown:
+        valid = sorted(TrainingSpec.model_fields)
+        raise SpecError(
+            f"unknown training option {unknown[0]!r}{did_you_mean(unknown[0], valid)}; valid options: {', '.join(valid)}"
+        )
+    return _validate(TrainingSpec, data)

@@ -1,0 +1,1 @@
+"""One training step: the driver that runs a recipe, checkpointing and the optimizer into a `Program`."""

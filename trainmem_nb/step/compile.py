@@ -1,0 +1,368 @@
+"""The step driver: one training step of a model as a `Program` of allocations and frees.
+
+`compile_step` runs a family recipe on symbolic tensors for the first layer, a generic one and the last
+(a generic layer's events repeat ``n_layers - 2`` times), backward through them, then the optimizer
+step. Engines (`EngineHooks`) add their buffers and sharding at unit boundaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any
+
+from ..device import CUBLAS_WORKSPACE_BYTES
+from ..engine import ops
+from ..engine.program import CAT_INDEX, Program, Segment, _segment
+from ..engine.tape import Graph, Sz, T, const, per_token
+from ..model.params import buffer_inventory, on_stage, quantized, weight_tensors
+from ..model.spec import ModelSpec
+from ..recipes.registry import recipe_for
+from ..spec.choices import Checkpointing, Device, Method, OptimizerName, Precision
+from ..spec.training import TrainingSpec
+from .checkpoint import _checkpointed_layer, _Frame
+from .optimizers import optimizer_program, state_bytes
+
+__all__ = ['compile_step', 'program_key']
+
+
+def _category(t: T, fwd_end: int) -> str:
+    if t.region == "communication":
+        return "overhead/communication"
+    if t.region == "gathered":
+        return "weights/gathered"
+    if t.phase == "forward":
+        if 0 <= t.freed < fwd_end:
+            return "transient/forward"
+        if t.wcopy:
+            return "activations/weight_copies"
+        return f"activations/{t.region}"
+    if t.phase == "backward":
+        if t.is_grad:
+            return "gradients"
+        if t.region == "recomputed":
+            return "activations/recomputed"
+        return "transient/backward"
+    if t.phase == "optimizer":
+        return "transient/optimizer"
+    return "transient/forward"
+
+
+class EngineHooks:
+    """What a parallel engine adds around the single-device step (see `trainmem_nb.parallel.ranks`).
+
+    The driver calls these at unit boundaries (the root module and each transformer layer), in
+    forward and backward; the default does nothing (one GPU)."""
+
+    autocast: bool = True  # does the recipe run under autocast (FSDP's mixed precision does not)
+    #: with gradient accumulation, do later micro-steps add into existing full-size ``.grad`` tensors
+    #: (FSDP instead accumulates into sharded gradients; its unsharded ones are new each micro-step)
+    local_grads_accumulate: bool = True
+    #: pipeline parallelism: does this rank run the embeddings (first stage) / the head and loss (last)
+    first_stage: bool = True
+    last_stage: bool = True
+    #: fp16-mixed: does the training loop scale the loss with torch's ``GradScaler`` (DeepSpeed and
+    #: Megatron bring their own loss scalers)
+    grad_scaler: bool = True
+
+    def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
+        """Bytes per element of the weights the layers compute with."""
+        return dt
+
+    def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]] | None:
+        """Replace what is alive before the step for weights, states and gradients (None: unchanged)."""
+        return None
+
+    def unit_forward_begin(self, g: Graph, unit: str) -> None: ...
+    def unit_forward_end(self, g: Graph, unit: str) -> None: ...
+    def unit_backward_begin(self, g: Graph, unit: str) -> None: ...
+    def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None: ...
+
+    def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment] | None:
+        """Replace the optimizer and zero_grad segments (None: the single-device ones)."""
+        return None
+
+
+_SINGLE = EngineHooks()
+
+
+def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
+                 workspace_bytes: int | None = None) -> Program:
+    """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic);
+    `hooks` adds a parallel engine's buffers and sharding (hashable: part of the cache key);
+    `workspace_bytes`, a calibration's cuBLAS workspaces (None: `CUBLAS_WORKSPACE_BYTES`). Cached:
+    every spelling of the same arguments shares one entry."""
+    workspace = CUBLAS_WORKSPACE_BYTES["default"] if workspace_bytes is None else workspace_bytes
+    return _compile_step(m, t, hooks, workspace)
+
+
+@lru_cache(maxsize=1024)
+def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_bytes: int) -> Program:
+    mixed = t.mixed and hooks.autocast
+    ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
+    g = Graph()
+    g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
+    all_weights = weight_tensors(m, t)
+    weights = [w for w in all_weights if on_stage(w[0], m, hooks.first_stage, hooks.last_stage)]
+    held = {id(w[0]) for w in weights}
+    # simulate the first layer, a generic middle one (repeated n_layers - 2 times) and the last: every
+    # tensor passed between layers (outputs, gradients, an engine's lingering buffers) then has a
+    # predecessor and a successor in the repeated layer, in forward and in backward
+    n_layers = m.n_layers
+    n_sim = min(n_layers, 3)
+    layer_params: list[dict[str, T]] = [{} for _ in range(n_sim)]
+    other: dict[str, T] = {}
+    unit_params: dict[str, list[T]] = {"root": [], **{f"L{i}": [] for i in range(n_sim)}}
+    for p, dt, trainable in all_weights:
+        dt = hooks.weight_dtype(t, dt)
+        if id(p) not in held:  # on another pipeline stage: the recipe may name it, nothing trains it
+            other[p.name] = g.param(const(p.numel), dt, p.name, False)
+        elif p.in_layer:
+            short = p.name[len("layers."):]
+            for i in range(n_sim):
+                layer_params[i][short] = g.param(const(p.numel), dt, f"L{i}.{short}", trainable)
+                if t.method is Method.QLORA and quantized(p):
+                    layer_params[i][short].nf4 = 4 if t.precision is Precision.FP32 else 2
+                unit_params[f"L{i}"].append(layer_params[i][short])
+        else:
+            other[p.name] = g.param(const(p.numel), dt, p.name, trainable)
+            unit_params["root"].append(other[p.name])
+    recipe = recipe_for(m, t, ctx)
+    # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
+    # start and new gradients are added in place (HF Trainer zeroes them only after optimizer.step())
+    g.grads_exist = t.grad_accum > 1 and hooks.local_grads_accumulate
+    ids = g.external(per_token(1), 8, "input_ids")
+    ids.region = "inputs"
+
+    g.phase = "forward"
+    g.region = "embeddings"
+    hooks.unit_forward_begin(g, "root")
+    embeds, shared = recipe.embed(g, ids, other)
+    if not hooks.first_stage:
+        # a later pipeline stage receives the previous stage's output instead of embedding tokens
+        # (the recipe still builds the positions and masks every stage computes for itself)
+        received = g.alloc(embeds.n, embeds.dt, "activations from the previous stage", rg=True)
+        g.drop(embeds)
+        embeds = received
+        g.input_leaves.append(embeds)
+    if t.method is not Method.FULL and t.checkpointing is not Checkpointing.NONE:
+        # PEFT wraps a model whose gradient checkpointing is on with `enable_input_require_grads()`: a
+        # forward hook makes the embedding output require grad so gradients reach checkpointed layers
+        embeds.rg = True
+        g.input_leaves.append(embeds)
+    # `hidden_states = inputs_embeds`: the model keeps `inputs_embeds` until it returns; a recipe whose
+    # embedding output is a temporary no model local names (a sum with position embeddings, a dropout)
+    # sets `embed_output_kept = False` and hands its reference to the first layer instead
+    kept = getattr(recipe, "embed_output_kept", True) or not hooks.first_stage
+    x = g.hold(embeds) if kept else embeds
+    node_marks = []
+    layer_inputs: list[T] = []
+    layer_outputs: list[T] = []
+    checkpointed = t.checkpointing is not Checkpointing.NONE
+    for i in range(n_sim):
+        g.region = "layers"
+        g.mark(f"L{i}_fwd_start")
+        node_marks.append(len(g.nodes))
+        hooks.unit_forward_begin(g, f"L{i}")
+        if checkpointed:
+            y = _checkpointed_layer(g, ctx, recipe, x, shared, layer_params[i],
+                                    selective=t.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.SELECTIVE_OP))
+        else:
+            y = recipe.layer(g, x, shared, layer_params[i])
+        y.chain = True
+        layer_inputs.append(x)
+        layer_outputs.append(y)
+        g.drop(x)
+        x = y
+        hooks.unit_forward_end(g, f"L{i}")
+        g.mark(f"L{i}_fwd_end")
+    g.region = "head"
+    head_node = len(g.nodes)
+    if hooks.last_stage:
+        h = recipe.final_norm(g, x, other)
+        g.drop(x)
+    else:
+        h = x  # sent to the next stage; its gradient comes back in backward
+    # the base model returns: its locals (inputs_embeds, position ids, mask, cos/sin) go
+    for sh in (*shared.extra, embeds if kept else None, shared.mask, shared.cos, shared.sin):
+        if sh is not None:
+            g.drop(sh)
+    if hooks.last_stage:
+        loss, logits = recipe.lm_head_loss(g, h, ids, other)
+    else:
+        loss, logits = _send_to_next_stage(g, h), None
+    g.drop(h)  # *ForCausalLM returns: the base output (holding h) goes
+    if ctx.autocast is not None:
+        ops.end_autocast(g, ctx)
+    g.drop(logits)  # the caller keeps only `.loss` of the output
+    hooks.unit_forward_end(g, "root")
+    g.mark("fwd_end")
+    fwd_end = len(g.events)
+
+    g.phase = "backward"
+    g.region = "backward"
+    # a region's backward ends when backward reaches the node before the region's first one (regions
+    # without nodes end where the next one does)
+    starts: list[tuple[int, str]] = [(head_node, "head_bwd_end")]
+    starts += [(nm, f"L{i}_bwd_end") for i, nm in reversed(list(enumerate(node_marks)))]
+
+    unit_order = {"head_bwd_end": f"L{n_sim - 1}", **{f"L{i}_bwd_end": (f"L{i - 1}" if i else None) for i in range(n_sim)}}
+    ended = {"head_bwd_end": None, **{f"L{i}_bwd_end": f"L{i}" for i in range(n_sim)}}
+    mid = 1 if n_sim == 3 else None  # the repeated layer
+
+    def on_node(index: int) -> None:
+        for first, name in starts:
+            if index <= first - 1 and name not in g.marks:
+                unit = ended[name]
+                if unit is not None:
+                    hooks.unit_backward_end(g, unit, [p.final_grad for p in unit_params[unit] if p.final_grad])
+                g.mark(name)
+                if mid is not None and name == f"L{mid}_bwd_end" and (below := layer_inputs[mid].grad) is not None:
+                    below.chain = True  # the gradient handed to the layer below
+                nxt = unit_order[name]
+                if nxt is not None:
+                    hooks.unit_backward_begin(g, nxt)
+
+    def on_checkpoint(frame: object) -> None:
+        assert isinstance(frame, _Frame)
+        frame.recompute(g, ctx, recipe)
+
+    if not loss.rg:
+        from ..errors import SpecError
+
+        raise SpecError("nothing is trained: no parameter requires a gradient (check method and lora_targets)")
+    scaler = t.precision is Precision.FP16_MIXED and hooks.grad_scaler
+    if scaler:
+        # GradScaler's state: ``_scale`` (fp32) and ``_growth_tracker`` (int32), 0-dim tensors kept
+        # between steps (torch/amp/grad_scaler.py); ``scaler.scale(loss)`` is ``loss * _scale``, a new
+        # 0-dim tensor the loop keeps until the step ends, whose backward makes the loss's gradient
+        scale = g.external(const(1), 4, "GradScaler _scale")
+        g.external(const(1), 4, "GradScaler _growth_tracker")
+    g.mark("bwd_start")
+    hooks.unit_backward_begin(g, "root")
+    if scaler:
+        loss = ops.mul(g, loss, scale, "GradScaler.scale(loss)")
+    g.backward(loss, seed_dt=4, on_node=on_node, on_checkpoint=on_checkpoint)
+    for _first, name in starts:
+        if name not in g.marks:
+            on_node(-1)
+    hooks.unit_backward_end(g, "root", [p.final_grad for p in unit_params["root"] if p.final_grad])
+    g.mark("bwd_end")
+    # the training loop keeps `loss` until after the optimizer step: it is not freed here
+
+    g.phase = "optimizer"
+    opt_events = hooks.optimizer(m, t)
+    if opt_events is None:
+        opt_events = optimizer_program(m, t)
+    if scaler and t.optimizer is not OptimizerName.NONE:  # no optimizer: the loop skips unscale_/update
+        opt_events = _grad_scaler_steps(opt_events)
+    g.mark("opt_end")
+
+    # -- segments ---------------------------------------------------------------------------
+    mk = g.marks
+    reps = n_layers - 2
+    # a tensor born in the repeated layer but freed elsewhere (e.g. an autocast weight copy freed
+    # when autocast exits) is freed once per repeated layer; what is passed between layers (outputs,
+    # input gradients, lingering buffers: `chain`) is the exception, each layer freeing its predecessor's
+    repeated = [(mk["L1_fwd_start"], mk["L1_fwd_end"]), (mk["L2_bwd_end"], mk["L1_bwd_end"])] if mid else []
+
+    def evs(a: int, b: int) -> tuple[tuple[int, int, Sz, str], ...]:
+        out = []
+        inside = any(lo == a and hi == b for lo, hi in repeated)
+        for tt, sign in g.events[a:b]:
+            k = sign
+            if sign < 0 and not inside and not tt.chain and any(lo <= tt.born < hi for lo, hi in repeated):
+                k = -reps
+            out.append((CAT_INDEX[_category(tt, fwd_end)], k, tt.bytes, tt.label))
+        return tuple(out)
+
+    segs: list[Segment] = []
+    segs.append(_segment("forward", "embeddings", 1, evs(0, mk["L0_fwd_start"])))
+    segs.append(_segment("forward", "layer 0", 1, evs(mk["L0_fwd_start"], mk["L0_fwd_end"])))
+    if mid:
+        segs.append(_segment("forward", "layers", reps, evs(mk["L1_fwd_start"], mk["L1_fwd_end"])))
+    if n_sim > 1:
+        last = n_sim - 1
+        segs.append(_segment("forward", f"layer {n_layers - 1}", 1, evs(mk[f"L{last}_fwd_start"], mk[f"L{last}_fwd_end"])))
+    segs.append(_segment("forward", "head and loss", 1, evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
+    segs.append(_segment("backward", "loss and head", 1, evs(mk["bwd_start"], mk["head_bwd_end"])))
+    prev = "head_bwd_end"
+    for i in reversed(range(n_sim)):
+        label = "layers" if i == mid else f"layer {0 if i == 0 else n_layers - 1}"
+        segs.append(_segment("backward", label, reps if i == mid else 1, evs(mk[prev], mk[f"L{i}_bwd_end"])))
+        prev = f"L{i}_bwd_end"
+    segs.append(_segment("backward", "embeddings", 1, evs(mk["L0_bwd_end"], mk["bwd_end"])))
+    segs.extend(opt_events)
+
+    # -- what is alive before the step --------------------------------------------------------
+    init: list[tuple[int, Sz, int]] = []
+    engine_init = hooks.init(m, t, weights)
+    if engine_init is None:
+        for p, dt, _ in weights:
+            init.append((CAT_INDEX["weights/params"], const(p.numel * dt), p.count))
+        if not t.first_step:
+            for nbytes, count in state_bytes(m, t):
+                init.append((CAT_INDEX["optimizer_states"], nbytes, count))
+        if t.grad_accum > 1:
+            for p, dt, trainable in weights:
+                if trainable:
+                    init.append((CAT_INDEX["gradients"], const(p.numel * dt), p.count))
+    else:
+        init += [(CAT_INDEX[cat], sz, count) for cat, sz, count in engine_init]
+    for _name, buf_bytes, count in buffer_inventory(m):
+        init.append((CAT_INDEX["weights/buffers"], const(buf_bytes), count))
+    init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
+    if scaler:
+        init.append((CAT_INDEX["optimizer_states"], const(4), 2))  # GradScaler's _scale and _growth_tracker
+    if t.device is Device.CUDA:
+        init.append((CAT_INDEX["overhead/workspaces"], const(workspace_bytes), 1))
+    n_params = sum(p.numel * p.count for p, _, _ in weights)
+    n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
+    return Program(tuple(init), tuple(segs), n_params, n_train)
+
+
+def _grad_scaler_steps(opt: list[Segment]) -> list[Segment]:
+    """GradScaler around the optimizer step (torch/amp/grad_scaler.py), as measured: ``unscale_``
+    makes ``inv_scale = _scale.double().reciprocal().float()`` and ``found_inf = torch.full((), 0.)``,
+    replicates both to the gradients' device (``_MultiDeviceReplicator``) and keeps only ``inv_scale``
+    in the optimizer's state until ``update()`` resets it, after ``step`` and before ``zero_grad``."""
+    temp = CAT_INDEX["transient/optimizer"]
+    f64, f32 = const(8), const(4)
+    unscale = _segment("optimizer", "GradScaler.unscale_", 1, (
+        (temp, 1, f64, "_scale.double()"), (temp, 1, f64, "reciprocal"), (temp, -1, f64, "_scale.double() freed"),
+        (temp, 1, f32, "inv_scale"), (temp, -1, f64, "reciprocal freed"), (temp, 1, f32, "found_inf"),
+        (temp, 2, f32, "per-device copies"), (temp, -2, f32, "per-device copies freed"),
+        (temp, -1, f32, "found_inf freed")))
+    update = _segment("optimizer", "GradScaler.update", 1, ((temp, -1, f32, "inv_scale freed"),))
+    # after what finishes backward (FSDP's deferred reduce-scatter under pipelining), before the step
+    start = next((i for i, seg in enumerate(opt) if seg.phase != "backward"), len(opt))
+    zero = next((i for i, seg in enumerate(opt) if seg.phase == "zero"), len(opt))
+    return [*opt[:start], unscale, *opt[start:zero], update, *opt[zero:]]
+
+
+def _send_to_next_stage(g: Graph, out: T) -> T:
+    """A pipeline stage's output goes to the next stage; backward starts from the gradient the next
+    stage sends back (one tensor of the output's size), not from a loss."""
+    sent = g.alloc(const(0), 4, "stage output sent")  # a marker: the output itself is what goes
+
+    def backward(g: Graph, grads: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(out.n, out.dt, "gradient from the next stage")]
+
+    g.record("send to next stage", [out], [sent], [], backward)
+    return sent
+
+
+compile_step.cache_clear = _compile_step.cache_clear  # type: ignore[attr-defined]
+compile_step.cache_info = _compile_step.cache_info  # type: ignore[attr-defined]
+
+
+def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
+    """The part of `t` that shapes the step program: the batch shape stays symbolic, except whether
+    there is one sequence or several; gradient accumulation only matters as "more than one step";
+    and, for a model `m` with a sliding attention window, whether ``seq_len >= sliding_window`` (then
+    transformers gives SDPA an explicit mask: `trainmem_nb.recipes.mistral`)."""
+    window = m.sliding_window if m is not None else 0
+    seq = window if window and t.seq_len >= window else 1
+    # model_copy skips validation: the values come from a validated spec
+    return t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq,
+                                "grad_accum": min(t.grad_accum, 2)})

@@ -1,0 +1,1 @@
+"""What people look at: matplotlib charts (`plots`) and the ipywidgets explorer (`explorer`)."""
