@@ -10,11 +10,11 @@ import argparse
 from _step_args import add_step_args, step_from_args
 
 from trainmem_nb.engine.program import _round
+from trainmem_nb.estimator.simulate import simulate
 from trainmem_nb.measure.fsdp import run_fsdp_step
 from trainmem_nb.measure.step import summarize
 from trainmem_nb.measure.tracker import cuda_round
 from trainmem_nb.parallel.layout import _hooks
-from trainmem_nb.parallel.simulate import simulate_parallel
 from trainmem_nb.spec.parallel import ParallelSpec
 from trainmem_nb.step.compile import compile_step, program_key
 
@@ -29,7 +29,7 @@ def main() -> None:
     a = ap.parse_args()
     m, t = step_from_args(a)
     p = ParallelSpec(gpus=a.gpus, engine="fsdp", zero=a.zero)
-    e = simulate_parallel(m, t, p, None, backend="nccl")  # the fake process group allocates as NCCL does
+    e = simulate(m, t, None, p, backend="nccl")  # the fake process group allocates as NCCL does
     s = summarize(run_fsdp_step(m, t, p, rank=a.rank))
     print(f"peak est {e.peak_allocated_bytes:,} ({e.peak_phase}, {e.peak_at})  mea {s['peak']:,} ({s['peak_phase']}, "
           f"{s['peak_op']} {s['peak_module']})  err {e.peak_allocated_bytes / s['peak'] - 1:+.4f}")

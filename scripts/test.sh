@@ -19,6 +19,8 @@ echo "[test] ruff"
 ruff check trainmem_nb tests benchmarks scripts
 echo "[test] mypy"
 mypy trainmem_nb
+echo "[test] import layers and cycles (import-linter, contracts in pyproject.toml)"
+lint-imports
 echo "[test] unit, property and measurement tests"
 timeout 3600 python -m pytest tests -q -p no:cacheprovider
 echo "[test] notebooks: every code cell executed, in order, clean"

@@ -14,3 +14,20 @@ def test_import_and_estimate_load_no_heavy_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == ""
+
+
+def test_no_module_imports_one_that_imports_it_back() -> None:
+    """No import cycle among trainmem_nb modules, lazy imports inside functions included (a lazy import
+    hides a cycle, it does not remove it); ``if TYPE_CHECKING:`` imports never run and are left out.
+    The layers themselves are `lint-imports`' contract in pyproject.toml."""
+    import pytest
+
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("trainmem_nb", include_external_packages=False, exclude_type_checking_imports=True)
+    cycles = []
+    for module in sorted(graph.modules):
+        for imported in graph.find_modules_directly_imported_by(module):
+            chain = graph.find_shortest_chain(importer=imported, imported=module)
+            if chain:
+                cycles.append(" -> ".join((module, *chain)))
+    assert not cycles, "\n".join(cycles[:10])

@@ -11,8 +11,8 @@ import pytest
 
 import trainmem_nb as tm
 from trainmem_nb.errors import SpecError
+from trainmem_nb.estimator.simulate import simulate
 from trainmem_nb.model.spec import ModelSpec
-from trainmem_nb.parallel.simulate import simulate_parallel
 from trainmem_nb.spec.parallel import ParallelSpec
 from trainmem_nb.spec.training import TrainingSpec
 
@@ -50,7 +50,7 @@ def test_fsdp_rank_is_byte_exact_against_a_measured_fake_process_group_step(mode
     t = TrainingSpec.model_validate({"micro_batch": 2, "seq_len": 64, "device": "cpu", **opts})
     p = ParallelSpec(gpus=gpus, engine="fsdp", zero=zero)
     measured = summarize(run_fsdp_step(m, t, p, rank=0), timeline_points=0)
-    est = simulate_parallel(m, t, p, None, backend="nccl")  # the fake process group allocates like NCCL
+    est = simulate(m, t, None, p, backend="nccl")  # the fake process group allocates like NCCL
     assert est.peak_allocated_bytes == measured["peak"]
     assert est.peak_phase == measured["peak_phase"]
     for key in ("weights/params", "weights/gathered", "gradients", "optimizer_states", "overhead/communication"):
@@ -222,7 +222,7 @@ def test_trainmem_measure_runs_one_fsdp_rank_and_matches_the_per_rank_estimate(c
     measured = json.loads(capsys.readouterr().out)
     assert measured["parallel"]["gpus"] == 4 and "rank 0 of 4" in measured["note"]
     t = TrainingSpec(micro_batch=2, seq_len=128, precision="bf16-mixed", device="cpu")
-    est = simulate_parallel(get_model("gpt2"), t, ParallelSpec(gpus=4, engine="fsdp", zero=3), None, backend="nccl")
+    est = simulate(get_model("gpt2"), t, None, ParallelSpec(gpus=4, engine="fsdp", zero=3), backend="nccl")
     assert measured["peak_allocated_bytes"] == est.peak_allocated_bytes
 
 

@@ -60,7 +60,7 @@ def add_subcommands(sub: Any) -> None:
 
 
 def _cmd_measure(args: argparse.Namespace) -> int:
-    from ..measure import require_torch
+    from ..measure.extra import require_torch
     from .options import model_from_args, training_options_from_args
 
     require_torch()

@@ -20,6 +20,7 @@ from ..spec.calibration import Calibration, load_calibration
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
 from .result import MemoryEstimate
+from .simulate import simulate
 
 __all__ = ['check_model_options', 'estimate']
 
@@ -51,9 +52,7 @@ def estimate(
     check_model_options(m, t)
     check_layout(m, p)
     cal = load_calibration(calibration)
-    from .single import simulate
-
-    return simulate(m, t, cal, p)  # type: ignore[return-value]
+    return simulate(m, t, cal, p)
 
 
 def _resolve(model: Any, hf_config: Any, params: Any) -> ModelSpec:

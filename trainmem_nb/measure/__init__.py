@@ -10,22 +10,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .extra import MISSING_EXTRA, require_torch
+
 if TYPE_CHECKING:
     from .result import Measurement
 
 __all__ = ["MISSING_EXTRA", "Measurement", "measure", "require_torch"]
-
-MISSING_EXTRA = 'trainmem measure needs the measure extra: pip install "trainmem_nb[measure]"'
-
-
-def require_torch() -> None:
-    """Raise a one-line `RuntimeError` saying how to install the extra when torch is missing."""
-    try:
-        import torch  # noqa: F401
-        import transformers  # noqa: F401
-    except ImportError:
-        raise RuntimeError(MISSING_EXTRA) from None
-
 
 def measure(*args: Any, **kwargs: Any) -> Measurement:
     """Measure one training step; see `trainmem_nb.measure.api.measure` for the arguments."""

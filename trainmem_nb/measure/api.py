@@ -14,7 +14,7 @@ from ..model.presets import resolve_model
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec, build_training
 from ..units import format_bytes
-from . import require_torch
+from .extra import require_torch
 from .result import Measurement
 
 __all__ = ["DEVICES", "available_ram_bytes", "check_fits_in_ram", "measure", "measurement_from_trace", "versions"]

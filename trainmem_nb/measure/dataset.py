@@ -28,14 +28,11 @@ from typing import Any
 
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
+from .paths import CASES_FILE, HARNESS_FILE, VALIDATION_DIR
 from .result import Measurement
 
 __all__ = ["VALIDATION_DIR", "CaseSpec", "MeasuredCase", "full_matrix", "load_cases", "main", "quick_matrix"]
 
-#: ``validation/`` at the root of the repository (beside the package).
-VALIDATION_DIR = Path(__file__).resolve().parents[2] / "validation"
-CASES_FILE = VALIDATION_DIR / "cases.jsonl"
-HARNESS_FILE = VALIDATION_DIR / "harness_cases.json"
 
 
 @dataclass(frozen=True)

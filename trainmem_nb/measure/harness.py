@@ -154,7 +154,7 @@ def import_results(results_dir: str | Path = DEFAULT_RESULTS) -> dict[str, Any]:
 
 def load_harness_cases(path: str | Path | None = None) -> list[dict[str, Any]]:
     """The cases of ``validation/harness_cases.json`` (no torch needed)."""
-    from .dataset import VALIDATION_DIR
+    from .paths import VALIDATION_DIR
 
     file = Path(path) if path is not None else VALIDATION_DIR / "harness_cases.json"
     return list(json.loads(file.read_text())["cases"])

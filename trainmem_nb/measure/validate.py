@@ -180,7 +180,7 @@ def measured_from_dataset(path: Path | None, only: str = "") -> list[tuple[str, 
 
 def measured_live(only: str = "", full: bool = False, log: Any = None) -> list[tuple[str, Measurement]]:
     """Measure the quick (default) or full matrix now; needs torch."""
-    from . import require_torch
+    from .extra import require_torch
 
     require_torch()
     from .api import measure

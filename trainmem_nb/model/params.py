@@ -9,12 +9,14 @@ weights appear once, as in ``sum(p.numel() for p in model.parameters())``.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..spec.choices import Method
-from ..spec.training import TrainingSpec
 from .families import Family
-from .spec import ModelSpec
+
+if TYPE_CHECKING:  # annotations only: ModelSpec reads its parameter count from here
+    from ..spec.training import TrainingSpec
+    from .spec import ModelSpec
 
 __all__ = [
     "LORA_QV", "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules",

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..engine.program import evaluate
 from ..model.params import ParamTensor, trainable_tensors, weight_tensors
@@ -21,15 +21,25 @@ from .layout import _hooks, _host_bytes, _sequence_parallel_saving, _stages, _tp
 from .pipeline import _fsdp_pipeline_peak, _in_flight
 from .ranks import RankMemory, _held, _row_shard
 
-__all__ = ['simulate_parallel']
+__all__ = ["LayoutMemory", "simulate_parallel"]
+
+
+class LayoutMemory(NamedTuple):
+    """Every distinct rank of a layout (`rows`), the worst one's compiled program, and what the
+    headline reports beside it (the CUDA overheads of the worst rank, parameter counts)."""
+
+    rows: tuple[RankMemory, ...]
+    worst: RankMemory
+    program: Any
+    overhead: dict[str, int]
+    n_params: int
+    n_trainable: int
 
 
 def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
-                      backend: str | None = None) -> Any:
+                      backend: str | None = None) -> LayoutMemory:
     """Every distinct rank's memory for layout `p`; the headline is the worst rank. `backend` overrides
     the collectives library ("nccl" models a GPU job's, as the fake process group measures it)."""
-    from ..estimator.result import MemoryEstimate
-
     rank_model = _tp_model(m, p)
     seq = -(-t.seq_len // p.cp)
     rows: list[RankMemory] = []
@@ -93,10 +103,4 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
             overhead["paged_optimizer_states"] = paged
     n_params = sum(q.numel * q.count for q, _, _ in weight_tensors(m, t))
     n_train = sum(q.numel * q.count for q, _ in trainable_tensors(m, t))
-    return MemoryEstimate(
-        model=m, training=t, n_params=n_params, n_trainable_params=n_train,
-        peak_allocated_bytes=row.peak_allocated_bytes, peak_reserved_bytes=row.peak_reserved_bytes,
-        device_total_bytes=row.device_total_bytes, peak_phase=row.peak_phase, peak_at=row.peak_at,
-        detail_bytes=row.detail_bytes, phase_peaks_bytes={}, overhead_bytes=overhead, calibration=calibration,
-        program=prog, parallel=p, per_rank=tuple(rows), host_bytes=max(r.host_bytes for r in rows),
-    )
+    return LayoutMemory(tuple(rows), row, prog, overhead, n_params, n_train)

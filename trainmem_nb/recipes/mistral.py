@@ -75,7 +75,7 @@ class MistralRecipe(LlamaRecipe):
         (``_ignore_causal_mask_sdpa`` returns False once ``kv_length >= local_attention_size``).
 
         The compiled program is symbolic in the sequence length, so this switch must be part of its
-        cache key: `trainmem_nb.estimator.single.simulate` passes ``seq_len = sliding_window`` (masked) or 1."""
+        cache key: `trainmem_nb.estimator.simulate.simulate` passes ``seq_len = sliding_window`` (masked) or 1."""
         w = self.m.sliding_window
         return bool(w) and self.t.attention is Attention.SDPA and self.t.seq_len >= w
 

@@ -1,4 +1,4 @@
-"""One device: compile the step (cached), evaluate it, add the device's reserved and context bytes.
+"""`estimate()`'s engine: one device, or every rank of a parallel layout, as a `MemoryEstimate`.
 """
 
 from __future__ import annotations
@@ -6,6 +6,8 @@ from __future__ import annotations
 from ..engine.breakdown import TOP_KEYS
 from ..engine.program import evaluate
 from ..model.spec import ModelSpec
+from ..parallel.ranks import RankMemory
+from ..parallel.simulate import LayoutMemory, simulate_parallel
 from ..spec.calibration import Calibration
 from ..spec.choices import Device
 from ..spec.parallel import ParallelSpec
@@ -13,19 +15,18 @@ from ..spec.training import TrainingSpec
 from ..step.compile import _SINGLE, compile_step, program_key
 from ..step.optimizers import paged_state_bytes
 from ..step.reserved import reserved_and_total
+from .result import MemoryEstimate
 
 __all__ = ['simulate']
 
 
 def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None,
-             parallel: ParallelSpec | None = None) -> object:
-    """`estimate()`'s engine: compile (cached), evaluate, add the device's reserved and context bytes."""
-    from .result import MemoryEstimate
-
+             parallel: ParallelSpec | None = None, backend: str | None = None) -> MemoryEstimate:
+    """One device: compile the step (cached), evaluate it, add the device's reserved and context bytes.
+    A parallel layout: every distinct rank (`simulate_parallel`; `backend` overrides the collectives
+    library, "nccl" as the fake process group measures it), the worst one in the headline."""
     if parallel is not None and not parallel.single_device:
-        from ..parallel.simulate import simulate_parallel
-
-        return simulate_parallel(m, t, parallel, calibration)
+        return _layout_estimate(m, t, parallel, calibration, simulate_parallel(m, t, parallel, calibration, backend))
 
     prog = compile_step(m, program_key(t, m), _SINGLE, calibration.workspace_bytes if calibration else None)
     ev = evaluate(prog, t.micro_batch, t.seq_len)
@@ -39,8 +40,6 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved - paged}
         if paged:  # unified memory: outside the allocator, on the device while it has room
             overhead["paged_optimizer_states"] = paged
-    from ..parallel.ranks import RankMemory
-
     only = RankMemory("the only device (rank 0)", 0, m.n_layers, ev.peak, reserved, total, ev.peak_phase, ev.peak_at,
                       tops, dict(ev.detail), 0)
     return MemoryEstimate(
@@ -49,4 +48,16 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
         phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
         parallel=parallel or ParallelSpec(), per_rank=(only,),
+    )
+
+
+def _layout_estimate(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
+                     layout: LayoutMemory) -> MemoryEstimate:
+    row = layout.worst
+    return MemoryEstimate(
+        model=m, training=t, n_params=layout.n_params, n_trainable_params=layout.n_trainable,
+        peak_allocated_bytes=row.peak_allocated_bytes, peak_reserved_bytes=row.peak_reserved_bytes,
+        device_total_bytes=row.device_total_bytes, peak_phase=row.peak_phase, peak_at=row.peak_at,
+        detail_bytes=row.detail_bytes, phase_peaks_bytes={}, overhead_bytes=layout.overhead, calibration=calibration,
+        program=layout.program, parallel=p, per_rank=layout.rows, host_bytes=max(r.host_bytes for r in layout.rows),
     )
