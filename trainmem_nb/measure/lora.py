@@ -36,7 +36,7 @@ QV_TARGETS: dict[Family, list[str]] = {
 def lora_target_modules(model_spec: ModelSpec, targets: str) -> list[str] | str:
     """peft's ``target_modules`` for a ``lora_targets`` option.
 
-    >>> from trainmem_nb.errors import ModelSpec
+    >>> from trainmem_nb.model.spec import ModelSpec
     >>> lora_target_modules(ModelSpec(family="gpt2", n_layers=1, hidden=64, n_heads=4, ffn=256, vocab=100), "qv")
     ['c_attn']
     """

@@ -278,7 +278,7 @@ def to_hf_config(m: Any) -> dict[str, Any]:
     """The Hugging Face config dict that builds exactly `m` (a `ModelSpec`); the inverse of
     `spec_kwargs_from_hf`, used to measure any spec with the real model code.
 
-    >>> from trainmem_nb.errors import ModelSpec
+    >>> from trainmem_nb.model.spec import ModelSpec
     >>> m = ModelSpec(family="gpt2", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=100, max_positions=128)
     >>> ModelSpec.from_hf_config(to_hf_config(m), name=m.name) == m
     True

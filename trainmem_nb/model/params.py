@@ -265,7 +265,7 @@ def lora_moe_params(m: ModelSpec, targets: str) -> tuple[str, ...]:
     """The MoE parameters peft's ``ParamWrapper`` adapts for `targets` (mixtral only), in the order
     of peft's ``target_parameters`` (sorted: ``down_proj``, ``gate.weight``, ``gate_up_proj``).
 
-    >>> from trainmem_nb.errors import ModelSpec
+    >>> from trainmem_nb.model.spec import ModelSpec
     >>> moe = ModelSpec(family="mixtral", n_layers=1, hidden=64, n_heads=4, ffn=128, vocab=100, n_experts=4)
     >>> lora_moe_params(moe, "all-linear")
     ('mlp.experts.down_proj', 'mlp.gate', 'mlp.experts.gate_up_proj')

@@ -49,7 +49,7 @@ def _category(t: T, fwd_end: int) -> str:
 
 
 class EngineHooks:
-    """What a parallel engine adds around the single-device step (see `trainmem_nb.parallel.ranks`).
+    """What a parallel engine adds around the single-device step (see `trainmem_nb.parallel`).
 
     The driver calls these at unit boundaries (the root module and each transformer layer), in
     forward and backward; the default does nothing (one GPU)."""

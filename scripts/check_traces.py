@@ -1,0 +1,99 @@
+"""Check the estimator's step, allocation by allocation, against measured fake-mode steps over a grid.
+
+For each (family, options) case it compiles the step, runs the real Hugging Face model under
+PyTorch's fake tensors, and compares the live bytes at every allocation of the forward and backward
+(frees between two allocations are order-insensitive); it prints ``ok`` or the first divergence. A
+stricter check than peaks alone: use it before and after changing a recipe.
+
+Example: python scripts/check_traces.py --families llama,gemma --set dropout=0.1 --set precision=bf16-mixed
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+from trainmem_nb.engine.program import _round
+from trainmem_nb.measure.step import run_step
+from trainmem_nb.measure.tracker import cuda_round
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.spec.training import TrainingSpec
+from trainmem_nb.step.compile import compile_step
+
+#: One small shape per family (GQA where the family has it).
+SHAPES = {
+    "llama": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000),
+    "llama-mha": dict(family="llama", n_layers=3, hidden=256, n_heads=4, ffn=512, vocab=1000),
+    "mistral": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000, sliding_window=32),
+    "qwen2": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000, qkv_bias=True),
+    "gemma": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=1, head_dim=64, ffn=512, vocab=1000),
+    "phi3": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000),
+    "mixtral": dict(n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1000, n_experts=4, experts_top_k=2),
+    "gpt2": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000, max_positions=1024),
+    "gpt_neox": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
+    "opt": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000, max_positions=1024),
+    "bert": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
+}
+
+
+def first_divergence(m: ModelSpec, t: TrainingSpec) -> str | None:
+    """None when the live bytes agree at every allocation of forward and backward, else where they part."""
+    b, s = t.micro_batch, t.seq_len
+    prog = compile_step(m, t)
+    est = [(sign * _round(sz.at(b, s)), f"{seg.label}: {label}") for seg in prog.segments
+           if seg.phase in ("forward", "backward") for _ in range(seg.repeat) for _c, sign, sz, label in seg.events]
+    init = sum(_round(sz.at(b, s)) * count for _c, sz, count in prog.init)
+    tr = run_step(m, t, "fake").tracker
+    mea, base = [], 0
+    for idx, sign in tr.events:
+        r = tr.records[idx]
+        if r.op == "adopt":
+            base += sign * cuda_round(r.nbytes)
+        elif r.phase in ("forward", "backward"):
+            mea.append((sign * cuda_round(r.nbytes), f"{r.phase[:3]} {r.op} {r.module} {r.shape} {r.dtype}"))
+
+    def at_allocs(seq: list[tuple[int, str]], live: int) -> list[tuple[int, int, str]]:
+        out = []
+        for d, label in seq:
+            live += d
+            if d > 0:
+                out.append((live, d, label))
+        return out
+
+    ea, ma = at_allocs(est, init), at_allocs(mea, base)
+    for i, (e, x) in enumerate(itertools.zip_longest(ea, ma, fillvalue=(0, 0, "(none)"))):
+        if e[:2] != x[:2]:
+            return f"alloc #{i}: est {e[2]} (+{e[1]}, live {e[0]}) | measured {x[2]} (+{x[1]}, live {x[0]})"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--families", default=",".join(SHAPES))
+    ap.add_argument("--set", action="append", default=[], help="training option key=value (several: all combined)")
+    ap.add_argument("--grid", action="append", default=[], help="key=v1|v2|... swept (product over --grid keys)")
+    ap.add_argument("--batch", default="1|2")
+    ap.add_argument("--seq", type=int, default=64)
+    a = ap.parse_args(argv)
+    fixed = dict(s.split("=", 1) for s in a.set)
+    grid = [(k, v.split("|")) for k, v in (g.split("=", 1) for g in a.grid)]
+    grid.append(("micro_batch", a.batch.split("|")))
+    bad = 0
+    for name in a.families.split(","):
+        shape = dict(SHAPES[name])
+        shape.setdefault("family", name)
+        m = ModelSpec.model_validate({"name": name, **shape})
+        for combo in itertools.product(*(vals for _k, vals in grid)):
+            opts = {"device": "cpu", "seq_len": a.seq, **fixed, **dict(zip([k for k, _ in grid], combo, strict=True))}
+            t = TrainingSpec.model_validate(opts)
+            where = first_divergence(m, t)
+            label = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("device", "seq_len"))
+            print(f"{'ok  ' if where is None else 'DIFF'} {name:<10} {label}" + ("" if where is None else f"\n     {where}"))
+            bad += where is not None
+    print(f"{bad} cases differ")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
