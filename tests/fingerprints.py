@@ -179,10 +179,15 @@ def program_fingerprint(prog: Any) -> str:
     return h.hexdigest()[:24]
 
 
+#: Keys of the JSON contract left out of the numbers: labels that name code locations, and the echo of
+#: the inputs (a spec that gains a field with a default describes the same step).
+_NOT_NUMBERS = ("peak_at", "model_spec", "training", "parallel", "calibration")
+
+
 def _strip(x: Any) -> Any:
-    """The numbers of an estimate's JSON contract, without the labels that name code locations."""
+    """The numbers of an estimate's JSON contract, without labels and the echo of its inputs."""
     if isinstance(x, dict):
-        return {k: _strip(v) for k, v in x.items() if k not in ("peak_at",)}
+        return {k: _strip(v) for k, v in x.items() if k not in _NOT_NUMBERS}
     if isinstance(x, list):
         return [_strip(v) for v in x]
     return x
