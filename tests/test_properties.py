@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from trainmem_nb import estimate
 from trainmem_nb.model.spec import ModelSpec
-from trainmem_nb.recipes.registry import RECIPES
+from trainmem_nb.model.families import DESCRIPTIONS
 from trainmem_nb.spec.training import TrainingSpec
 
-FAMILIES = sorted(f.value for f in RECIPES)
+FAMILIES = sorted(f.value for f in DESCRIPTIONS)
 GQA = {"llama", "mistral", "qwen2", "gemma", "phi3", "mixtral"}
 
 

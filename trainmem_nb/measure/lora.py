@@ -10,28 +10,12 @@ import warnings
 from typing import Any
 
 from ..errors import SpecError
-from ..model.families import Family
+from ..model.families import Family, describe
 from ..model.spec import ModelSpec
 from ..spec.choices import AdapterDtype, Method
 from ..spec.training import TrainingSpec
 
-__all__ = ["QV_TARGETS", "apply_lora", "lora_target_modules"]
-
-#: The query and value projections of each family, as its Hugging Face modeling file names them.
-#: Families with a fused q/k/v projection adapt the fused layer (the LoRA paper's W_q, W_v live in it).
-QV_TARGETS: dict[Family, list[str]] = {
-    Family.LLAMA: ["q_proj", "v_proj"],
-    Family.MISTRAL: ["q_proj", "v_proj"],
-    Family.QWEN2: ["q_proj", "v_proj"],
-    Family.GEMMA: ["q_proj", "v_proj"],
-    Family.MIXTRAL: ["q_proj", "v_proj"],
-    Family.OPT: ["q_proj", "v_proj"],
-    Family.PHI3: ["qkv_proj"],
-    Family.GPT2: ["c_attn"],
-    Family.GPT_NEOX: ["query_key_value"],
-    Family.BERT: ["query", "value"],
-}
-
+__all__ = ["apply_lora", "lora_target_modules"]
 
 def lora_target_modules(model_spec: ModelSpec, targets: str) -> list[str] | str:
     """peft's ``target_modules`` for a ``lora_targets`` option.
@@ -42,7 +26,7 @@ def lora_target_modules(model_spec: ModelSpec, targets: str) -> list[str] | str:
     """
     text = targets.strip()
     if text.lower() == "qv":
-        return list(QV_TARGETS[model_spec.family])
+        return [module.rsplit(".", 1)[-1] for module in describe(model_spec.family).lora_qv]
     if text.lower() in ("all-linear", "all_linear", "all"):
         return "all-linear"
     names = [n.strip() for n in text.split(",") if n.strip()]

@@ -19,14 +19,14 @@ def hf_config_object(config: Mapping[str, Any], **overrides: Any) -> Any:
 
 
 def hf_model_class(model_type: str) -> Any:
-    """The class a training run uses: ``*ForCausalLM`` for decoders, ``BertForMaskedLM`` for bert."""
-    if model_type == "bert":
-        from transformers import BertForMaskedLM
+    """The class a training run instantiates for `model_type`: its family's description names it
+    (``*ForCausalLM`` for decoders, ``BertForMaskedLM`` for bert)."""
+    import transformers
 
-        return BertForMaskedLM
-    from transformers import AutoModelForCausalLM
+    from ..model.families import describe
+    from ..model.hf_config import SUPPORTED_MODEL_TYPES
 
-    return AutoModelForCausalLM
+    return getattr(transformers, describe(SUPPORTED_MODEL_TYPES[model_type]).hf_class)
 
 
 def hf_param_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

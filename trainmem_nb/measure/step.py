@@ -37,7 +37,7 @@ from torch import nn
 
 from ..engine.breakdown import DETAIL_KEYS
 from ..errors import SpecError
-from ..model.families import Family
+from ..model.families import describe
 from ..model.hf_config import to_hf_config
 from ..model.spec import ModelSpec
 from ..spec.choices import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
@@ -108,14 +108,7 @@ def _dropout_overrides(m: ModelSpec, p: float | None) -> dict[str, Any]:
     """Config keys that set every dropout site of the family to `p` (None: keep the spec's rates)."""
     if p is None:
         return {}
-    keys = {
-        Family.GPT2: ("attn_pdrop", "resid_pdrop", "embd_pdrop"),
-        Family.OPT: ("dropout", "attention_dropout"),
-        Family.BERT: ("hidden_dropout_prob", "attention_probs_dropout_prob"),
-        Family.GPT_NEOX: ("attention_dropout", "hidden_dropout"),
-        Family.PHI3: ("attention_dropout", "resid_pdrop", "embd_pdrop"),
-    }.get(m.family, ("attention_dropout",))
-    return dict.fromkeys(keys, p)
+    return dict.fromkeys(describe(m.family).dropout_keys, p)
 
 
 def _attn_impl(t: TrainingSpec) -> str:

@@ -1,18 +1,30 @@
-"""The model families and what each is, structurally, as Hugging Face builds it.
+"""What each model family is, in one place: one `Description` per family.
+
+A description says how Hugging Face builds the family (the class a training run instantiates, its
+transformer block), its structural defaults (norm, MLP kind, biases, positions: the `ModelSpec`
+fields a config may override), which modules LoRA's ``'qv'`` adapts, which config keys set its
+dropouts, and, for the decoders composed from parts (``recipe="decoder"``, the families Hugging Face
+builds from llama, mistral, gemma and mixtral), which part each of its modules is. Every module that
+needs to know something about a family reads it here: parameter inventories, config readers, recipes,
+launch configs, measurement, FLOPs.
+
+>>> describe("gemma").norm, describe("gemma").embed_scale, describe("gemma").layer_class
+('gemma', True, 'GemmaDecoderLayer')
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ..spec.base import _Choice
 
-__all__ = ['Family']
+__all__ = ["ACTIVATIONS", "DESCRIPTIONS", "Description", "Family", "describe"]
 
 
 class Family(_Choice):
-    """Model families, each as Hugging Face transformers implements it (the *ForCausalLM class, or
-    BertForMaskedLM for bert)."""
+    """Model families, each as Hugging Face transformers implements it (its `Description`)."""
 
     LLAMA = "llama"  #: RMSNorm, SwiGLU, RoPE, GQA; also Llama 2/3, TinyLlama
     MISTRAL = "mistral"  #: llama layout with a sliding attention window
@@ -25,42 +37,123 @@ class Family(_Choice):
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
 
-#: Structural defaults of each family, as its Hugging Face modeling file builds the model.
-FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
-    Family.LLAMA: {"norm": "rmsnorm", "mlp": "gated", "activation": "silu", "positions": "rotary"},
-    Family.MISTRAL: {"norm": "rmsnorm", "mlp": "gated", "activation": "silu", "positions": "rotary"},
-    Family.QWEN2: {"norm": "rmsnorm", "mlp": "gated", "activation": "silu", "positions": "rotary", "qkv_bias": True},
-    Family.GEMMA: {
-        "norm": "rmsnorm", "mlp": "gated", "activation": "gelu_pytorch_tanh", "positions": "rotary",
-        "tie_embeddings": True,
-    },
-    Family.PHI3: {
-        "norm": "rmsnorm", "mlp": "gated", "activation": "silu", "positions": "rotary",
-        "fused_qkv": True,
-    },
-    Family.MIXTRAL: {
-        "norm": "rmsnorm", "mlp": "gated", "activation": "silu", "positions": "rotary",
-        "n_experts": 8, "experts_top_k": 2,
-    },
-    Family.GPT2: {
-        "norm": "layernorm", "mlp": "dense", "activation": "gelu_new", "positions": "learned",
-        "fused_qkv": True, "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True,
-        "tie_embeddings": True,
-    },
-    Family.GPT_NEOX: {
-        "norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "rotary",
-        "rotary_pct": 0.25, "fused_qkv": True, "qkv_bias": True, "out_bias": True, "mlp_bias": True,
-        "norm_bias": True, "parallel_residual": True,
-    },
-    Family.OPT: {
-        "norm": "layernorm", "mlp": "dense", "activation": "relu", "positions": "learned",
-        "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True,
-    },
-    Family.BERT: {
-        "norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "learned",
-        "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True,
-        "max_positions": 512,
-    },
+
+#: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
+ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+_RMS_DECODER = {"norm": "rmsnorm", "mlp": "gated", "activation": "silu", "positions": "rotary"}
+_LLAMA_INPUTS = ("embed_tokens.",)
+
+
+@dataclass(frozen=True)
+class Description:
+    """One model family as Hugging Face builds it: the facts every part of trainmem_nb reads."""
+
+    family: Family
+    #: ``model_type`` values of config.json files read as this family
+    model_types: tuple[str, ...]
+    #: the class a training run instantiates (``*ForCausalLM``; ``BertForMaskedLM`` for bert)
+    hf_class: str
+    #: its transformer block class: FSDP wraps (shards) one per block
+    layer_class: str
+    #: the recipe that runs its forward: ``"decoder"`` (composed from parts) or a bespoke one by name
+    recipe: str
+    #: `ModelSpec` defaults for the family's structure (a config may override them)
+    structure: Mapping[str, Any]
+    #: ``tie_word_embeddings`` when a config omits it (the family's configuration_*.py)
+    tie_default: bool
+    #: the modules in a layer that ``lora_targets='qv'`` adapts (a fused q/k/v projection: that one)
+    lora_qv: tuple[str, ...]
+    #: config.json keys that set every dropout site of the model
+    dropout_keys: tuple[str, ...]
+    #: name prefixes of the parameters outside the layers that the first pipeline stage holds (the
+    #: embeddings); the others outside the layers belong to the output side (final norm, head)
+    input_side: tuple[str, ...] = _LLAMA_INPUTS
+    #: output-head weights (``get_output_embeddings()``), which peft's ``all-linear`` does not adapt
+    heads: tuple[str, ...] = ("lm_head.weight",)
+    #: the token-embedding matrix (a tied head reuses it; the last pipeline stage then keeps a copy)
+    embedding: str = "embed_tokens.weight"
+    # -- the parts of a decoder composed by `trainmem_nb.recipes.decoder` ------------------------------
+    #: RMSNorm variant: ``"llama"`` (normalise in fp32, cast back, then ``* weight``) or ``"gemma"``
+    #: (``* (1 + weight)`` in fp32, then cast)
+    norm: str = "llama"
+    #: the token embeddings are multiplied by ``sqrt(hidden)`` (a buffer in the model's dtype)
+    embed_scale: bool = False
+    #: the model builds a sliding-window mask when its config has a window (mistral's
+    #: ``create_sliding_window_causal_mask``); otherwise the mask is causal
+    sliding_mask: bool = False
+    #: how rotary embeddings are applied: ``"elementwise"`` (``x * cos + rotate_half(x) * sin`` in the
+    #: projections' layout) or ``"cat"`` (rotary and pass-through parts concatenated: contiguous q/k)
+    rotary: str = "elementwise"
+    #: one ``gate_up_proj`` chunked into gate and up instead of two projections
+    fused_gate_up: bool = False
+    #: dropout on the attention and MLP outputs before each residual add
+    residual_dropout: bool = False
+
+    @property
+    def composed(self) -> bool:
+        """Is the forward composed from parts (`trainmem_nb.recipes.decoder`)?"""
+        return self.recipe == "decoder"
+
+
+DESCRIPTIONS: dict[Family, Description] = {
+    Family.LLAMA: Description(
+        Family.LLAMA, ("llama",), "LlamaForCausalLM", "LlamaDecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",)),
+    Family.MISTRAL: Description(
+        Family.MISTRAL, ("mistral",), "MistralForCausalLM", "MistralDecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        sliding_mask=True),
+    Family.QWEN2: Description(
+        Family.QWEN2, ("qwen2",), "Qwen2ForCausalLM", "Qwen2DecoderLayer", "decoder",
+        {**_RMS_DECODER, "qkv_bias": True},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",)),
+    Family.GEMMA: Description(
+        Family.GEMMA, ("gemma",), "GemmaForCausalLM", "GemmaDecoderLayer", "decoder",
+        {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True},
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        norm="gemma", embed_scale=True),
+    Family.PHI3: Description(
+        Family.PHI3, ("phi3",), "Phi3ForCausalLM", "Phi3DecoderLayer", "decoder", {**_RMS_DECODER, "fused_qkv": True},
+        tie_default=False, lora_qv=("self_attn.qkv_proj",),
+        dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"),
+        sliding_mask=True, rotary="cat", fused_gate_up=True, residual_dropout=True),
+    Family.MIXTRAL: Description(
+        Family.MIXTRAL, ("mixtral",), "MixtralForCausalLM", "MixtralDecoderLayer", "decoder",
+        {**_RMS_DECODER, "n_experts": 8, "experts_top_k": 2},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        sliding_mask=True),
+    Family.GPT2: Description(
+        Family.GPT2, ("gpt2",), "GPT2LMHeadModel", "GPT2Block", "gpt2",
+        {"norm": "layernorm", "mlp": "dense", "activation": "gelu_new", "positions": "learned", "fused_qkv": True,
+         "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True},
+        tie_default=True, lora_qv=("attn.c_attn",), dropout_keys=("attn_pdrop", "resid_pdrop", "embd_pdrop"),
+        input_side=("wte.", "wpe."), embedding="wte.weight"),
+    Family.GPT_NEOX: Description(
+        Family.GPT_NEOX, ("gpt_neox",), "GPTNeoXForCausalLM", "GPTNeoXLayer", "gpt_neox",
+        {"norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "rotary", "rotary_pct": 0.25,
+         "fused_qkv": True, "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True,
+         "parallel_residual": True},
+        tie_default=False, lora_qv=("attention.query_key_value",), dropout_keys=("attention_dropout", "hidden_dropout"),
+        input_side=("embed_in.",), heads=("embed_out.weight",), embedding="embed_in.weight"),
+    Family.OPT: Description(
+        Family.OPT, ("opt",), "OPTForCausalLM", "OPTDecoderLayer", "opt",
+        {"norm": "layernorm", "mlp": "dense", "activation": "relu", "positions": "learned", "qkv_bias": True,
+         "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True},
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("dropout", "attention_dropout"),
+        input_side=("embed_tokens.", "embed_positions.")),
+    Family.BERT: Description(
+        Family.BERT, ("bert",), "BertForMaskedLM", "BertLayer", "bert",
+        {"norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "learned", "qkv_bias": True,
+         "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True, "max_positions": 512,
+         "pre_norm": False},
+        tie_default=True, lora_qv=("attention.self.query", "attention.self.value"),
+        dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
+        input_side=("embeddings.",), heads=("cls.predictions.decoder.weight",),
+        embedding="embeddings.word_embeddings.weight"),
 }
 
-_ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
+
+def describe(family: Family | str) -> Description:
+    """The description of `family` (a `Family` or its name)."""
+    return DESCRIPTIONS[Family.parse(family, "family")]

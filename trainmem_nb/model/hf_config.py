@@ -12,29 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import SpecError, did_you_mean
-from .families import Family
+from .families import DESCRIPTIONS, Family
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "shape_for_params", "spec_kwargs_from_hf", "to_hf_config"]
 
-#: ``model_type`` values we read, mapped to our family (aliases for close variants of one layout).
-SUPPORTED_MODEL_TYPES: dict[str, Family] = {
-    "llama": Family.LLAMA,
-    "mistral": Family.MISTRAL,
-    "qwen2": Family.QWEN2,
-    "gemma": Family.GEMMA,
-    "phi3": Family.PHI3,
-    "mixtral": Family.MIXTRAL,
-    "gpt2": Family.GPT2,
-    "gpt_neox": Family.GPT_NEOX,
-    "opt": Family.OPT,
-    "bert": Family.BERT,
-}
-
-# transformers' per-family default for ``tie_word_embeddings`` (configuration_*.py).
-_TIE_DEFAULT = {
-    Family.LLAMA: False, Family.MISTRAL: False, Family.QWEN2: False, Family.GEMMA: True, Family.PHI3: False,
-    Family.MIXTRAL: False, Family.GPT2: True, Family.GPT_NEOX: False, Family.OPT: True, Family.BERT: True,
-}
+#: ``model_type`` values we read, mapped to their family (each family's description lists its own).
+SUPPORTED_MODEL_TYPES: dict[str, Family] = {t: d.family for d in DESCRIPTIONS.values() for t in d.model_types}
 
 # Largest values a real config has had, times a generous margin: beyond these a config is a typo.
 _ABSURD = {"layers": 2000, "hidden": 262_144, "heads": 16_384, "vocab": 4_194_304}
@@ -192,7 +175,7 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
             use = cfg.get("use_sliding_window", family is not Family.QWEN2)
             if isinstance(window, int) and window > 0 and use:
                 kw["sliding_window"] = window
-    tie = cfg.get("tie_word_embeddings", _TIE_DEFAULT[family])
+    tie = cfg.get("tie_word_embeddings", DESCRIPTIONS[family].tie_default)
     if not isinstance(tie, bool):
         raise SpecError(f"config.json has tie_word_embeddings={tie!r}; it must be true or false")
     kw["tie_embeddings"] = tie

@@ -12,14 +12,14 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..spec.choices import Method
-from .families import Family
+from .families import DESCRIPTIONS, Family
 
 if TYPE_CHECKING:  # annotations only: ModelSpec reads its parameter count from here
     from ..spec.training import TrainingSpec
     from .spec import ModelSpec
 
 __all__ = [
-    "LORA_QV", "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules",
+    "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules",
     "lora_moe_params", "nf4_bytes", "on_stage", "param_inventory", "quantized", "trainable_tensors", "weight_tensors",
 ]
 
@@ -33,6 +33,9 @@ class ParamTensor(NamedTuple):
     count: int  # type: ignore[assignment]  # a public field that shadows tuple.count on purpose
     matmul: bool  #: used as a matmul weight (autocast makes a 16-bit copy of it)
     in_layer: bool  #: inside a repeated transformer layer
+    #: which layers hold it: ``""`` every layer; ``"moe"`` / ``"dense"`` only the layers with that MLP
+    #: (a model whose MoE layers and dense layers differ; `count` is then the number of those layers)
+    kind: str = ""
 
     @property
     def numel(self) -> int:
@@ -185,22 +188,6 @@ def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
     return tuple(out)
 
 
-#: Each family's query and value projections (what peft targets for ``lora_targets='qv'``); families
-#: with a fused q/k/v projection adapt the fused layer.
-LORA_QV: dict[Family, tuple[str, ...]] = {
-    Family.LLAMA: ("self_attn.q_proj", "self_attn.v_proj"),
-    Family.MISTRAL: ("self_attn.q_proj", "self_attn.v_proj"),
-    Family.QWEN2: ("self_attn.q_proj", "self_attn.v_proj"),
-    Family.GEMMA: ("self_attn.q_proj", "self_attn.v_proj"),
-    Family.MIXTRAL: ("self_attn.q_proj", "self_attn.v_proj"),
-    Family.OPT: ("self_attn.q_proj", "self_attn.v_proj"),
-    Family.PHI3: ("self_attn.qkv_proj",),
-    Family.GPT2: ("attn.c_attn",),
-    Family.GPT_NEOX: ("attention.query_key_value",),
-    Family.BERT: ("attention.self.query", "attention.self.value"),
-}
-
-
 def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     """The in-layer modules LoRA adapts: ``'qv'``, ``'all-linear'`` (every 2-D matmul weight in the
     layers, as peft's ``all-linear`` picks nn.Linear/Conv1D layers but not the output head), or
@@ -213,7 +200,7 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
                if p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
                and not p.name.endswith("mlp.gate.weight")]
     if text == "qv":
-        return LORA_QV[m.family]
+        return DESCRIPTIONS[m.family].lora_qv
     if text in ("all-linear", "all_linear", "all"):
         return tuple(linears)
     names = [n.strip() for n in targets.split(",") if n.strip()]
@@ -240,16 +227,11 @@ def lora_outer_modules(m: ModelSpec, targets: str) -> tuple[tuple[str, tuple[int
         return ()
     outer = [(p.name[:-len(".weight")], p.shape) for p in param_inventory(m)
              if not p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
-             and p.name not in _NOT_ADAPTED]
+             and p.name not in DESCRIPTIONS[m.family].heads]
     if text in ("all-linear", "all_linear", "all"):
         return tuple(outer)
     names = [n.strip() for n in targets.split(",") if n.strip()]
     return tuple((mod, shape) for mod, shape in outer if any(mod == n or mod.endswith("." + n) for n in names))
-
-
-#: Matmul weights outside the layers that are not nn.Linear layers peft would wrap: the output
-#: heads (excluded by ``all-linear``) and the embeddings (nn.Embedding).
-_NOT_ADAPTED = ("lm_head.weight", "embed_out.weight", "cls.predictions.decoder.weight")
 
 
 #: transformers 5 stores Mixtral's router as a custom module and its experts as fused 3-D
@@ -383,19 +365,13 @@ def trainable_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, 
     return [(p, dt) for p, dt, trainable in weight_tensors(m, t) if trainable]
 
 
-#: Names of the input-side parameters outside the layers (token, position and type embeddings; BERT's
-#: embedding LayerNorm); every other one outside the layers belongs to the output side (final norm,
-#: LM head, pythia's ``embed_out``, BERT's ``cls.*``).
-_INPUT_SIDE = ("embed_tokens.", "embed_positions.", "embed_in.", "wte.", "wpe.", "embeddings.")
-
-
 def on_stage(p: ParamTensor, m: ModelSpec, first: bool, last: bool) -> bool:
     """Does a pipeline stage (the `first` and/or `last` one) hold `p`? Layers are split beforehand;
     the first stage holds the embeddings, the last the final norm and head, and with tied embeddings
     the last one holds a copy of the embedding matrix as its head (Megatron-LM keeps both in sync)."""
     if p.in_layer or (first and last):
         return True
-    if p.name.startswith(_INPUT_SIDE):
-        return first or (last and m.tie_embeddings and p.name.startswith(("embed_tokens.", "wte.", "embed_in.",
-                                                                            "embeddings.word_embeddings.")))
+    d = DESCRIPTIONS[m.family]
+    if p.name.startswith(d.input_side):
+        return first or (last and m.tie_embeddings and p.name == d.embedding)
     return last

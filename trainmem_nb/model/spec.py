@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal
 
@@ -16,7 +17,8 @@ from pydantic import Field, model_validator
 
 from ..errors import SpecError, did_you_mean
 from ..spec.base import _FROZEN, SpecModel, _validate
-from .families import _ACTIVATIONS, FAMILY_DEFAULTS, Family
+from .families import ACTIVATIONS, DESCRIPTIONS, Family
+from .layers import LayerKind
 
 __all__ = ['ModelSpec']
 
@@ -31,7 +33,8 @@ class ModelSpec(SpecModel):
 
     Build one from a preset (`trainmem_nb.model.presets.get_model`), a Hugging Face config
     (`ModelSpec.from_hf_config`), a parameter count (`ModelSpec.from_params`), or directly; family
-    defaults (norm, MLP type, biases, positions...) are filled in from `FAMILY_DEFAULTS`.
+    defaults (norm, MLP type, biases, positions...) are filled in from its description
+    (`trainmem_nb.model.families`).
 
     >>> m = ModelSpec(family="llama", n_layers=2, hidden=256, n_heads=4, ffn=512, vocab=1000)
     >>> m.n_kv_heads, m.head_dim, m.norm
@@ -68,6 +71,13 @@ class ModelSpec(SpecModel):
     hidden_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     embd_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     sliding_window: int = Field(default=0, ge=0, description="0 means none")
+    # Layer patterns: where the layers of one model differ (none: every layer is the model's default kind).
+    layer_types: tuple[Literal["full_attention", "sliding_attention"], ...] = Field(
+        default=(), description="each layer's attention (Hugging Face's layer_types); empty: all the default")
+    nope_layers: tuple[int, ...] = Field(default=(), description="layers without rotary embeddings (NoPE)")
+    dense_layers: tuple[int, ...] = Field(
+        default=(), description="layers of a mixture-of-experts model whose MLP is dense")
+    expert_ffn: int = Field(default=0, ge=0, le=_MAX_DIM * 8, description="each expert's intermediate size; 0: ffn")
     # Family-specific details (used only by the family that has them).
     word_embed_proj_dim: int = Field(default=0, ge=0, le=_MAX_DIM, description="OPT: 0 means hidden")
     pre_norm: bool = Field(default=True, description="OPT do_layer_norm_before; BERT is post-norm")
@@ -83,15 +93,13 @@ class ModelSpec(SpecModel):
             raise SpecError(f"family is required; valid values: {', '.join(f.value for f in Family)}")
         family = Family.parse(data["family"], "family")
         data["family"] = family
-        for key, value in FAMILY_DEFAULTS[family].items():
+        for key, value in DESCRIPTIONS[family].structure.items():
             data.setdefault(key, value)
-        if family is Family.BERT:
-            data.setdefault("pre_norm", False)
         act = data.get("activation")
-        if isinstance(act, str) and act not in _ACTIVATIONS:
+        if isinstance(act, str) and act not in ACTIVATIONS:
             raise SpecError(
-                f"activation={act!r} is not supported{did_you_mean(act, list(_ACTIVATIONS))}; "
-                f"valid values: {', '.join(_ACTIVATIONS)}"
+                f"activation={act!r} is not supported{did_you_mean(act, list(ACTIVATIONS))}; "
+                f"valid values: {', '.join(ACTIVATIONS)}"
             )
         return data
 
@@ -111,6 +119,7 @@ class ModelSpec(SpecModel):
                 f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}; choose n_kv_heads "
                 f"from {_divisors_near(self.n_heads, self.n_kv_heads)}"
             )
+        self._check_layer_pattern()
         if self.family is Family.MIXTRAL or self.n_experts:
             if self.n_experts < 1 or self.experts_top_k < 1:
                 raise SpecError(
@@ -152,6 +161,30 @@ class ModelSpec(SpecModel):
     def rotary_dims(self) -> int:
         """Dimensions of each head that get rotary embeddings."""
         return int(self.head_dim * self.rotary_pct)
+
+    def _check_layer_pattern(self) -> None:
+        if self.layer_types and len(self.layer_types) != self.n_layers:
+            raise SpecError(f"layer_types has {len(self.layer_types)} entries for n_layers={self.n_layers}; "
+                            f"give one per layer or none")
+        if "sliding_attention" in self.layer_types and not self.sliding_window:
+            raise SpecError("layer_types has sliding_attention layers but sliding_window is 0; give the window")
+        for name in ("nope_layers", "dense_layers"):
+            bad = [i for i in getattr(self, name) if not 0 <= i < self.n_layers]
+            if bad:
+                raise SpecError(f"{name} has layer {bad[0]}, outside 0..{self.n_layers - 1}")
+        if self.dense_layers and not self.n_experts:
+            raise SpecError("dense_layers is for mixture-of-experts models; this model has no experts (n_experts=0)")
+
+    @property
+    def layer_kinds(self) -> tuple[LayerKind, ...]:
+        """What each layer is (its attention mask, rotary or NoPE, dense or MoE MLP), first to last."""
+        return _layer_kinds(self.family, self.n_layers, self.sliding_window, self.layer_types, self.nope_layers,
+                            self.n_experts > 0, self.dense_layers)
+
+    @property
+    def expert_width(self) -> int:
+        """Intermediate size of one expert's MLP."""
+        return self.expert_ffn or self.ffn
 
     @property
     def is_moe(self) -> bool:
@@ -219,3 +252,14 @@ def _divisors_near(n: int, near: int) -> str:
     divs = [d for d in range(1, min(n, 4096) + 1) if n % d == 0]
     divs.sort(key=lambda d: (abs(d - near), d))
     return ", ".join(str(d) for d in sorted(divs[:6]))
+
+
+@lru_cache(maxsize=1024)
+def _layer_kinds(family: Family, n_layers: int, window: int, layer_types: tuple[str, ...], nope: tuple[int, ...],
+                 moe: bool, dense: tuple[int, ...]) -> tuple[LayerKind, ...]:
+    """`ModelSpec.layer_kinds`: without layer_types, every layer gets the family's default mask (sliding
+    when the family builds sliding-window masks and the model has a window)."""
+    default = "sliding" if window and DESCRIPTIONS[family].sliding_mask else "full"
+    attention = [t.split("_")[0] for t in layer_types] if layer_types else [default] * n_layers
+    no_rope, dense_set = set(nope), set(dense)
+    return tuple(LayerKind(attention[i], i not in no_rope, moe and i not in dense_set) for i in range(n_layers))

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
+from ..model.families import describe
 from ..parallel.ranks import (
     DS_ALLGATHER_BUCKET,
     DS_REDUCE_BUCKET,
@@ -30,8 +31,7 @@ from ..parallel.ranks import (
 
 __all__ = [
     "DEEPSPEED_DEFAULTS",
-    "HF_LAYER_CLASS",
-    "accelerate_fsdp_config",
+        "accelerate_fsdp_config",
     "deepspeed_config",
     "to_yaml",
     "torchrun_command",
@@ -52,13 +52,6 @@ DEEPSPEED_DEFAULTS = {
 #: DeepSpeed's dynamic loss scaling for fp16 (deepspeed/runtime/precision_config.py, FP16_FORMAT).
 DEEPSPEED_FP16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                   "hysteresis": 2, "min_loss_scale": 1}
-
-#: The transformer block class Hugging Face transformers builds per family: FSDP wraps (shards) per block.
-HF_LAYER_CLASS = {
-    "llama": "LlamaDecoderLayer", "mistral": "MistralDecoderLayer", "qwen2": "Qwen2DecoderLayer",
-    "gemma": "GemmaDecoderLayer", "phi3": "Phi3DecoderLayer", "mixtral": "MixtralDecoderLayer",
-    "gpt2": "GPT2Block", "gpt_neox": "GPTNeoXLayer", "opt": "OPTDecoderLayer", "bert": "BertLayer",
-}
 
 #: torchrun's default rendezvous port (torch.distributed.run: --master-port 29500).
 RDZV_PORT = 29500
@@ -81,11 +74,19 @@ class _Launch:
     micro_batch: int
     grad_accum: int
     checkpointing: str
-    family: str
+    family: str | None  # None: the option names none (only the FSDP config needs it)
 
     @property
     def dp(self) -> int:
         return self.n_gpus // (self.tp * self.pp)
+
+
+def _layer_class(family: str | None) -> str:
+    """The transformer block FSDP wraps: the family's, never a guess when the option names none."""
+    if family is None:
+        raise SpecError("the plan option names no model family ('family'), so the transformer block FSDP wraps is "
+                        "unknown; pass a row of Plan.rows or a MemoryEstimate, or layer_cls=")
+    return describe(family).layer_class
 
 
 def _launch(option: Any) -> _Launch:
@@ -106,7 +107,7 @@ def _launch(option: Any) -> _Launch:
         int(option.get("zero", 0)), bool(option.get("hybrid_shard", False)), str(option.get("offload", "none")),
         int(option.get("tp", 1)), int(option.get("pp", 1)), str(option.get("precision", "bf16-mixed")),
         int(option.get("micro_batch", 1)), int(option.get("grad_accum", 1)), str(option.get("checkpointing", "none")),
-        str(option.get("family", "llama")),
+        None if option.get("family") is None else str(option["family"]),
     )
 
 
@@ -161,7 +162,7 @@ def accelerate_fsdp_config(option: Any, *, layer_cls: str | None = None, main_pr
     ZeRO-3 is ``fsdp_reshard_after_forward: true`` (FULL_SHARD), ZeRO-2 ``false`` (SHARD_GRAD_OP), per
     accelerate's FSDP1-vs-FSDP2 guide. `layer_cls` defaults to the family's decoder-block class.
 
-    >>> accelerate_fsdp_config({"n_gpus": 8, "engine": "fsdp", "zero": 3})["fsdp_config"]["fsdp_reshard_after_forward"]
+    >>> accelerate_fsdp_config({"n_gpus": 8, "engine": "fsdp", "zero": 3, "family": "llama"})["fsdp_config"]["fsdp_reshard_after_forward"]
     True
     """
     s = _launch(option)
@@ -187,7 +188,7 @@ def accelerate_fsdp_config(option: Any, *, layer_cls: str | None = None, main_pr
         "fsdp_config": {
             "fsdp_version": 2,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": layer_cls or HF_LAYER_CLASS.get(s.family, "LlamaDecoderLayer"),
+            "fsdp_transformer_layer_cls_to_wrap": layer_cls or _layer_class(s.family),
             "fsdp_reshard_after_forward": s.zero == 3,
             "fsdp_offload_params": s.offload != "none",
             "fsdp_state_dict_type": "SHARDED_STATE_DICT",

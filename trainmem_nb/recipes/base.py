@@ -12,23 +12,45 @@ from dataclasses import dataclass, field
 
 from ..engine import ops
 from ..engine.ops import Ctx
-from ..engine.tape import Graph, Sz, T, per_token, per_token_sq
-from ..model.families import Family
+from ..engine.tape import Graph, Sz, T, per_token
+from ..model.layers import LayerKind
 from ..model.spec import ModelSpec
-from ..spec.choices import Attention
 from ..spec.training import TrainingSpec
 
-__all__ = ['Recipe', 'Shared', 'tok']
+__all__ = ["DEFAULT_KIND", "Recipe", "Shared", "tok"]
+
+#: The kind of every layer of a model whose layers do not differ.
+DEFAULT_KIND = LayerKind()
 
 
 @dataclass
 class Shared:
-    """Tensors made once per forward and used by every layer (rotary cos/sin, attention mask)."""
+    """Tensors made once per forward and passed to every layer (rotary cos/sin, attention masks,
+    position ids). Models whose layers differ build one mask per attention kind (`masks`)."""
 
     cos: T | None = None
     sin: T | None = None
     mask: T | None = None
     extra: list[T] = field(default_factory=list)
+    #: the mask of each attention kind (``"full"``, ``"sliding"``) when the model builds one per kind
+    masks: dict[str, T | None] = field(default_factory=dict)
+
+    def attention_mask(self, kind: LayerKind) -> T | None:
+        """The mask a layer of `kind` gets."""
+        return self.masks[kind.attention] if self.masks else self.mask
+
+    def rotary(self, kind: LayerKind) -> tuple[T | None, T | None]:
+        """The rotary cos/sin a layer of `kind` applies (none on a NoPE layer)."""
+        return (self.cos, self.sin) if kind.rope else (None, None)
+
+    def layer_inputs(self, kind: LayerKind) -> list[T]:
+        """The tensors a layer call receives besides its input, in the order the call passes them
+        (a checkpointed layer's frame keeps them until its recomputation is done)."""
+        return [t for t in (*self.extra, self.attention_mask(kind), self.cos, self.sin) if t is not None]
+
+    def all_masks(self) -> list[T | None]:
+        """Every mask the model built, in the order it built them."""
+        return list(self.masks.values()) if self.masks else [self.mask]
 
 
 class Recipe:
@@ -59,7 +81,7 @@ class Recipe:
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         raise NotImplementedError
 
-    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T], kind: LayerKind = DEFAULT_KIND) -> T:
         raise NotImplementedError
 
     def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
@@ -73,5 +95,3 @@ def tok(n: float) -> Sz:
     """``(b, s, n)`` elements: a per-token activation of width n."""
     return per_token(n)
 
-
-_ = (Attention, Family, per_token_sq)

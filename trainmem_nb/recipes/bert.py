@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from ..engine import ops
 from ..engine.ops import F32, I64
 from ..engine.tape import Graph, Sz, T, const, per_seq, per_token_sq
+from ..model.layers import LayerKind
 from ..spec.choices import Attention
-from .base import Shared, tok
+from .base import DEFAULT_KIND, Shared, tok
 from .layernorm import LayerNormRecipe
 
 __all__ = ["BertRecipe", "masked_lm_loss"]
@@ -92,7 +93,7 @@ class BertRecipe(LayerNormRecipe):
         self.model_locals = [g.hold(out)]  # BertModel's `embedding_output`
         return out, sh
 
-    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T], kind: LayerKind = DEFAULT_KIND) -> T:
         """BertLayer.forward: BertAttention (self-attention, then BertSelfOutput
         ``LayerNorm(dropout(dense(a)) + x)``), then the feed-forward chunk (BertIntermediate dense +
         GELU, BertOutput ``LayerNorm(dropout(dense(i)) + attention_output)``). ``attention_output`` and

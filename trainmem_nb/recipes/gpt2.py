@@ -11,8 +11,9 @@ from __future__ import annotations
 from ..engine import ops
 from ..engine.ops import I64
 from ..engine.tape import Graph, T, per_seq, per_token_sq
+from ..model.layers import LayerKind
 from ..spec.choices import Attention
-from .base import Shared, tok
+from .base import DEFAULT_KIND, Shared, tok
 from .head import causal_lm_loss
 from .layernorm import LayerNormRecipe
 from .masks import causal_mask
@@ -58,7 +59,7 @@ class GPT2Recipe(LayerNormRecipe):
         self.model_locals = [inputs_embeds, position_embeds]
         return hd, sh
 
-    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T], kind: LayerKind = DEFAULT_KIND) -> T:
         """GPT2Block.forward: ``residual + attn(ln_1(x))``, then ``residual + mlp(ln_2(h))``. The
         locals ``attn_output``, ``_`` (attention weights) and ``feed_forward_hidden_states`` live until
         the block returns."""

@@ -14,8 +14,9 @@ from __future__ import annotations
 from ..engine import ops
 from ..engine.ops import F32, I64
 from ..engine.tape import Graph, T, per_seq, per_token_sq
+from ..model.layers import LayerKind
 from ..spec.choices import Attention
-from .base import Shared, tok
+from .base import DEFAULT_KIND, Shared, tok
 from .head import causal_lm_loss
 from .layernorm import LayerNormRecipe
 from .masks import causal_mask
@@ -46,7 +47,7 @@ class GPTNeoXRecipe(LayerNormRecipe):
         self.model_locals = [inputs_embeds]
         return h, sh
 
-    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T], kind: LayerKind = DEFAULT_KIND) -> T:
         """GPTNeoXLayer.forward: ``attn(input_layernorm(x))`` and its dropout, then either the parallel
         residual ``dropout(mlp(post_attention_layernorm(x))) + attn_output + x`` or the sequential
         ``h = attn_output + x; dropout(mlp(post_attention_layernorm(h))) + h``. The layer norms'

@@ -12,8 +12,9 @@ from __future__ import annotations
 from ..engine import ops
 from ..engine.ops import F32, I64
 from ..engine.tape import Graph, T, per_token_sq
+from ..model.layers import LayerKind
 from ..spec.choices import Attention
-from .base import Shared, tok
+from .base import DEFAULT_KIND, Shared, tok
 from .head import causal_lm_loss
 from .layernorm import LayerNormRecipe
 from .masks import causal_mask
@@ -63,7 +64,7 @@ class OPTRecipe(LayerNormRecipe):
         h = ops.add(g, inputs_embeds, pos_embeds, "inputs_embeds + pos_embeds")
         return h, sh
 
-    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T]) -> T:
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T], kind: LayerKind = DEFAULT_KIND) -> T:
         """OPTDecoderLayer.forward: ``residual + dropout(self_attn(ln(x)))`` and
         ``residual + dropout(fc2(act(fc1(ln(h)))))``, LayerNorm before (pre-norm) or after (post-norm)
         each block. The attention weights (``_``) live until the layer returns."""

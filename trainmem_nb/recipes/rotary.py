@@ -27,3 +27,42 @@ def rotary_cos_sin(g: Graph, rotary_dims: int, x_dt: int) -> tuple[T, T]:
     out = [ops.cast(g, full[0], x_dt, "cos to dtype"), ops.cast(g, full[1], x_dt, "sin to dtype")]
     g.drop(freqs, emb, full[0], full[1])
     return out[0], out[1]
+
+
+def apply_rotary(g: Graph, x: T, cos: T, sin: T, name: str) -> T:
+    """Llama's ``apply_rotary_pos_emb`` on one of q, k: ``(x * cos) + (rotate_half(x) * sin)``, element-wise
+    in the projections' (b, s, heads, d) layout."""
+    a = ops.mul(g, x, cos, f"{name} * cos")
+    rh = ops.rotate_half(g, x, 1.0, f"{name} rotate_half")
+    b = ops.mul(g, rh, sin, f"{name} rotate_half * sin")
+    g.drop(rh)
+    out = ops.add(g, a, b, f"{name} rotary add")
+    g.drop(a, b)
+    return out
+
+
+def apply_rotary_pair(g: Graph, q: T, k: T, cos: T, sin: T) -> tuple[T, T]:
+    """Llama's ``apply_rotary_pos_emb(q, k, cos, sin)``: `apply_rotary` on q, then on k."""
+    return apply_rotary(g, q, cos, sin, "q"), apply_rotary(g, k, cos, sin, "k")
+
+
+def apply_rotary_pair_cat(g: Graph, q: T, k: T, cos: T, sin: T, frac: float) -> tuple[T, T]:
+    """Phi-3's ``apply_rotary_pos_emb``: ``q_rot, q_pass = q[..., :rot], q[..., rot:]`` (a full slice is
+    ``alias(q)``: Python indexing returns an alias when nothing is cut), the same for k, then
+    ``cat([(x_rot * cos) + (rotate_half(x_rot) * sin), x_pass])`` for q, then k: contiguous
+    (b, heads, s, d) results. Under autocast ``cat`` promotes the 16-bit pass-through part to the fp32
+    rotary part's dtype. `frac` is the rotary share of each head."""
+    split = {}
+    for name, x in (("q", q), ("k", k)):
+        rot = ops.alias_view(g, x, f"{name}_rot") if frac == 1.0 else ops.slice_view(g, x, x.n * frac, f"{name}_rot")
+        split[name] = (rot, ops.slice_view(g, x, x.n * (1.0 - frac), f"{name}_pass"))
+    out = []
+    for name in ("q", "k"):
+        rot, pas = split[name]
+        c = apply_rotary(g, rot, cos, sin, name)
+        pc = ops.cast(g, pas, c.dt, f"{name}_pass cat promote")
+        out.append(ops.cat2(g, c, pc, f"{name} cat rot, pass"))
+        g.drop(pc, c)
+    for rot, pas in split.values():
+        g.drop(rot, pas)
+    return out[0], out[1]

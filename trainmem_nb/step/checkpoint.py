@@ -6,15 +6,18 @@ from __future__ import annotations
 
 from ..engine import ops
 from ..engine.tape import Graph, T, const
+from ..model.layers import LayerKind
+from ..recipes.base import Recipe, Shared
 
 
 class _Frame:
     """One checkpointed layer call (``torch.utils.checkpoint`` without reentrant autograd)."""
 
-    def __init__(self, x: T, shared: object, params: dict[str, T]) -> None:
+    def __init__(self, x: T, shared: Shared, params: dict[str, T], kind: LayerKind) -> None:
         self.x = x
         self.shared = shared
         self.params = params
+        self.kind = kind
         self.first_node: object = None  # its earliest node with packed tensors
         self.held: list[T] = []
         self.sac: list[tuple[T, ...]] | None = None  # selective checkpointing's cache of op outputs
@@ -28,14 +31,14 @@ class _Frame:
             g.drop(*outs)
         self.sac = None
 
-    def recompute(self, g: Graph, ctx: ops.Ctx, recipe: object) -> None:
+    def recompute(self, g: Graph, ctx: ops.Ctx, recipe: Recipe) -> None:
         """Re-run the layer's forward (with its own autocast region) to refill its nodes."""
         nodes = [n for n in g.nodes if n.checkpoint is self]
         outer = dict(ctx.wcache)
         ctx.wcache.clear()
 
         def rerun() -> None:
-            y = recipe.layer(g, self.x, self.shared, self.params)  # type: ignore[attr-defined]
+            y = recipe.layer(g, self.x, self.shared, self.params, self.kind)
             g.drop(y)
             if ctx.autocast is not None:
                 ops.end_autocast(g, ctx)
@@ -47,19 +50,18 @@ class _Frame:
         ctx.wcache.update(outer)
 
 
-def _checkpointed_layer(g: Graph, ctx: ops.Ctx, recipe: object, x: T, shared: object, params: dict[str, T],
-                        selective: bool = False) -> T:
+def _checkpointed_layer(g: Graph, ctx: ops.Ctx, recipe: Recipe, x: T, shared: Shared, params: dict[str, T],
+                        kind: LayerKind, selective: bool = False) -> T:
     """A layer under non-reentrant checkpointing: ``_NoopSaveInputs`` saves the layer input, the
     layer's ops pack holders instead of saving, and backward recomputes the layer."""
-    frame = _Frame(x, shared, params)
+    frame = _Frame(x, shared, params, kind)
     dummy = g.external(const(0), 4, "checkpoint dummy")
     dummy.rg = True
 
     # _NoopSaveInputs saves the layer input; the frame keeps the layer's keyword tensors (cos/sin,
     # position ids, mask) through the recompute function's closure. Both live as long as the frame,
     # which dies with the hooks of its earliest saving node, late in the layer's backward.
-    kw = [s for s in (*shared.extra, shared.mask, shared.cos, shared.sin) if s is not None]  # type: ignore[attr-defined]
-    frame.held = [g.hold(x), *(g.hold(s) for s in kw)]
+    frame.held = [g.hold(x), *(g.hold(s) for s in shared.layer_inputs(kind))]
     first = len(g.nodes)
     g.saving = False
     g.checkpoint = frame
@@ -67,7 +69,7 @@ def _checkpointed_layer(g: Graph, ctx: ops.Ctx, recipe: object, x: T, shared: ob
         frame.sac = []
         g.sac_store = frame.sac
         g.sac_mm_count = 0
-    y = recipe.layer(g, x, shared, params)  # type: ignore[attr-defined]
+    y = recipe.layer(g, x, shared, params, kind)
     g.sac_store = None
     g.saving = True
     g.checkpoint = None

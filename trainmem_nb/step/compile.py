@@ -21,6 +21,7 @@ from ..recipes.registry import recipe_for
 from ..spec.choices import Checkpointing, Device, Method, OptimizerName, Precision
 from ..spec.training import TrainingSpec
 from .checkpoint import _checkpointed_layer, _Frame
+from .layers import in_layer_of, layer_plan
 from .optimizers import optimizer_program, state_bytes
 
 __all__ = ['compile_step', 'program_key']
@@ -105,25 +106,29 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     all_weights = weight_tensors(m, t)
     weights = [w for w in all_weights if on_stage(w[0], m, hooks.first_stage, hooks.last_stage)]
     held = {id(w[0]) for w in weights}
-    # simulate the first layer, a generic middle one (repeated n_layers - 2 times) and the last: every
-    # tensor passed between layers (outputs, gradients, an engine's lingering buffers) then has a
-    # predecessor and a successor in the repeated layer, in forward and in backward
-    n_layers = m.n_layers
-    n_sim = min(n_layers, 3)
+    # the layers the step runs: the prefix, the first, a generic middle and the last period of the
+    # repeating layer pattern, the suffix (a uniform stack: its first, a middle and its last layer).
+    # Every tensor passed between layers (outputs, gradients, an engine's lingering buffers) then has a
+    # predecessor and a successor in the repeated period, in forward and in backward
+    plan = layer_plan(m)
+    n_sim = len(plan.kinds)
+    units = plan.units
     layer_params: list[dict[str, T]] = [{} for _ in range(n_sim)]
     other: dict[str, T] = {}
-    unit_params: dict[str, list[T]] = {"root": [], **{f"L{i}": [] for i in range(n_sim)}}
+    unit_params: dict[str, list[T]] = {"root": [], **{u: [] for u in units}}
     for p, dt, trainable in all_weights:
         dt = hooks.weight_dtype(t, dt)
         if id(p) not in held:  # on another pipeline stage: the recipe may name it, nothing trains it
             other[p.name] = g.param(const(p.numel), dt, p.name, False)
         elif p.in_layer:
             short = p.name[len("layers."):]
-            for i in range(n_sim):
+            for i, kind in enumerate(plan.kinds):
+                if not in_layer_of(p, kind):
+                    continue
                 layer_params[i][short] = g.param(const(p.numel), dt, f"L{i}.{short}", trainable)
                 if t.method is Method.QLORA and quantized(p):
                     layer_params[i][short].nf4 = 4 if t.precision is Precision.FP32 else 2
-                unit_params[f"L{i}"].append(layer_params[i][short])
+                unit_params[units[i]].append(layer_params[i][short])
         else:
             other[p.name] = g.param(const(p.numel), dt, p.name, trainable)
             unit_params["root"].append(other[p.name])
@@ -159,22 +164,22 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     layer_inputs: list[T] = []
     layer_outputs: list[T] = []
     checkpointed = t.checkpointing is not Checkpointing.NONE
-    for i in range(n_sim):
+    for i, kind in enumerate(plan.kinds):
         g.region = "layers"
         g.mark(f"L{i}_fwd_start")
         node_marks.append(len(g.nodes))
-        hooks.unit_forward_begin(g, f"L{i}")
+        hooks.unit_forward_begin(g, units[i])
         if checkpointed:
-            y = _checkpointed_layer(g, ctx, recipe, x, shared, layer_params[i],
+            y = _checkpointed_layer(g, ctx, recipe, x, shared, layer_params[i], kind,
                                     selective=t.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.SELECTIVE_OP))
         else:
-            y = recipe.layer(g, x, shared, layer_params[i])
+            y = recipe.layer(g, x, shared, layer_params[i], kind)
         y.chain = True
         layer_inputs.append(x)
         layer_outputs.append(y)
         g.drop(x)
         x = y
-        hooks.unit_forward_end(g, f"L{i}")
+        hooks.unit_forward_end(g, units[i])
         g.mark(f"L{i}_fwd_end")
     g.region = "head"
     head_node = len(g.nodes)
@@ -183,8 +188,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
         g.drop(x)
     else:
         h = x  # sent to the next stage; its gradient comes back in backward
-    # the base model returns: its locals (inputs_embeds, position ids, mask, cos/sin) go
-    for sh in (*shared.extra, embeds if kept else None, shared.mask, shared.cos, shared.sin):
+    # the base model returns: its locals (inputs_embeds, position ids, masks, cos/sin) go
+    for sh in (*shared.extra, embeds if kept else None, *shared.all_masks(), shared.cos, shared.sin):
         if sh is not None:
             g.drop(sh)
     if hooks.last_stage:
@@ -206,9 +211,9 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     starts: list[tuple[int, str]] = [(head_node, "head_bwd_end")]
     starts += [(nm, f"L{i}_bwd_end") for i, nm in reversed(list(enumerate(node_marks)))]
 
-    unit_order = {"head_bwd_end": f"L{n_sim - 1}", **{f"L{i}_bwd_end": (f"L{i - 1}" if i else None) for i in range(n_sim)}}
-    ended = {"head_bwd_end": None, **{f"L{i}_bwd_end": f"L{i}" for i in range(n_sim)}}
-    mid = 1 if n_sim == 3 else None  # the repeated layer
+    unit_order = {"head_bwd_end": units[-1], **{f"L{i}_bwd_end": (units[i - 1] if i else None) for i in range(n_sim)}}
+    ended = {"head_bwd_end": None, **{f"L{i}_bwd_end": units[i] for i in range(n_sim)}}
+    lo, hi = plan.block  # the repeated period: simulated layers lo..hi-1 (lo == hi: none)
 
     def on_node(index: int) -> None:
         for first, name in starts:
@@ -217,8 +222,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
                 if unit is not None:
                     hooks.unit_backward_end(g, unit, [p.final_grad for p in unit_params[unit] if p.final_grad])
                 g.mark(name)
-                if mid is not None and name == f"L{mid}_bwd_end" and (below := layer_inputs[mid].grad) is not None:
-                    below.chain = True  # the gradient handed to the layer below
+                if lo < hi and name == f"L{lo}_bwd_end" and (below := layer_inputs[lo].grad) is not None:
+                    below.chain = True  # the gradient handed to the layer below the repeated period
                 nxt = unit_order[name]
                 if nxt is not None:
                     hooks.unit_backward_begin(g, nxt)
@@ -260,11 +265,12 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
 
     # -- segments ---------------------------------------------------------------------------
     mk = g.marks
-    reps = n_layers - 2
-    # a tensor born in the repeated layer but freed elsewhere (e.g. an autocast weight copy freed
-    # when autocast exits) is freed once per repeated layer; what is passed between layers (outputs,
+    reps = plan.reps
+    # a tensor born in the repeated period but freed elsewhere (e.g. an autocast weight copy freed
+    # when autocast exits) is freed once per repetition; what is passed between layers (outputs,
     # input gradients, lingering buffers: `chain`) is the exception, each layer freeing its predecessor's
-    repeated = [(mk["L1_fwd_start"], mk["L1_fwd_end"]), (mk["L2_bwd_end"], mk["L1_bwd_end"])] if mid else []
+    repeated = ([(mk[f"L{lo}_fwd_start"], mk[f"L{hi - 1}_fwd_end"]), (mk[f"L{hi}_bwd_end"], mk[f"L{lo}_bwd_end"])]
+                if lo < hi else [])
 
     def evs(a: int, b: int) -> tuple[tuple[int, int, Sz, str], ...]:
         out = []
@@ -278,18 +284,22 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
 
     segs: list[Segment] = []
     segs.append(_segment("forward", "embeddings", 1, evs(0, mk["L0_fwd_start"])))
-    segs.append(_segment("forward", "layer 0", 1, evs(mk["L0_fwd_start"], mk["L0_fwd_end"])))
-    if mid:
-        segs.append(_segment("forward", "layers", reps, evs(mk["L1_fwd_start"], mk["L1_fwd_end"])))
-    if n_sim > 1:
-        last = n_sim - 1
-        segs.append(_segment("forward", f"layer {n_layers - 1}", 1, evs(mk[f"L{last}_fwd_start"], mk[f"L{last}_fwd_end"])))
+    for i in range(n_sim):
+        if lo <= i < hi:
+            if i == lo:
+                segs.append(_segment("forward", plan.labels[i], reps, evs(mk[f"L{lo}_fwd_start"], mk[f"L{hi - 1}_fwd_end"])))
+            continue
+        segs.append(_segment("forward", plan.labels[i], 1, evs(mk[f"L{i}_fwd_start"], mk[f"L{i}_fwd_end"])))
     segs.append(_segment("forward", "head and loss", 1, evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
     segs.append(_segment("backward", "loss and head", 1, evs(mk["bwd_start"], mk["head_bwd_end"])))
     prev = "head_bwd_end"
     for i in reversed(range(n_sim)):
-        label = "layers" if i == mid else f"layer {0 if i == 0 else n_layers - 1}"
-        segs.append(_segment("backward", label, reps if i == mid else 1, evs(mk[prev], mk[f"L{i}_bwd_end"])))
+        if lo <= i < hi:
+            if i == hi - 1:
+                segs.append(_segment("backward", plan.labels[i], reps, evs(mk[prev], mk[f"L{lo}_bwd_end"])))
+                prev = f"L{lo}_bwd_end"
+            continue
+        segs.append(_segment("backward", plan.labels[i], 1, evs(mk[prev], mk[f"L{i}_bwd_end"])))
         prev = f"L{i}_bwd_end"
     segs.append(_segment("backward", "embeddings", 1, evs(mk["L0_bwd_end"], mk["bwd_end"])))
     segs.extend(opt_events)

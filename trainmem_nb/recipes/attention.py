@@ -1,0 +1,313 @@
+"""Decoder self-attention as Hugging Face's llama-derived modules run it, and the attention kernels.
+
+``LlamaAttention.forward`` and its relatives: the q/k/v projections (separate, or one fused ``qkv_proj``
+sliced into three views), viewed as heads, rotary embeddings, the attention implementation HF
+dispatches to (eager; SDPA, which on CPU runs its math kernel when attention dropout is on; SDPA with an
+explicit mask once a sliding window applies), ``o_proj``. The kernels mirror their aten sources,
+including the copies ``matmul`` makes of operands whose batch dims cannot fold into one and the CUDA
+kernels' backward scratch.
+
+The functions take the recipe (`trainmem_nb.recipes.decoder.DecoderRecipe`: the model, the step's
+options, the op context, dropout rates) and the layer's kind (its mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from ..engine import ops
+from ..engine.ops import BOOL, F32
+from ..engine.tape import Graph, Sz, T, const, per_token_sq
+from ..model.layers import LayerKind
+from ..spec.choices import Attention
+from .base import Shared, tok
+from .masks import sdpa_additive_mask
+from .rotary import apply_rotary_pair, apply_rotary_pair_cat
+
+if TYPE_CHECKING:
+    from .decoder import DecoderRecipe
+
+__all__ = ["eager_attention", "math_attention", "self_attention"]
+
+
+def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, T], kind: LayerKind) -> T:
+    """The attention module's forward: projections viewed as heads, rotary, the kernel, ``o_proj``;
+    its locals (the fused projection's output, the rotated q/k, v) die when it returns."""
+    m = rec.m
+    if m.fused_qkv:
+        # Phi3Attention: ``qkv = self.qkv_proj(h)`` (a local until return), three slices viewed as heads
+        qkv = rec.linear(g, h, p, "self_attn.qkv_proj", m.hidden, m.q_dim + 2 * m.kv_dim)
+        width = m.q_dim + 2 * m.kv_dim
+        parts = [ops.slice_view(g, qkv, qkv.n * (dim / width), f"qkv[..., {name}]")
+                 for name, dim in (("query", m.q_dim), ("key", m.kv_dim), ("value", m.kv_dim))]
+        qs, ks, vs = parts
+        qv = ops.heads_view(g, qs, "q view")
+        kv = ops.heads_view(g, ks, "k view")
+        vv = ops.heads_view(g, vs, "v view", clone_grad=rec.value_grad_contiguous(kind))
+        g.drop(qs, ks, vs)
+        local: list[T] = [qkv]
+    else:
+        q = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
+        qv = ops.heads_view(g, q, "q view")
+        g.drop(q)
+        k = rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
+        kv = ops.heads_view(g, k, "k view")
+        g.drop(k)
+        v = rec.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
+        vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind))
+        g.drop(v)
+        local = []
+    cos, sin = sh.rotary(kind)
+    assert cos is not None and sin is not None
+    if rec.d.rotary == "cat":
+        qr, kr = apply_rotary_pair_cat(g, qv, kv, cos, sin, m.rotary_dims / m.head_dim)
+    else:
+        qr, kr = apply_rotary_pair(g, qv, kv, cos, sin)
+    g.drop(qv, kv)
+    o = attention_kernel(rec, g, qr, kr, vv, sh.attention_mask(kind), kind)
+    out = rec.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
+    g.drop(o)
+    g.drop(*local, qr, kr, vv)  # locals (qkv,) query_states, key_states, value_states die when forward returns
+    return out
+
+
+def attention_kernel(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | None, kind: LayerKind) -> T:
+    """The attention implementation HF dispatches to: eager, SDPA's math fallback, or SDPA."""
+    if rec.t.attention is Attention.EAGER:
+        return eager_attention(rec, g, q, k, v, mask, qk_contiguous=rec.qk_contiguous)
+    if rec.sdpa_falls_back_to_math:
+        return math_attention(rec, g, q, k, v, masked=rec.masked(kind), qk_contiguous=rec.qk_contiguous)
+    if rec.masked(kind):
+        return sdpa_masked(rec, g, q, k, v)
+    out = sdpa(rec, g, q, k, v)
+    if rec.qk_contiguous:
+        # the flash kernels allocate their output like the query (CPU: measured; CUDA: ``out =
+        # at::empty_like(q_padded)``, flash_attn/flash_api.cpp ``mha_fwd``), here (b, heads, s, d)-contiguous,
+        # so ``transpose(1, 2).contiguous()`` copies it
+        o = out
+        out = ops.clone(g, o, "attn_output transpose contiguous")
+        g.drop(o)
+    return out
+
+
+def sdpa(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
+    """HF's sdpa_attention_forward → torch SDPA (is_causal, enable_gqa: no repeated k/v).
+
+    CPU without dropout and CUDA use a flash-style kernel that saves q, k, v, the output and an
+    fp32 logsumexp of (b, heads, s)."""
+    m, ctx = rec.m, rec.ctx
+    cd = ctx.autocast
+    # autocast casts the key before the query (seen in measured traces); value is already 16-bit
+    kc = k if cd is None else ops.cast(g, k, cd, "sdpa k cast")
+    qc = q if cd is None else ops.cast(g, q, cd, "sdpa q cast")
+    vc = v if cd is None else ops.cast(g, v, cd, "sdpa v cast")
+    if cd is None:
+        g.hold(qc), g.hold(kc), g.hold(vc)
+    out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"), g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")),
+                             "attention")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        grads: list[T | None] = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+                                 g.alloc(vc.n, vc.dt, "sdpa grad v")]
+        if ctx.cuda:
+            g.drop(*flash_backward_scratch(g, m, qc.dt))
+        return grads
+
+    # the node releases its saved tensors in the order key, query, value, logsumexp, output
+    g.record("sdpa", [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
+    g.drop(lse, qc, kc, vc)
+    return out
+
+
+def sdpa_masked(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
+    """``sdpa_attention_forward`` with an explicit mask (a sliding window once ``s >= window``): k and
+    v are first repeated for grouped-query attention (``repeat_kv``: the repeated key/value are the
+    function's locals until it returns), then SDPA casts its inputs (autocast: key, query, value),
+    converts the boolean mask (``convert_boolean_attn_mask``: ``where`` of two 0-d scalars into a
+    (b, 1, s, s) tensor in the query's dtype) and runs the CPU flash kernel, which saves the converted
+    mask with q, k, v, its output and logsumexp.
+
+    CUDA (unmeasured here, from the source): flash attention takes no mask, so SDPA runs the
+    memory-efficient kernel (``_scaled_dot_product_efficient_attention``, attention.cpp); the
+    converted mask is only expanded (``preprocess_mask``: a view when s is a multiple of 16, else
+    a padded copy, not modelled) and saved like the CPU kernel's; its logsumexp has s rounded up
+    to 32 rows (not modelled: at most 31 * b * heads floats); its backward allocates scratch
+    (`mem_efficient_backward_scratch`). That kernel allocates (b, s, heads, d) whatever the query
+    (``_efficient_attention_forward``, transformers/cuda/attention.cu): no copy back on CUDA."""
+    m, ctx = rec.m, rec.ctx
+    n_rep = m.n_heads // m.n_kv_heads
+    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
+    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+    cd = ctx.autocast
+    kc = ops.cast(g, kx, cd, "sdpa k cast") if cd else g.hold(kx)
+    qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
+    vc = ops.cast(g, vx, cd, "sdpa v cast") if cd else g.hold(vx)
+    mask = sdpa_additive_mask(g, qc.dt)
+    out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"),
+                                      g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")), "attention")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        grads: list[T | None] = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+                                 g.alloc(vc.n, vc.dt, "sdpa grad v")]
+        if ctx.cuda:
+            g.drop(*mem_efficient_backward_scratch(g, m))
+        return grads
+
+    # the node releases its saved tensors in the order mask, key, query, value, logsumexp, output
+    g.record("sdpa", [qc, kc, vc], [out, lse], [mask, kc, qc, vc, lse, out], bwd)
+    g.drop(lse, mask, qc, kc, vc)
+    if rec.qk_contiguous and not ctx.cuda:
+        # the CPU flash kernel's output follows the query's layout: transpose(1, 2).contiguous()
+        # copies it before the function returns
+        o = out
+        out = ops.clone(g, o, "attn_output transpose contiguous")
+        g.drop(o)
+    g.drop(kx, vx)  # sdpa_attention_forward's locals (the repeated key and value)
+    return out
+
+
+def flash_backward_scratch(g: Graph, m: object, dt: int) -> list[T]:
+    """FlashAttention-2's backward scratch on CUDA, allocated through PyTorch's caching allocator
+    (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, ``mha_bwd``): ``softmax_d``
+    (b, heads, s) fp32, ``dq_accum`` (b, s, heads, head_dim) fp32, and for grouped-query attention
+    ``dk_expanded``/``dv_expanded`` (b, s, heads, head_dim) before they are summed per kv head.
+    FA2 rounds s up to 128 and head_dim to 32; those few rows are left out (at most 127 tokens)."""
+    heads, head_dim, kv = m.n_heads, m.head_dim, m.n_kv_heads  # type: ignore[attr-defined]
+    out = [g.alloc(tok(heads), F32, "flash softmax_d"), g.alloc(tok(heads * head_dim), F32, "flash dq_accum")]
+    if kv != heads:
+        out += [g.alloc(tok(heads * head_dim), dt, "flash dk_expanded"), g.alloc(tok(heads * head_dim), dt, "flash dv_expanded")]
+    return out
+
+
+def mem_efficient_backward_scratch(g: Graph, m: object) -> list[T]:
+    """The memory-efficient attention backward's scratch on CUDA
+    (aten/src/ATen/native/transformers/cuda/attention_backward.cu, ``_efficient_attention_backward``):
+    ``delta`` (b, heads, s) fp32, then the kernel workspace, which for sm80+ kernels (split keys:
+    ``kNeedsAccumGradQ``) holds an fp32 accumulator of the query gradient, (b, heads, s, head_dim)
+    up to block rounding (mem_eff_attention/kernel_backward.h ``workspace_size``); the key/value
+    accumulators (only when head_dim exceeds the kernel's block) are left out."""
+    heads, head_dim = m.n_heads, m.head_dim  # type: ignore[attr-defined]
+    return [g.alloc(tok(heads), F32, "mem-efficient delta"),
+            g.alloc(tok(heads * head_dim), F32, "mem-efficient workspace (grad q accumulator)")]
+
+
+def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool = False,
+                   qk_contiguous: bool = False) -> T:
+    """SDPA's math kernel, which CPU SDPA runs when attention dropout is on:
+    ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp). 16-bit
+    inputs are upcast to fp32 on CPU; q and k^T are scaled by sqrt(scale); then ``matmul``,
+    ``_safe_softmax``, dropout, ``matmul``, the results cast back; then HF copies the output to
+    (b, s, heads, d).
+
+    Without a mask (``is_causal``) the kernel builds an (s, s) additive causal mask and repeats
+    grouped k/v itself (``enable_gqa``). With a mask (`masked`: the sliding window) HF has repeated
+    k/v (``repeat_kv``, locals until ``sdpa_attention_forward`` returns) and SDPA converted the
+    boolean mask before the kernel (`sdpa_additive_mask`).
+
+    ``matmul`` folds (b, heads) into one batch dim with ``reshape``; operands whose batch dims cannot
+    fold (b > 1) are copied: the query and key when they keep the projections' (b, s, heads, d)
+    layout (not `qk_contiguous`), the key and value when not repeated (one kv head per head); and the
+    gradient reaching the result's (b, s, heads, d) view is then copied by its reshape too."""
+    m, ctx = rec.m, rec.ctx
+    n_rep = m.n_heads // m.n_kv_heads
+    if masked:
+        k, v = ops.repeat_kv(g, k, n_rep, "repeat_kv key"), ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+    else:
+        g.hold(k), g.hold(v)
+    cd = ctx.autocast
+    kc = ops.cast(g, k, cd, "sdpa k cast") if cd else g.hold(k)
+    qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
+    vc = ops.cast(g, v, cd, "sdpa v cast") if cd else g.hold(v)
+    mask = sdpa_additive_mask(g, qc.dt) if masked else None
+    reduced = qc.dt != F32
+    q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
+    qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
+    if masked:
+        kx, vx = g.hold(k32), g.hold(v32)
+    else:
+        ones = g.alloc(Sz(ss=1), BOOL, "causal ones")
+        tril = g.alloc(Sz(ss=1), BOOL, "causal tril")
+        g.drop(ones)
+        zero, neg = g.alloc(const(1), F32, "0"), g.alloc(const(1), F32, "-inf")
+        mask = g.alloc(Sz(ss=1), F32, "causal mask")
+        g.drop(zero, neg, tril)
+        kx = ops.repeat_kv(g, k32, n_rep, "key expanded")
+        vx = ops.repeat_kv(g, v32, n_rep, "value expanded")
+    kt = ops.scalar_op(g, kx, "k^T * sqrt(scale)")
+    fold = ctx.batch1
+    copy_qk = not qk_contiguous and not fold
+    copy_kv = n_rep == 1 and not fold
+    q2 = ops.clone(g, qs, "query contiguous") if copy_qk else g.hold(qs)
+    k2 = ops.clone(g, kt, "key^T contiguous") if copy_qk and copy_kv else g.hold(kt)
+    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
+    g.drop(q2, k2, kt)
+    assert mask is not None  # the window's mask (masked) or the causal one built above
+    sm = ops.add(g, scores, mask, "+ mask")
+    g.drop(scores)
+    probs = ops.softmax(g, sm, None, "_safe_softmax")
+    g.drop(sm)
+    pd = ops.dropout(g, ctx, probs, rec.dropout_attn, "attn dropout")
+    g.drop(probs)
+    # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
+    attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
+    v2 = ops.clone(g, vx, "value contiguous") if copy_kv else g.hold(vx)
+    o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v")
+    g.drop(v2)
+    o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
+    g.drop(o3)
+    if reduced:
+        o16 = ops.cast(g, o, qc.dt, "output to input dtype")
+        g.drop(o)
+        o = o16
+    g.drop(kx, qs, mask, k32, v32, q32, pd, vx, attn16, qc, kc, vc)
+    out = ops.clone(g, o, "attn_output transpose contiguous")
+    g.drop(o, k, v)
+    return out
+
+
+def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | None,
+                    qk_contiguous: bool = False) -> T:
+    """HF ``eager_attention_forward``: repeat k/v for GQA, ``q @ k^T * scaling + mask``, fp32 softmax
+    cast back to q's dtype, dropout, ``@ v``, transpose back to contiguous; the attention weights stay
+    bound in the decoder layer until it returns (`DecoderRecipe.attn_weights`).
+
+    ``matmul`` copies operands whose (b, heads) cannot fold into one batch dim (b > 1): the query and
+    key in the projections' layout (not `qk_contiguous`), the key and value when not repeated; with
+    b == 1 nothing is copied and neither is the output's gradient."""
+    m, ctx = rec.m, rec.ctx
+    n_rep = m.n_heads // m.n_kv_heads
+    fold = ctx.batch1
+    copy_qk = not qk_contiguous and not fold
+    copy_kv = n_rep == 1 and not fold
+    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
+    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+    # matmul(query, key^T): autocast casts key then query
+    kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
+    qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
+    q2 = ops.clone(g, qc, "query contiguous") if copy_qk else g.hold(qc)
+    k2 = ops.clone(g, kc, "key^T contiguous") if copy_qk and copy_kv else g.hold(kc)
+    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
+    g.drop(q2, k2, qc, kc)  # matmul's operands and their copies die when matmul returns
+    w = ops.scalar_op(g, scores, "* scaling")
+    g.drop(scores)
+    if mask is not None:
+        w2 = ops.add(g, w, mask, "+ mask")
+        g.drop(w)
+        w = w2
+    probs = ops.softmax(g, w, F32, "softmax")
+    pq = ops.cast(g, probs, q.dt, "probs to q dtype")
+    g.drop(probs, w)  # `attn_weights = softmax(...).to(dtype)` rebinds the name after the cast
+    pd = ops.dropout(g, ctx, pq, rec.dropout_attn, "attn dropout")
+    g.drop(pq)
+    pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
+    vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
+    v2 = ops.clone(g, vc, "value contiguous") if copy_kv else g.hold(vc)
+    o3 = ops.bmm(g, ctx, pc, v2, q.n, "probs @ v")
+    g.drop(v2, pc, vc)
+    o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
+    g.drop(o3)
+    out = ops.clone(g, o, "attn_output transpose contiguous")
+    g.drop(o, kx, vx)  # locals of eager_attention_forward
+    rec.attn_weights.append(pd)
+    return out

@@ -1,0 +1,161 @@
+"""The decoders Hugging Face builds from llama, mistral, gemma and mixtral, composed from parts.
+
+A family's `Description` (`trainmem_nb.model.families`) names its parts: the RMSNorm variant
+(`trainmem_nb.recipes.norms`), embedding scaling, the mask it builds, how rotary is applied
+(`trainmem_nb.recipes.rotary`), fused or separate projections, the MLP (`trainmem_nb.recipes.mlp`, or
+the mixture of experts of `trainmem_nb.recipes.moe`) and residual dropout. `DecoderRecipe` runs
+``*ForCausalLM.forward`` with them: pre-norm layers with rotary positions, grouped-query attention
+(`trainmem_nb.recipes.attention`) and a gated MLP, including the lifetimes of the Python locals of
+modeling_llama.py (transformers 5.x) and its relatives.
+"""
+
+from __future__ import annotations
+
+from ..engine import ops
+from ..engine.ops import I64, Ctx
+from ..engine.tape import Graph, T, const, per_seq
+from ..model.families import describe
+from ..model.layers import LayerKind
+from ..model.spec import ModelSpec
+from ..spec.choices import Attention
+from ..spec.training import TrainingSpec
+from .attention import self_attention
+from .base import DEFAULT_KIND, Recipe, Shared, tok
+from .head import causal_lm_loss
+from .masks import causal_mask, sliding_window_mask
+from .mlp import gated_mlp
+from .moe import moe_mlp
+from .norms import RMS_NORMS
+from .rotary import rotary_cos_sin
+
+__all__ = ["DecoderRecipe"]
+
+
+class DecoderRecipe(Recipe):
+    """A llama-derived decoder as its description composes it."""
+
+    def __init__(self, m: ModelSpec, t: TrainingSpec, ctx: Ctx) -> None:
+        super().__init__(m, t, ctx)
+        self.d = describe(m.family)
+        self._norm = RMS_NORMS[self.d.norm]
+        self.attn_weights: list[T] = []  # eager attention's probabilities, bound until the layer returns
+
+    # -- the kernels' switches ------------------------------------------------------------------
+    @property
+    def qk_contiguous(self) -> bool:
+        """Are the rotary outputs contiguous (b, heads, s, d) tensors (``cat``), not views in the
+        projections' (b, s, heads, d) layout (element-wise rotary)? Decides matmul and output copies."""
+        return self.d.rotary == "cat"
+
+    @property
+    def sdpa_falls_back_to_math(self) -> bool:
+        """On CPU, SDPA with attention dropout runs the math kernel (the CPU flash kernel has no
+        dropout); CUDA's flash and memory-efficient kernels apply dropout inside the kernel."""
+        return self.t.attention is Attention.SDPA and not self.ctx.cuda and self.dropout_attn > 0
+
+    def masked(self, kind: LayerKind) -> bool:
+        """Does SDPA get an explicit mask in a layer of `kind`? Once a sliding window applies:
+        ``_ignore_causal_mask_sdpa`` returns False once ``kv_length >= local_attention_size``.
+
+        The compiled program is symbolic in the sequence length, so this switch is part of its cache
+        key (`trainmem_nb.step.compile.program_key` passes ``seq_len = sliding_window`` or 1)."""
+        w = self.m.sliding_window
+        return kind.attention == "sliding" and self.t.attention is Attention.SDPA and self.t.seq_len >= w
+
+    def value_grad_contiguous(self, kind: LayerKind) -> bool:
+        """Does the value's gradient reach its (b, s, kv, d) -> (b, kv, s, d) view contiguous in the
+        latter layout, so that the view's backward copies it? From eager attention's matmuls and SDPA's
+        math kernel, and from ``repeat_kv``'s backward (a sum) when a mask keeps SDPA from
+        grouped-query attention; not from SDPA's flash kernel (the projection's layout)."""
+        return (self.t.attention is Attention.EAGER or self.sdpa_falls_back_to_math
+                or (self.masked(kind) and self.m.n_heads > self.m.n_kv_heads))
+
+    # -- the model ------------------------------------------------------------------------------
+    def norm(self, g: Graph, x: T, w: T, label: str) -> T:
+        """The family's RMSNorm."""
+        return self._norm(g, x, w, label)
+
+    def act(self, g: Graph, x: T) -> T:
+        """The MLP's activation (``ACT2FN[hidden_act]``), which saves its input."""
+        return ops.unary_saving_input(g, x, self.m.activation)
+
+    def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
+        """``*Model.forward`` up to the layers: the token embeddings, the position ids, the attention
+        mask and rotary cos/sin, in that order."""
+        x = self.embed_tokens(g, ids, p)
+        sh = Shared()
+        # position ids: cache_position = arange(s) (+ past length) -> unsqueeze
+        ar = g.alloc(per_seq(1), I64, "arange")
+        pos = g.alloc(per_seq(1), I64, "cache_position")
+        g.drop(ar)
+        sh.extra.append(pos)
+        sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
+        sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt)
+        return x, sh
+
+    def embed_tokens(self, g: Graph, ids: T, p: dict[str, T]) -> T:
+        """``embed_tokens(input_ids)``: (tokens, hidden) in the weight's dtype; Gemma's
+        ``GemmaTextScaledWordEmbedding`` then multiplies by ``embed_scale.to(weight.dtype)`` (a 0-d
+        buffer already in the model's dtype: no copy), whose multiply saves only the scalar."""
+        w = p["embed_tokens.weight"]
+        e = ops.embedding(g, ids, w, tok(self.m.hidden), "embed_tokens")
+        if not self.d.embed_scale:
+            return e
+        scale = g.external(const(1), w.dt, "embed_scale")
+        x = ops.mul(g, e, scale, "embed_tokens * embed_scale")
+        g.drop(e)
+        return x
+
+    def attention_mask(self, g: Graph, dt: int, kind: LayerKind) -> T | None:
+        """The mask layers of `kind` get: with a sliding window, ``create_sliding_window_causal_mask``
+        (masking_utils.py): eager attention always gets a (b, 1, s, s) additive mask; SDPA gets the
+        boolean window pattern once ``s >= sliding_window`` (`masked`), no mask before
+        (``is_causal`` is enough). Without a window, a causal mask for eager attention only."""
+        eager = self.t.attention is Attention.EAGER
+        if kind.attention == "sliding":
+            if eager:
+                return sliding_window_mask(g, dt)
+            return sliding_window_mask(g, None) if self.masked(kind) else None
+        return causal_mask(g, dt) if eager else None
+
+    def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T], kind: LayerKind = DEFAULT_KIND) -> T:
+        """``*DecoderLayer.forward``: pre-norm attention and MLP, each added to the residual stream (with
+        residual dropout first when the family has it: ``residual + self.resid_attn_dropout(h)``, whose
+        dropout output is a temporary of the sum); the attention weights are bound until it returns."""
+        rd = self.d.residual_dropout
+        self.attn_weights = []
+        residual = g.hold(x)
+        h = self.norm(g, x, p["input_layernorm.weight"], "input_layernorm")
+        a = self_attention(self, g, h, sh, p, kind)
+        g.drop(h)
+        if rd:
+            ad = ops.dropout(g, self.ctx, a, self.dropout_hidden, "resid_attn_dropout")
+            h1 = ops.add(g, residual, ad, "residual add (attn)")
+            g.drop(ad, a, residual)
+        else:
+            h1 = ops.add(g, residual, a, "residual add (attn)")
+            g.drop(a, residual)
+        residual = g.hold(h1)
+        h2 = self.norm(g, h1, p["post_attention_layernorm.weight"], "post_attention_layernorm")
+        g.drop(h1)
+        mo = moe_mlp(self, g, h2, p) if kind.moe else gated_mlp(self, g, h2, p)
+        g.drop(h2)
+        if rd:
+            md = ops.dropout_last(g, self.ctx, mo, self.dropout_hidden, "resid_mlp_dropout")
+            out = ops.add(g, residual, md, "residual add (mlp)")
+            g.drop(md, mo, residual, *self.attn_weights)
+        else:
+            out = ops.add(g, residual, mo, "residual add (mlp)")
+            g.drop(mo, residual, *self.attn_weights)
+        return out
+
+    def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
+        """The base model's last op (its output is held by the returned model output)."""
+        return self.norm(g, x, p["norm.weight"], "norm")
+
+    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
+        """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits)."""
+        m, ctx = self.m, self.ctx
+        w = p.get("lm_head.weight") or p["embed_tokens.weight"]
+        logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
+        return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits

@@ -1,0 +1,155 @@
+"""Mixtral as Hugging Face implements it (modeling_mixtral.py and integrations/moe.py, transformers 5.x).
+
+Mistral's attention with a top-k routed mixture-of-experts MLP (``MixtralSparseMoeBlock``): a router
+(``MixtralTopKRouter``: linear → fp32 softmax → top-k → renormalized in place) and the experts, stored
+as 3-D parameters ``gate_up_proj`` (E, 2f, h) and ``down_proj`` (E, h, f).
+
+transformers picks the experts' forward by ``config._experts_implementation``; unless asked otherwise
+it is ``grouped_mm`` (``PreTrainedModel.get_correct_experts_implementation``), and training on CPU
+(torch >= 2.10) or CUDA (compute capability >= 8.0) runs ``grouped_mm_experts_forward``: the
+(token, expert) pairs are sorted by expert and each projection is one ``torch.nn.functional.grouped_mm``
+over all ``tokens * top_k`` rows. Routing is data-dependent but no shape is: every token goes to
+``top_k`` experts, so every tensor of the step has a size fixed by (b, s). Only how the rows split
+between experts (the offsets) depends on the data, and that changes the kernels' work, not memory.
+Real CPU steps with random routing (three seeds; E 4/8, top_k 1-3, several (b, s), fp32, bf16-mixed
+and bf16-true, with and without checkpointing) give the same bytes as this recipe. (The per-expert
+loop of ``experts_implementation="eager"``, whose slices do have data-dependent sizes, is not what a
+default model runs.) The router's auxiliary loss exists only with ``output_router_logits`` (off by
+default); router jitter noise is 0 by default.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..engine import ops
+from ..engine.ops import F32, I64
+from ..engine.tape import Graph, T, const
+from .base import tok
+
+if TYPE_CHECKING:
+    from .decoder import DecoderRecipe
+
+__all__ = ["experts", "moe_mlp", "router"]
+
+I32 = 4
+
+
+def moe_mlp(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """MixtralSparseMoeBlock.forward: ``hidden_states.view(-1, h)`` (a view), the router, the
+    experts, ``reshape`` back (a view). ``_`` (the router logits) and ``top_k_weights`` are its
+    locals until it returns; ``top_k_index`` is saved by ``topk``."""
+    logits, weights, index = router(rec, g, x, p)
+    out = experts(rec, g, x, index, weights, p)
+    g.drop(logits, weights, index)
+    return out
+
+
+
+def router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tuple[T, T, T]:
+    """MixtralTopKRouter.forward: ``hidden_states.reshape(-1, h)`` (already 2-D: a view node of
+    its own, whose backward runs after the weight cast's), ``router_logits = F.linear(h, weight)``
+    (autocast: 16-bit), ``softmax(router_logits.float())`` (the fp32 copy is a temporary),
+    ``topk``, then ``router_top_value /= router_top_value.sum(-1, keepdim=True)`` in place
+    (autograd keeps a clone of the unnormalized values). Returns (logits, renormalized weights,
+    indices).
+
+    With LoRA on the router (peft's ``ParamWrapper`` of ``gate.weight``) the wrapper first computes
+    the delta weight and the linear uses ``W + delta`` (`ops.lora_param_delta`); when the router
+    returns, the parametrization cache (the merged weight) and then the delta go."""
+    m = rec.m
+    k, E = m.experts_top_k, m.n_experts
+    w = p["mlp.gate.weight"]
+    a_w = p.get("mlp.gate.lora_A.weight")
+    delta = None
+    if a_w is not None:
+        delta = ops.lora_param_delta(g, rec.ctx, w, a_w, p["mlp.gate.lora_B.weight"], rec.t.lora_rank, "mlp.gate")
+        w = ops.lora_param_merge(g, w, delta, "mlp.gate")
+    flat = ops.alias_view(g, x, "reshape(-1, h)")  # a view node of its own
+    logits = ops.linear(g, rec.ctx, flat, w, m.hidden, E, None, "mlp.gate", w_leaf=delta is None)
+    g.drop(flat)
+    lf = ops.cast(g, logits, F32, "router_logits.float()")
+    probs = ops.softmax(g, lf, None, "router softmax")
+    g.drop(lf)
+    vals, index = ops.topk(g, probs, tok(k), "router topk")
+    total = ops.sum_keepdim(g, vals, tok(1), "router_top_value.sum")
+    weights = ops.div_(g, vals, total, "router_top_value /= sum")
+    g.drop(total, vals)  # the sum is a temporary; `/=` rebinds the name to the same tensor
+    g.drop(probs)  # router_probs (saved by softmax) goes when the router returns
+    if delta is not None:
+        g.drop(w, delta)
+    return logits, weights, index
+
+
+
+def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[str, T]) -> T:
+    """``grouped_mm_experts_forward`` (integrations/moe.py) over S = tokens * top_k rows:
+    ``sort`` of the expert ids (values and permutation), ``hidden_states[perm // top_k]``,
+    ``sample_weights[perm]``, ``histc`` of the sorted ids (fp32 copy on CPU, int32 on CUDA: 4 bytes
+    either way) and int32 ``cumsum`` offsets; ``grouped_mm`` with ``gate_up_proj`` (its transposed
+    view), ``act(gate) * up`` on the chunked result, ``grouped_mm`` with ``down_proj``, times the
+    routing weights (fp32: the product is promoted), un-permuted with ``weighted_out[inv_perm]``,
+    ``view(tokens, top_k, h).sum(1)`` and cast back to the input's dtype.
+
+    LoRA on the experts (peft 0.21 ``ParamWrapper``, nested: ``down_proj``'s wrapper outside
+    ``gate_up_proj``'s): each wrapper casts its factors (`ops.lora_expert_factors`) and runs the
+    parametrization check on entry; each parameter access in the forward then computes the merged
+    weight ``baddbmm(W, lhs, rhs, alpha=scaling)`` (a tensor the size of the expert stack, which
+    ``grouped_mm`` saves, and whose gradient its backward computes)."""
+    m, t = rec.m, rec.t
+    k, h, f, E = m.experts_top_k, m.hidden, m.ffn, m.n_experts
+    scaling = t.lora_alpha / t.lora_rank
+    wrapped = [name for name in ("down_proj", "gate_up_proj") if f"mlp.experts.{name}.lora_A.weight" in p]
+    factors: dict[str, tuple[T, T]] = {}
+    for name in wrapped:  # outermost wrapper first
+        w = p[f"mlp.experts.{name}"]
+        factors[name] = ops.lora_expert_factors(g, w, p[f"mlp.experts.{name}.lora_A.weight"],
+                                                p[f"mlp.experts.{name}.lora_B.weight"], f"experts.{name}")
+        ops.baddbmm_check(g, w, f"experts.{name}")
+    merged: list[T] = []
+
+    def weight(name: str) -> T:
+        w = p[f"mlp.experts.{name}"]
+        if name not in factors:
+            return w
+        lhs, rhs = factors[name]
+        wm = ops.baddbmm(g, w, lhs, rhs, scaling, f"experts.{name} W + scaling * lhs @ rhs")
+        merged.append(wm)
+        return wm
+
+    ids_sorted = g.alloc(tok(k), I64, "sort values (expert_ids_g)")
+    perm = g.alloc(tok(k), I64, "sort indices (perm)")
+    rows = g.alloc(tok(k), I64, "perm // top_k")
+    sel = ops.index_rows(g, x, rows, tok(k * h), "hidden_states[perm // top_k]")
+    g.drop(rows)
+    sw = ops.index_rows(g, weights, perm, tok(k), "sample_weights[perm]")
+    hist_in = g.alloc(tok(k), 4, "histc input")
+    tpe = g.alloc(const(E), F32, "tokens_per_expert (histc)")
+    offs = g.alloc(const(E), I32, "offsets (cumsum)")
+    gu = ops.grouped_mm(g, sel, weight("gate_up_proj"), offs, tok(k * 2 * f), "grouped_mm gate_up_proj")
+    gate, up = ops.split(g, gu, (0.5, 0.5), "chunk gate, up")
+    g.drop(gu)
+    a = rec.act(g, gate)
+    gated = ops.mul(g, a, up, "act(gate) * up")
+    g.drop(a, gate, up)
+    down = ops.grouped_mm(g, gated, weight("down_proj"), offs, tok(k * h), "grouped_mm down_proj")
+    g.drop(gated)
+    weighted = ops.mul_both_grads(g, down, sw, "proj_out * sample_weights_g")
+    inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
+    ar = g.alloc(tok(k), I64, "arange")
+    g.drop(ar)
+    unperm = ops.index_rows(g, weighted, inv, tok(k * h), "weighted_out[inv_perm]")
+    g.drop(weighted)
+    v3 = ops.heads_view(g, unperm, "view(tokens, top_k, h)", clone_grad=True)
+    summed = ops.sum_keepdim(g, v3, tok(h), "sum over top_k")
+    g.drop(v3)
+    out = ops.cast(g, summed, x.dt, "to(hidden_states.dtype)")
+    # the function's locals go on return, in order (the unsaved ones are freed)
+    g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, down, unperm, inv, summed)
+    # the wrappers return, innermost first: each removes its parametrization (its factors go);
+    # the outermost ``cached()`` exit drops the merged weights before the outer factors
+    for name in reversed(wrapped):
+        if name == wrapped[0]:
+            g.drop(*merged)
+        g.drop(*factors[name])
+    return out
