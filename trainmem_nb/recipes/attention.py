@@ -43,8 +43,8 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
                  for name, dim in (("query", m.q_dim), ("key", m.kv_dim), ("value", m.kv_dim))]
         qs, ks, vs = parts
         qv = ops.heads_view(g, qs, "q view")
-        kv = ops.heads_view(g, ks, "k view")
-        vv = ops.heads_view(g, vs, "v view", clone_grad=rec.value_grad_contiguous(kind))
+        kv = ops.heads_view(g, ks, "k view", clone_grad=m.n_kv_heads > 1)
+        vv = ops.heads_view(g, vs, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
         g.drop(qs, ks, vs)
         local: list[T] = [qkv]
     else:
@@ -52,10 +52,10 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
         qv = ops.heads_view(g, q, "q view")
         g.drop(q)
         k = rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
-        kv = ops.heads_view(g, k, "k view")
+        kv = ops.heads_view(g, k, "k view", clone_grad=m.n_kv_heads > 1)
         g.drop(k)
         v = rec.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
-        vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind))
+        vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
         g.drop(v)
         local = []
     cos, sin = sh.rotary(kind)
@@ -137,8 +137,8 @@ def sdpa_masked(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
     (``_efficient_attention_forward``, transformers/cuda/attention.cu): no copy back on CUDA."""
     m, ctx = rec.m, rec.ctx
     n_rep = m.n_heads // m.n_kv_heads
-    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
-    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key", m.n_kv_heads)
+    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads)
     cd = ctx.autocast
     kc = ops.cast(g, kx, cd, "sdpa k cast") if cd else g.hold(kx)
     qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
@@ -212,7 +212,8 @@ def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool 
     m, ctx = rec.m, rec.ctx
     n_rep = m.n_heads // m.n_kv_heads
     if masked:
-        k, v = ops.repeat_kv(g, k, n_rep, "repeat_kv key"), ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+        k, v = (ops.repeat_kv(g, k, n_rep, "repeat_kv key", m.n_kv_heads),
+                ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads))
     else:
         g.hold(k), g.hold(v)
     cd = ctx.autocast
@@ -240,7 +241,7 @@ def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool 
     copy_kv = n_rep == 1 and not fold
     q2 = ops.clone(g, qs, "query contiguous") if copy_qk else g.hold(qs)
     k2 = ops.clone(g, kt, "key^T contiguous") if copy_qk and copy_kv else g.hold(kt)
-    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
+    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T", grad_b_first=True)
     g.drop(q2, k2, kt)
     assert mask is not None  # the window's mask (masked) or the causal one built above
     sm = ops.add(g, scores, mask, "+ mask")
@@ -252,7 +253,7 @@ def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool 
     # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
     attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
     v2 = ops.clone(g, vx, "value contiguous") if copy_kv else g.hold(vx)
-    o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v")
+    o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v", grad_b_first=True)
     g.drop(v2)
     o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
     g.drop(o3)
@@ -280,14 +281,17 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     fold = ctx.batch1
     copy_qk = not qk_contiguous and not fold
     copy_kv = n_rep == 1 and not fold
-    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key")
-    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value")
+    # one kv head: repeat_kv's result is an expanded view, which matmul must copy to fold (b, heads)
+    # unless autocast's cast already made a contiguous copy
+    copy_expanded = n_rep > 1 and m.n_kv_heads == 1 and not fold and not ctx.autocast
+    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key", m.n_kv_heads)
+    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads)
     # matmul(query, key^T): autocast casts key then query
     kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
     qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
     q2 = ops.clone(g, qc, "query contiguous") if copy_qk else g.hold(qc)
-    k2 = ops.clone(g, kc, "key^T contiguous") if copy_qk and copy_kv else g.hold(kc)
-    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T")
+    k2 = ops.clone(g, kc, "key^T contiguous") if (copy_qk and copy_kv) or copy_expanded else g.hold(kc)
+    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T", grad_b_first=True)
     g.drop(q2, k2, qc, kc)  # matmul's operands and their copies die when matmul returns
     w = ops.scalar_op(g, scores, "* scaling")
     g.drop(scores)
@@ -302,8 +306,8 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     g.drop(pq)
     pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
     vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
-    v2 = ops.clone(g, vc, "value contiguous") if copy_kv else g.hold(vc)
-    o3 = ops.bmm(g, ctx, pc, v2, q.n, "probs @ v")
+    v2 = ops.clone(g, vc, "value contiguous") if copy_kv or copy_expanded else g.hold(vc)
+    o3 = ops.bmm(g, ctx, pc, v2, q.n, "probs @ v", grad_b_first=True)
     g.drop(v2, pc, vc)
     o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
     g.drop(o3)

@@ -73,12 +73,13 @@ def clone(g: Graph, x: T, label: str = "clone", n: Sz | None = None) -> T:
     return out
 
 
-def repeat_kv(g: Graph, x: T, n_rep: int, label: str) -> T:
-    """HF ``repeat_kv``: ``expand`` then ``reshape`` (a copy n_rep times larger); its backward sums
-    the repeats back (one kv-sized gradient)."""
+def repeat_kv(g: Graph, x: T, n_rep: int, label: str, kv_heads: int = 0) -> T:
+    """HF ``repeat_kv``: ``hidden_states[:, :, None].expand(...)`` then ``reshape`` (a copy n_rep times
+    larger; a view when there is one kv head, `kv_heads` == 1: ``reshape`` then merges a size-1 dim
+    with the expanded one); its backward sums the repeats back (one kv-sized gradient)."""
     if n_rep == 1:
         return g.hold(x)
-    out = g.alloc(x.n * n_rep, x.dt, label)
+    out = g.view(x, label, n=x.n * n_rep) if kv_heads == 1 else g.alloc(x.n * n_rep, x.dt, label)
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         return [g.alloc(x.n, x.dt, f"{label} backward sum")]
