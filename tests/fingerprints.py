@@ -2,8 +2,9 @@
 
 A fingerprint is a hash of a compiled program's event stream, expanded over its repetitions (each
 allocation and free: phase, detail category, sign and size form) and of what is alive before it,
-plus a second hash of the numbers an estimate reports (peaks, breakdowns, per-rank rows, host bytes,
-timeline maximum). Segment boundaries and labels are left out, so code may be restructured freely as
+a hash of the live bytes after each allocation at one odd batch shape (what a measurement sees: blind
+to the order of frees between two allocations), and a hash of the numbers an estimate reports (peaks,
+breakdowns, per-rank rows, host bytes, timeline maximum). Segment boundaries and labels are left out, so code may be restructured freely as
 long as the step it describes is the same.
 
 ``tests/data/program_fingerprints.json`` holds the grid (every family, over precisions, optimizers,
@@ -184,6 +185,29 @@ def program_fingerprint(prog: Any) -> str:
 _NOT_NUMBERS = ("peak_at", "model_spec", "training", "parallel", "calibration")
 
 
+#: An odd batch shape at which `live_fingerprint` evaluates a program (no coincidences of b*s with dims).
+LIVE_SHAPE = (3, 37)
+
+
+def live_fingerprint(prog: Any) -> str:
+    """Hash of the live bytes right after each allocation of the expanded event stream at `LIVE_SHAPE`:
+    what a measurement sees. Unlike `program_fingerprint` it is blind to the order of frees between two
+    allocations, so a refactor that only reorders frees keeps it."""
+    from trainmem_nb.engine.program import _round
+
+    b, s = LIVE_SHAPE
+    live = sum(_round(sz.at(b, s)) * count for _cat, sz, count in prog.init)
+    out = []
+    for seg in prog.segments:
+        sizes = [(sign, _round(sz.at(b, s))) for _cat, sign, sz, _label in seg.events]
+        for _ in range(seg.repeat):
+            for sign, n in sizes:
+                live += sign * n
+                if sign > 0:
+                    out.append(live)
+    return hashlib.sha256(json.dumps(out).encode()).hexdigest()[:24]
+
+
 def _strip(x: Any) -> Any:
     """The numbers of an estimate's JSON contract, without labels and the echo of its inputs."""
     if isinstance(x, dict):
@@ -211,7 +235,8 @@ def fingerprint(case: dict[str, Any]) -> dict[str, str]:
         est = tm.estimate(m, **case["options"])
     except SpecError as exc:
         return {"refused": str(exc)}
-    return {"program": program_fingerprint(est.program), "numbers": numbers_fingerprint(est)}
+    return {"program": program_fingerprint(est.program), "live": live_fingerprint(est.program),
+            "numbers": numbers_fingerprint(est)}
 
 
 def record() -> dict[str, Any]:
@@ -230,7 +255,7 @@ def main(argv: list[str]) -> int:
         changed = 0
         for cid, case in stored.items():
             now = fingerprint(case)
-            for key in ("program", "numbers", "refused"):
+            for key in ("program", "live", "numbers", "refused"):
                 if now.get(key) != case.get(key):
                     changed += 1
                     print(f"{cid}: {key} {case.get(key)} -> {now.get(key)}")

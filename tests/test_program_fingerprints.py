@@ -28,7 +28,7 @@ def test_compiled_steps_match_their_recorded_fingerprints(family: str) -> None:
         if case["model"]["family"] != family:
             continue
         now = fingerprint(case)
-        recorded = {k: case[k] for k in ("program", "numbers", "refused") if k in case}
+        recorded = {k: case[k] for k in ("program", "live", "numbers", "refused") if k in case}
         if now != recorded:
             moved.append(f"{cid}: {recorded} -> {now}")
     assert not moved, f"{len(moved)} cases changed:\n" + "\n".join(moved[:20])
