@@ -13,12 +13,11 @@ options, the op context, dropout rates) and the layer's kind (its mask).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ..engine import ops
-from ..engine.ops import BOOL, F32
-from ..engine.tape import Graph, Sz, T, const, per_token_sq
+from ..engine.ops import F32
+from ..engine.tape import Graph, T, per_token_sq
 from ..model.layers import LayerKind
 from ..spec.choices import Attention
 from .base import Shared, tok
@@ -95,38 +94,18 @@ def sdpa(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
     """HF's sdpa_attention_forward → torch SDPA (is_causal, enable_gqa: no repeated k/v).
 
     CPU without dropout and CUDA use a flash-style kernel that saves q, k, v, the output and an
-    fp32 logsumexp of (b, heads, s)."""
-    m, ctx = rec.m, rec.ctx
-    cd = ctx.autocast
-    # autocast casts the key before the query (seen in measured traces); value is already 16-bit
-    kc = k if cd is None else ops.cast(g, k, cd, "sdpa k cast")
-    qc = q if cd is None else ops.cast(g, q, cd, "sdpa q cast")
-    vc = v if cd is None else ops.cast(g, v, cd, "sdpa v cast")
-    if cd is None:
-        g.hold(qc), g.hold(kc), g.hold(vc)
-    out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"), g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")),
-                             "attention")
-
-    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        grads: list[T | None] = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
-                                 g.alloc(vc.n, vc.dt, "sdpa grad v")]
-        if ctx.cuda:
-            g.drop(*flash_backward_scratch(g, m, qc.dt))
-        return grads
-
-    # the node releases its saved tensors in the order key, query, value, logsumexp, output
-    g.record("sdpa", [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
-    g.drop(lse, qc, kc, vc)
-    return out
+    fp32 logsumexp of (b, heads, s); autocast casts the key before the query (seen in measured traces)."""
+    m = rec.m
+    return ops.sdpa_flash(g, rec.ctx, q, k, v, tok(m.n_heads), "sdpa",
+                          scratch=(lambda g, dt: flash_backward_scratch(g, m, dt)) if rec.ctx.cuda else None)
 
 
 def sdpa_masked(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
     """``sdpa_attention_forward`` with an explicit mask (a sliding window once ``s >= window``): k and
     v are first repeated for grouped-query attention (``repeat_kv``: the repeated key/value are the
     function's locals until it returns), then SDPA casts its inputs (autocast: key, query, value),
-    converts the boolean mask (``convert_boolean_attn_mask``: ``where`` of two 0-d scalars into a
-    (b, 1, s, s) tensor in the query's dtype) and runs the CPU flash kernel, which saves the converted
-    mask with q, k, v, its output and logsumexp.
+    converts the boolean mask (`sdpa_additive_mask`) and runs the CPU flash kernel, which saves the
+    converted mask with q, k, v, its output and logsumexp.
 
     CUDA (unmeasured here, from the source): flash attention takes no mask, so SDPA runs the
     memory-efficient kernel (``_scaled_dot_product_efficient_attention``, attention.cpp); the
@@ -139,24 +118,8 @@ def sdpa_masked(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
     n_rep = m.n_heads // m.n_kv_heads
     kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key", m.n_kv_heads)
     vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads)
-    cd = ctx.autocast
-    kc = ops.cast(g, kx, cd, "sdpa k cast") if cd else g.hold(kx)
-    qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
-    vc = ops.cast(g, vx, cd, "sdpa v cast") if cd else g.hold(vx)
-    mask = sdpa_additive_mask(g, qc.dt)
-    out, lse = g.sac_outputs(lambda: (g.alloc(q.n, qc.dt, "sdpa out"),
-                                      g.alloc(tok(m.n_heads), F32, "sdpa logsumexp")), "attention")
-
-    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        grads: list[T | None] = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
-                                 g.alloc(vc.n, vc.dt, "sdpa grad v")]
-        if ctx.cuda:
-            g.drop(*mem_efficient_backward_scratch(g, m))
-        return grads
-
-    # the node releases its saved tensors in the order mask, key, query, value, logsumexp, output
-    g.record("sdpa", [qc, kc, vc], [out, lse], [mask, kc, qc, vc, lse, out], bwd)
-    g.drop(lse, mask, qc, kc, vc)
+    out = ops.sdpa_flash(g, ctx, q, kx, vx, tok(m.n_heads), "sdpa", mask=lambda dt: sdpa_additive_mask(g, dt),
+                         scratch=(lambda g, dt: mem_efficient_backward_scratch(g, m)) if ctx.cuda else None)
     if rec.qk_contiguous and not ctx.cuda:
         # the CPU flash kernel's output follows the query's layout: transpose(1, 2).contiguous()
         # copies it before the function returns
@@ -194,11 +157,8 @@ def mem_efficient_backward_scratch(g: Graph, m: object) -> list[T]:
 
 def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool = False,
                    qk_contiguous: bool = False) -> T:
-    """SDPA's math kernel, which CPU SDPA runs when attention dropout is on:
-    ``_scaled_dot_product_attention_math`` (aten/src/ATen/native/transformers/attention.cpp). 16-bit
-    inputs are upcast to fp32 on CPU; q and k^T are scaled by sqrt(scale); then ``matmul``,
-    ``_safe_softmax``, dropout, ``matmul``, the results cast back; then HF copies the output to
-    (b, s, heads, d).
+    """SDPA's math kernel (`trainmem_nb.engine.ops.sdpa_math`), which CPU SDPA runs when attention
+    dropout is on, then HF copies the output to (b, s, heads, d).
 
     Without a mask (``is_causal``) the kernel builds an (s, s) additive causal mask and repeats
     grouped k/v itself (``enable_gqa``). With a mask (`masked`: the sliding window) HF has repeated
@@ -216,52 +176,13 @@ def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool 
                 ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads))
     else:
         g.hold(k), g.hold(v)
-    cd = ctx.autocast
-    kc = ops.cast(g, k, cd, "sdpa k cast") if cd else g.hold(k)
-    qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
-    vc = ops.cast(g, v, cd, "sdpa v cast") if cd else g.hold(v)
-    mask = sdpa_additive_mask(g, qc.dt) if masked else None
-    reduced = qc.dt != F32
-    q32, k32, v32 = (ops.cast(g, x, F32, "sdpa math upcast") for x in (qc, kc, vc))
-    qs = ops.scalar_op(g, q32, "q * sqrt(scale)")
-    if masked:
-        kx, vx = g.hold(k32), g.hold(v32)
-    else:
-        ones = g.alloc(Sz(ss=1), BOOL, "causal ones")
-        tril = g.alloc(Sz(ss=1), BOOL, "causal tril")
-        g.drop(ones)
-        zero, neg = g.alloc(const(1), F32, "0"), g.alloc(const(1), F32, "-inf")
-        mask = g.alloc(Sz(ss=1), F32, "causal mask")
-        g.drop(zero, neg, tril)
-        kx = ops.repeat_kv(g, k32, n_rep, "key expanded")
-        vx = ops.repeat_kv(g, v32, n_rep, "value expanded")
-    kt = ops.scalar_op(g, kx, "k^T * sqrt(scale)")
     fold = ctx.batch1
     copy_qk = not qk_contiguous and not fold
     copy_kv = n_rep == 1 and not fold
-    q2 = ops.clone(g, qs, "query contiguous") if copy_qk else g.hold(qs)
-    k2 = ops.clone(g, kt, "key^T contiguous") if copy_qk and copy_kv else g.hold(kt)
-    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T", grad_b_first=True)
-    g.drop(q2, k2, kt)
-    assert mask is not None  # the window's mask (masked) or the causal one built above
-    sm = ops.add(g, scores, mask, "+ mask")
-    g.drop(scores)
-    probs = ops.softmax(g, sm, None, "_safe_softmax")
-    g.drop(sm)
-    pd = ops.dropout(g, ctx, probs, rec.dropout_attn, "attn dropout")
-    g.drop(probs)
-    # make_tuple(matmul(attn, v).to(dtype), attn.to(dtype)): GCC evaluates the second first
-    attn16 = ops.cast(g, pd, qc.dt, "attn to input dtype") if reduced else None
-    v2 = ops.clone(g, vx, "value contiguous") if copy_kv else g.hold(vx)
-    o3 = ops.bmm(g, ctx, pd, v2, q.n, "probs @ v", grad_b_first=True)
-    g.drop(v2)
-    o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
-    g.drop(o3)
-    if reduced:
-        o16 = ops.cast(g, o, qc.dt, "output to input dtype")
-        g.drop(o)
-        o = o16
-    g.drop(kx, qs, mask, k32, v32, q32, pd, vx, attn16, qc, kc, vc)
+    o = ops.sdpa_math(g, ctx, q, k, v, per_token_sq(m.n_heads), rec.dropout_attn, causal=not masked,
+                      copy_q=copy_qk, copy_k=copy_qk and copy_kv, copy_v=copy_kv, grad_copy=not fold,
+                      mask=(lambda dt: sdpa_additive_mask(g, dt)) if masked else None,
+                      n_rep=1 if masked else n_rep, label="sdpa")
     out = ops.clone(g, o, "attn_output transpose contiguous")
     g.drop(o, k, v)
     return out
@@ -269,49 +190,27 @@ def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool 
 
 def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | None,
                     qk_contiguous: bool = False) -> T:
-    """HF ``eager_attention_forward``: repeat k/v for GQA, ``q @ k^T * scaling + mask``, fp32 softmax
-    cast back to q's dtype, dropout, ``@ v``, transpose back to contiguous; the attention weights stay
-    bound in the decoder layer until it returns (`DecoderRecipe.attn_weights`).
+    """HF ``eager_attention_forward``: ``repeat_kv`` for GQA, then the eager kernel
+    (`trainmem_nb.engine.ops.eager_attention`: ``q @ k^T * scaling + mask``, fp32 softmax cast back to
+    q's dtype in one expression, dropout, ``@ v``, transposed back contiguous); the attention weights
+    stay bound in the decoder layer until it returns (`DecoderRecipe.attn_weights`).
 
     ``matmul`` copies operands whose (b, heads) cannot fold into one batch dim (b > 1): the query and
-    key in the projections' layout (not `qk_contiguous`), the key and value when not repeated; with
-    b == 1 nothing is copied and neither is the output's gradient."""
+    key in the projections' layout (not `qk_contiguous`), the key and value when not repeated, and an
+    expanded key/value (one kv head: ``repeat_kv`` made a view) unless autocast's cast already made a
+    contiguous copy; with b == 1 nothing is copied and neither is the output's gradient."""
     m, ctx = rec.m, rec.ctx
     n_rep = m.n_heads // m.n_kv_heads
     fold = ctx.batch1
     copy_qk = not qk_contiguous and not fold
     copy_kv = n_rep == 1 and not fold
-    # one kv head: repeat_kv's result is an expanded view, which matmul must copy to fold (b, heads)
-    # unless autocast's cast already made a contiguous copy
     copy_expanded = n_rep > 1 and m.n_kv_heads == 1 and not fold and not ctx.autocast
     kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key", m.n_kv_heads)
     vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads)
-    # matmul(query, key^T): autocast casts key then query
-    kc = ops.cast(g, kx, ctx.autocast, "matmul key cast") if ctx.autocast else g.hold(kx)
-    qc = ops.cast(g, q, ctx.autocast, "matmul query cast") if ctx.autocast else g.hold(q)
-    q2 = ops.clone(g, qc, "query contiguous") if copy_qk else g.hold(qc)
-    k2 = ops.clone(g, kc, "key^T contiguous") if (copy_qk and copy_kv) or copy_expanded else g.hold(kc)
-    scores = ops.bmm(g, ctx, q2, k2, per_token_sq(m.n_heads), "q @ k^T", grad_b_first=True)
-    g.drop(q2, k2, qc, kc)  # matmul's operands and their copies die when matmul returns
-    w = ops.scalar_op(g, scores, "* scaling")
-    g.drop(scores)
-    if mask is not None:
-        w2 = ops.add(g, w, mask, "+ mask")
-        g.drop(w)
-        w = w2
-    probs = ops.softmax(g, w, F32, "softmax")
-    pq = ops.cast(g, probs, q.dt, "probs to q dtype")
-    g.drop(probs, w)  # `attn_weights = softmax(...).to(dtype)` rebinds the name after the cast
-    pd = ops.dropout(g, ctx, pq, rec.dropout_attn, "attn dropout")
-    g.drop(pq)
-    pc = ops.cast(g, pd, ctx.autocast, "matmul probs cast") if ctx.autocast else g.hold(pd)
-    vc = ops.cast(g, vx, ctx.autocast, "matmul value cast") if ctx.autocast else g.hold(vx)
-    v2 = ops.clone(g, vc, "value contiguous") if copy_kv or copy_expanded else g.hold(vc)
-    o3 = ops.bmm(g, ctx, pc, v2, q.n, "probs @ v", grad_b_first=True)
-    g.drop(v2, pc, vc)
-    o = ops.heads_view(g, o3, "matmul unsafe_view", clone_grad=not fold)
-    g.drop(o3)
-    out = ops.clone(g, o, "attn_output transpose contiguous")
-    g.drop(o, kx, vx)  # locals of eager_attention_forward
+    out, pd = ops.eager_attention(g, ctx, q, kx, vx, mask, per_token_sq(m.n_heads), rec.dropout_attn,
+                                  copy_q=copy_qk, copy_k=(copy_qk and copy_kv) or copy_expanded,
+                                  copy_v=copy_kv or copy_expanded, grad_copy=not fold, softmax_dt=F32, probs_dt=q.dt,
+                                  one_expression=True, label="eager")
+    g.drop(kx, vx)  # locals of eager_attention_forward
     rec.attn_weights.append(pd)
     return out

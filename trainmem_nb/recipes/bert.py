@@ -147,11 +147,12 @@ class BertRecipe(LayerNormRecipe):
         q, k, v = views
         if eager:
             # BERT's softmax has no dtype and its result is not cast back before dropout and matmul
-            o, pd = ops.eager_attention(g, ctx, q, k, v, None, per_token_sq(m.n_heads), self.dropout_attn, fold,
-                                        cast_back=False)
+            o, pd = ops.eager_attention(g, ctx, q, k, v, None, per_token_sq(m.n_heads), self.dropout_attn, copy_q=fold,
+                                        copy_k=fold, copy_v=fold, grad_copy=fold, cast_back=False)
             attn_weights.append(pd)
         elif math:
-            o4 = ops.sdpa_math(g, ctx, q, k, v, per_token_sq(m.n_heads), self.dropout_attn, False, fold, fold, fold)
+            o4 = ops.sdpa_math(g, ctx, q, k, v, per_token_sq(m.n_heads), self.dropout_attn, causal=False, copy_q=fold,
+                               copy_k=fold, copy_v=fold, grad_copy=fold)
             o = ops.clone(g, o4, "attn_output transpose contiguous")  # sdpa_attention_forward
             g.drop(o4)
         else:

@@ -97,10 +97,12 @@ class GPT2Recipe(LayerNormRecipe):
         fold = not ctx.batch1  # (b, heads) fold into one batch dim without a copy only when b == 1
         if eager:
             # GPT-2's softmax has no dtype: fp32 only once the fp32 mask promoted the scores
-            o, pd = ops.eager_attention(g, ctx, q, k, v, sh.mask, per_token_sq(m.n_heads), self.dropout_attn, fold)
+            o, pd = ops.eager_attention(g, ctx, q, k, v, sh.mask, per_token_sq(m.n_heads), self.dropout_attn,
+                                        copy_q=fold, copy_k=fold, copy_v=fold, grad_copy=fold)
             attn_weights.append(pd)  # returned to the block as `_`
         elif math:
-            o4 = ops.sdpa_math(g, ctx, q, k, v, per_token_sq(m.n_heads), self.dropout_attn, True, fold, fold, fold)
+            o4 = ops.sdpa_math(g, ctx, q, k, v, per_token_sq(m.n_heads), self.dropout_attn, causal=True, copy_q=fold,
+                               copy_k=fold, copy_v=fold, grad_copy=fold)
             o = ops.clone(g, o4, "attn_output transpose contiguous")  # sdpa_attention_forward
             g.drop(o4)
         else:

@@ -102,12 +102,13 @@ class GPTNeoXRecipe(LayerNormRecipe):
         if eager:
             # `softmax(w, dtype=float32).to(query.dtype)`: one expression; the query is fp32 under
             # autocast (the rotary output), so the probabilities stay fp32 until matmul casts them
-            o, pd = ops.eager_attention(g, ctx, qe, ke, v, sh.mask, per_token_sq(m.n_heads), self.dropout_attn, fold,
-                                        F32, one_expression=True, probs_dt=qe.dt, contiguous_qk=True)
+            o, pd = ops.eager_attention(g, ctx, qe, ke, v, sh.mask, per_token_sq(m.n_heads), self.dropout_attn,
+                                        copy_q=False, copy_k=False, copy_v=fold, grad_copy=fold, softmax_dt=F32,
+                                        one_expression=True, probs_dt=qe.dt)
             attn_weights.append(pd)
         elif math:
-            o4 = ops.sdpa_math(g, ctx, qe, ke, v, per_token_sq(m.n_heads), self.dropout_attn, True, False, False, fold,
-                               grad_copy=fold)
+            o4 = ops.sdpa_math(g, ctx, qe, ke, v, per_token_sq(m.n_heads), self.dropout_attn, causal=True, copy_q=False,
+                               copy_k=False, copy_v=fold, grad_copy=fold)
             o = ops.clone(g, o4, "attn_output transpose contiguous")  # sdpa_attention_forward
             g.drop(o4)
         else:

@@ -130,11 +130,12 @@ class OPTRecipe(LayerNormRecipe):
         g.drop(k1, v0)
         if eager:
             # `softmax(w, dtype=float32).to(query.dtype)`: one expression
-            o, pd = ops.eager_attention(g, ctx, q, k, v, sh.mask, per_token_sq(m.n_heads), self.dropout_attn, fold, F32,
-                                        one_expression=True)
+            o, pd = ops.eager_attention(g, ctx, q, k, v, sh.mask, per_token_sq(m.n_heads), self.dropout_attn, copy_q=fold,
+                                        copy_k=fold, copy_v=fold, grad_copy=fold, softmax_dt=F32, one_expression=True)
             attn_weights.append(pd)
         elif math:
-            o4 = ops.sdpa_math(g, ctx, q, k, v, per_token_sq(m.n_heads), self.dropout_attn, True, fold, fold, fold)
+            o4 = ops.sdpa_math(g, ctx, q, k, v, per_token_sq(m.n_heads), self.dropout_attn, causal=True, copy_q=fold,
+                               copy_k=fold, copy_v=fold, grad_copy=fold)
             o = ops.clone(g, o4, "attn_output transpose contiguous")  # sdpa_attention_forward
             g.drop(o4)
         else:
