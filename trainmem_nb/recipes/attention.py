@@ -96,8 +96,7 @@ def sdpa(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
     CPU without dropout and CUDA use a flash-style kernel that saves q, k, v, the output and an
     fp32 logsumexp of (b, heads, s); autocast casts the key before the query (seen in measured traces)."""
     m = rec.m
-    return ops.sdpa_flash(g, rec.ctx, q, k, v, tok(m.n_heads), "sdpa",
-                          scratch=(lambda g, dt: flash_backward_scratch(g, m, dt)) if rec.ctx.cuda else None)
+    return ops.sdpa_flash(g, rec.ctx, q, k, v, tok(m.n_heads), "sdpa")
 
 
 def sdpa_masked(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
@@ -112,14 +111,13 @@ def sdpa_masked(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
     converted mask is only expanded (``preprocess_mask``: a view when s is a multiple of 16, else
     a padded copy, not modelled) and saved like the CPU kernel's; its logsumexp has s rounded up
     to 32 rows (not modelled: at most 31 * b * heads floats); its backward allocates scratch
-    (`mem_efficient_backward_scratch`). That kernel allocates (b, s, heads, d) whatever the query
+    (`trainmem_nb.engine.ops.attention.cuda_backward_scratch`). That kernel allocates (b, s, heads, d) whatever the query
     (``_efficient_attention_forward``, transformers/cuda/attention.cu): no copy back on CUDA."""
     m, ctx = rec.m, rec.ctx
     n_rep = m.n_heads // m.n_kv_heads
     kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key", m.n_kv_heads)
     vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads)
-    out = ops.sdpa_flash(g, ctx, q, kx, vx, tok(m.n_heads), "sdpa", mask=lambda dt: sdpa_additive_mask(g, dt),
-                         scratch=(lambda g, dt: mem_efficient_backward_scratch(g, m)) if ctx.cuda else None)
+    out = ops.sdpa_flash(g, ctx, q, kx, vx, tok(m.n_heads), "sdpa", mask=lambda dt: sdpa_additive_mask(g, dt))
     if rec.qk_contiguous and not ctx.cuda:
         # the CPU flash kernel's output follows the query's layout: transpose(1, 2).contiguous()
         # copies it before the function returns
@@ -128,31 +126,6 @@ def sdpa_masked(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
         g.drop(o)
     g.drop(kx, vx)  # sdpa_attention_forward's locals (the repeated key and value)
     return out
-
-
-def flash_backward_scratch(g: Graph, m: object, dt: int) -> list[T]:
-    """FlashAttention-2's backward scratch on CUDA, allocated through PyTorch's caching allocator
-    (aten/src/ATen/native/transformers/cuda/flash_attn/flash_api.cpp, ``mha_bwd``): ``softmax_d``
-    (b, heads, s) fp32, ``dq_accum`` (b, s, heads, head_dim) fp32, and for grouped-query attention
-    ``dk_expanded``/``dv_expanded`` (b, s, heads, head_dim) before they are summed per kv head.
-    FA2 rounds s up to 128 and head_dim to 32; those few rows are left out (at most 127 tokens)."""
-    heads, head_dim, kv = m.n_heads, m.head_dim, m.n_kv_heads  # type: ignore[attr-defined]
-    out = [g.alloc(tok(heads), F32, "flash softmax_d"), g.alloc(tok(heads * head_dim), F32, "flash dq_accum")]
-    if kv != heads:
-        out += [g.alloc(tok(heads * head_dim), dt, "flash dk_expanded"), g.alloc(tok(heads * head_dim), dt, "flash dv_expanded")]
-    return out
-
-
-def mem_efficient_backward_scratch(g: Graph, m: object) -> list[T]:
-    """The memory-efficient attention backward's scratch on CUDA
-    (aten/src/ATen/native/transformers/cuda/attention_backward.cu, ``_efficient_attention_backward``):
-    ``delta`` (b, heads, s) fp32, then the kernel workspace, which for sm80+ kernels (split keys:
-    ``kNeedsAccumGradQ``) holds an fp32 accumulator of the query gradient, (b, heads, s, head_dim)
-    up to block rounding (mem_eff_attention/kernel_backward.h ``workspace_size``); the key/value
-    accumulators (only when head_dim exceeds the kernel's block) are left out."""
-    heads, head_dim = m.n_heads, m.head_dim  # type: ignore[attr-defined]
-    return [g.alloc(tok(heads), F32, "mem-efficient delta"),
-            g.alloc(tok(heads * head_dim), F32, "mem-efficient workspace (grad q accumulator)")]
 
 
 def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool = False,

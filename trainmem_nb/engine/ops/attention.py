@@ -12,14 +12,19 @@ from .elementwise import add, dropout, scalar_op, softmax
 from .linear import bmm
 from .shape import clone, heads_view, repeat_kv
 
+#: The largest head size FlashAttention-2 takes (aten/src/ATen/native/transformers/sdp_utils.cpp,
+#: ``check_head_dim_size_flash``); larger heads go to the memory-efficient kernel.
+FLASH_MAX_HEAD_DIM = 256
+
 
 def sdpa_flash(g: Graph, ctx: Ctx, q: T, k: T, v: T, lse_n: Sz, label: str = "sdpa",
-               mask: Callable[[int], T] | None = None, scratch: Callable[[Graph, int], list[T]] | None = None) -> T:
+               mask: Callable[[int], T] | None = None) -> T:
     """``F.scaled_dot_product_attention`` on a flash-style kernel (CPU flash; CUDA flash or
     memory-efficient): the output in q's layout and an fp32 logsumexp; saves q, k, v, the output and the
     logsumexp (and the attention mask, first, when there is one); backward allocates the three input
-    gradients, and on CUDA the kernel's `scratch`. Autocast casts key, query, value (a no-op for 16-bit
-    inputs); an explicit `mask` is converted to the query's dtype before the kernel runs."""
+    gradients, and on CUDA the kernel's scratch (`cuda_backward_scratch`). Autocast casts key, query,
+    value (a no-op for 16-bit inputs); an explicit `mask` is converted to the query's dtype before the
+    kernel runs."""
     cd = ctx.autocast
     kc = cast(g, k, cd, f"{label} k cast") if cd else g.hold(k)
     qc = cast(g, q, cd, f"{label} q cast") if cd else g.hold(q)
@@ -31,14 +36,39 @@ def sdpa_flash(g: Graph, ctx: Ctx, q: T, k: T, v: T, lse_n: Sz, label: str = "sd
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         grads: list[T | None] = [g.alloc(qc.n, qc.dt, f"{label} grad q"), g.alloc(kc.n, kc.dt, f"{label} grad k"),
                                  g.alloc(vc.n, vc.dt, f"{label} grad v")]
-        if scratch is not None:
-            g.drop(*scratch(g, qc.dt))
+        if ctx.cuda:
+            g.drop(*cuda_backward_scratch(g, qc, kc, lse_n, masked=am is not None))
         return grads
 
     # the node releases its saved tensors in the order (mask,) key, query, value, logsumexp, output
     g.record(label, [qc, kc, vc], [out, lse], [am, kc, qc, vc, lse, out], bwd)
     g.drop(lse, am, qc, kc, vc)
     return out
+
+
+def cuda_backward_scratch(g: Graph, q: T, k: T, lse_n: Sz, masked: bool) -> list[T]:
+    """What SDPA's CUDA backward allocates besides the input gradients, through the caching allocator.
+    The kernel is FlashAttention-2 for 16-bit inputs without a mask and heads of at most
+    `FLASH_MAX_HEAD_DIM` (sdp_utils.cpp ``use_flash_attention``), else the memory-efficient kernel:
+
+    * FlashAttention-2 (cuda/flash_attn/flash_api.cpp, ``mha_bwd``): ``softmax_d`` (b, heads, s) fp32,
+      ``dq_accum`` (b, s, heads, head_dim) fp32, and for grouped-query attention ``dk_expanded`` /
+      ``dv_expanded`` (b, s, heads, head_dim) before they are summed per kv head (FA2 rounds s up to 128
+      and head_dim to 32; those few rows are left out);
+    * memory-efficient (cuda/attention_backward.cu, ``_efficient_attention_backward``): ``delta``
+      (b, heads, s) fp32 and the kernel workspace, which for sm80+ kernels holds an fp32 accumulator of
+      the query gradient (mem_eff_attention/kernel_backward.h ``workspace_size``; the key/value
+      accumulators, only for heads wider than the kernel's block, are left out).
+
+    Modelled from the sources; no GPU measured it here."""
+    heads = lse_n.bs
+    head_dim = q.n.bs / heads
+    if q.dt == 2 and not masked and head_dim <= FLASH_MAX_HEAD_DIM:
+        out = [g.alloc(lse_n, F32, "flash softmax_d"), g.alloc(q.n, F32, "flash dq_accum")]
+        if k.n.bs != q.n.bs:  # fewer kv heads than query heads
+            out += [g.alloc(q.n, q.dt, "flash dk_expanded"), g.alloc(q.n, q.dt, "flash dv_expanded")]
+        return out
+    return [g.alloc(lse_n, F32, "mem-efficient delta"), g.alloc(q.n, F32, "mem-efficient workspace (grad q accumulator)")]
 
 
 def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, *, causal: bool,
