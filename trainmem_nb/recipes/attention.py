@@ -22,7 +22,7 @@ from ..model.layers import LayerKind
 from ..spec.choices import Attention
 from .base import Shared, tok
 from .masks import sdpa_additive_mask
-from .rotary import apply_rotary_pair, apply_rotary_pair_cat
+from .rotary import apply_rotary_pair, apply_rotary_partial
 
 if TYPE_CHECKING:
     from .decoder import DecoderRecipe
@@ -60,7 +60,7 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
     cos, sin = sh.rotary(kind)
     assert cos is not None and sin is not None
     if rec.d.rotary == "cat":
-        qr, kr = apply_rotary_pair_cat(g, qv, kv, cos, sin, m.rotary_dims / m.head_dim)
+        qr, kr = apply_rotary_partial(g, rec.ctx, qv, kv, cos, sin, m.rotary_dims / m.head_dim, cat_each=True)
     else:
         qr, kr = apply_rotary_pair(g, qv, kv, cos, sin)
     g.drop(qv, kv)

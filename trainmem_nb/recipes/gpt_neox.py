@@ -20,7 +20,7 @@ from .base import DEFAULT_KIND, Shared, tok
 from .head import causal_lm_loss
 from .layernorm import LayerNormRecipe
 from .masks import causal_mask
-from .rotary import rotary_cos_sin
+from .rotary import apply_rotary_partial, rotary_cos_sin
 
 __all__ = ["GPTNeoXRecipe"]
 
@@ -98,7 +98,7 @@ class GPTNeoXRecipe(LayerNormRecipe):
         g.drop(y)
         q, k, v = ops.split(g, qkv, (1 / 3, 1 / 3, 1 / 3), "qkv chunk")
         assert sh.cos is not None and sh.sin is not None
-        qe, ke = self.apply_rotary(g, q, k, sh.cos, sh.sin)
+        qe, ke = apply_rotary_partial(g, ctx, q, k, sh.cos, sh.sin, m.rotary_dims / m.head_dim, cat_each=False)
         if eager:
             # `softmax(w, dtype=float32).to(query.dtype)`: one expression; the query is fp32 under
             # autocast (the rotary output), so the probabilities stay fp32 until matmul casts them
@@ -126,30 +126,6 @@ class GPTNeoXRecipe(LayerNormRecipe):
         g.drop(o)
         g.drop(qkv, q, k, v, qe, ke)  # locals qkv, query_states, key_states, value_states
         return out
-
-    def apply_rotary(self, g: Graph, q: T, k: T, cos: T, sin: T) -> tuple[T, T]:
-        """``apply_rotary_pos_emb``: split each of q and k into its rotary part and the pass-through
-        rest (slices), ``rot * cos + rotate_half(rot) * sin`` for q then k, then ``cat`` each with its
-        pass-through part."""
-        frac = self.m.rotary_dims / self.m.head_dim
-        q_rot = ops.slice_view(g, q, q.n * frac, "q_rot")
-        q_pass = ops.slice_view(g, q, q.n * (1 - frac), "q_pass")
-        k_rot = ops.slice_view(g, k, k.n * frac, "k_rot")
-        k_pass = ops.slice_view(g, k, k.n * (1 - frac), "k_pass")
-        embeds = []
-        for name, x in (("q", q_rot), ("k", k_rot)):
-            a = ops.mul(g, x, cos, f"{name}_rot * cos")
-            rh = ops.rotate_half(g, x, 1.0, f"{name} rotate_half")
-            b = ops.mul(g, rh, sin, f"{name} rotate_half * sin")
-            g.drop(rh)
-            embeds.append(ops.add(g, a, b, f"{name} rotary add"))
-            g.drop(a, b)
-        out = []
-        for name, e, rest in (("q", embeds[0], q_pass), ("k", embeds[1], k_pass)):
-            out.append(ops.cat_last(g, self.ctx, [e, rest], f"{name}_embed cat"))
-            g.drop(e)  # `q_embed` / `k_embed` rebind
-        g.drop(q_rot, q_pass, k_rot, k_pass)
-        return out[0], out[1]
 
     def mlp(self, g: Graph, x: T, p: dict[str, T]) -> T:
         """GPTNeoXMLP.forward: ``dense_h_to_4h``, the activation, ``dense_4h_to_h``."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..engine import ops
-from ..engine.ops import F32
+from ..engine.ops import F32, Ctx
 from ..engine.tape import Graph, T, per_seq
 
 
@@ -46,23 +46,31 @@ def apply_rotary_pair(g: Graph, q: T, k: T, cos: T, sin: T) -> tuple[T, T]:
     return apply_rotary(g, q, cos, sin, "q"), apply_rotary(g, k, cos, sin, "k")
 
 
-def apply_rotary_pair_cat(g: Graph, q: T, k: T, cos: T, sin: T, frac: float) -> tuple[T, T]:
-    """Phi-3's ``apply_rotary_pos_emb``: ``q_rot, q_pass = q[..., :rot], q[..., rot:]`` (a full slice is
-    ``alias(q)``: Python indexing returns an alias when nothing is cut), the same for k, then
-    ``cat([(x_rot * cos) + (rotate_half(x_rot) * sin), x_pass])`` for q, then k: contiguous
-    (b, heads, s, d) results. Under autocast ``cat`` promotes the 16-bit pass-through part to the fp32
-    rotary part's dtype. `frac` is the rotary share of each head."""
-    split = {}
+def apply_rotary_partial(g: Graph, ctx: Ctx, q: T, k: T, cos: T, sin: T, frac: float,
+                         cat_each: bool) -> tuple[T, T]:
+    """``apply_rotary_pos_emb`` of the families that rotate part of each head and concatenate (Phi-3,
+    GPT-NeoX): ``q_rot, q_pass = q[..., :rot], q[..., rot:]`` (a full slice is ``alias(q)``: Python
+    indexing returns an alias when nothing is cut), the same for k, then ``(x_rot * cos) +
+    (rotate_half(x_rot) * sin)`` concatenated with the pass-through part (`trainmem_nb.engine.ops.cat_last`:
+    under CPU autocast the 16-bit pass-through part is promoted to the fp32 rotary part's dtype first).
+    The results are contiguous (b, heads, s, d) tensors. Phi-3 concatenates each right after rotating
+    it (`cat_each`: one expression per tensor); GPT-NeoX rotates both, then concatenates both. `frac` is
+    the rotary share of each head."""
+    parts = []
     for name, x in (("q", q), ("k", k)):
         rot = ops.alias_view(g, x, f"{name}_rot") if frac == 1.0 else ops.slice_view(g, x, x.n * frac, f"{name}_rot")
-        split[name] = (rot, ops.slice_view(g, x, x.n * (1.0 - frac), f"{name}_pass"))
+        parts.append((name, rot, ops.slice_view(g, x, x.n * (1.0 - frac), f"{name}_pass")))
     out = []
-    for name in ("q", "k"):
-        rot, pas = split[name]
-        c = apply_rotary(g, rot, cos, sin, name)
-        pc = ops.cast(g, pas, c.dt, f"{name}_pass cat promote")
-        out.append(ops.cat2(g, c, pc, f"{name} cat rot, pass"))
-        g.drop(pc, c)
-    for rot, pas in split.values():
+    if cat_each:
+        for name, rot, pas in parts:
+            c = apply_rotary(g, rot, cos, sin, name)
+            out.append(ops.cat_last(g, ctx, [c, pas], f"{name} cat rot, pass"))
+            g.drop(c)
+    else:
+        embeds = [apply_rotary(g, rot, cos, sin, name) for name, rot, _ in parts]
+        for (name, _, pas), e in zip(parts, embeds, strict=True):
+            out.append(ops.cat_last(g, ctx, [e, pas], f"{name}_embed cat"))
+            g.drop(e)  # `q_embed` / `k_embed` rebind
+    for _, rot, pas in parts:
         g.drop(rot, pas)
     return out[0], out[1]
