@@ -46,10 +46,11 @@ class ParamTensor(NamedTuple):
         return n
 
 
-def _linear(prefix: str, out_f: int, in_f: int, bias: bool, count: int, in_layer: bool = True) -> list[ParamTensor]:
-    items = [ParamTensor(f"{prefix}.weight", (out_f, in_f), count, True, in_layer)]
+def _linear(prefix: str, out_f: int, in_f: int, bias: bool, count: int, in_layer: bool = True,
+            kind: str = "") -> list[ParamTensor]:
+    items = [ParamTensor(f"{prefix}.weight", (out_f, in_f), count, True, in_layer, kind)]
     if bias:
-        items.append(ParamTensor(f"{prefix}.bias", (out_f,), count, False, in_layer))
+        items.append(ParamTensor(f"{prefix}.bias", (out_f,), count, False, in_layer, kind))
     return items
 
 
@@ -60,6 +61,135 @@ def _norm(prefix: str, dim: int, bias: bool, count: int, in_layer: bool = True) 
     return items
 
 
+def _gpt2_params(m: ModelSpec) -> list[ParamTensor]:
+    """``GPT2LMHeadModel``: Conv1D weights are (in, out)."""
+    L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
+    items: list[ParamTensor] = []
+    items += [ParamTensor("wte.weight", (V, h), 1, False, False), ParamTensor("wpe.weight", (m.max_positions, h), 1, False, False)]
+    items += _norm("layers.ln_1", h, True, L)
+    # Conv1D stores (in, out); its bias is (out,)
+    items += [ParamTensor("layers.attn.c_attn.weight", (h, 3 * h), L, True, True), ParamTensor("layers.attn.c_attn.bias", (3 * h,), L, False, True)]
+    items += [ParamTensor("layers.attn.c_proj.weight", (h, h), L, True, True), ParamTensor("layers.attn.c_proj.bias", (h,), L, False, True)]
+    items += _norm("layers.ln_2", h, True, L)
+    items += [ParamTensor("layers.mlp.c_fc.weight", (h, f), L, True, True), ParamTensor("layers.mlp.c_fc.bias", (f,), L, False, True)]
+    items += [ParamTensor("layers.mlp.c_proj.weight", (f, h), L, True, True), ParamTensor("layers.mlp.c_proj.bias", (h,), L, False, True)]
+    items += _norm("ln_f", h, True, 1, False)
+    if not m.tie_embeddings:
+        items += _linear("lm_head", V, h, False, 1, False)
+    return items
+
+
+def _gpt_neox_params(m: ModelSpec) -> list[ParamTensor]:
+    """``GPTNeoXForCausalLM``."""
+    L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
+    items: list[ParamTensor] = []
+    items.append(ParamTensor("embed_in.weight", (V, h), 1, False, False))
+    items += _norm("layers.input_layernorm", h, True, L)
+    items += _norm("layers.post_attention_layernorm", h, True, L)
+    items += _linear("layers.attention.query_key_value", 3 * h, h, m.qkv_bias, L)
+    items += _linear("layers.attention.dense", h, h, m.out_bias, L)
+    items += _linear("layers.mlp.dense_h_to_4h", f, h, True, L)
+    items += _linear("layers.mlp.dense_4h_to_h", h, f, True, L)
+    items += _norm("final_layer_norm", h, True, 1, False)
+    if not m.tie_embeddings:
+        items += _linear("embed_out", V, h, False, 1, False)
+    return items
+
+
+def _opt_params(m: ModelSpec) -> list[ParamTensor]:
+    """``OPTForCausalLM`` (learned positions offset by 2; OPT-350m's projections)."""
+    L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
+    items: list[ParamTensor] = []
+    proj = m.word_embed_proj_dim or h
+    items.append(ParamTensor("embed_tokens.weight", (V, proj), 1, False, False))
+    items.append(ParamTensor("embed_positions.weight", (m.max_positions + 2, h), 1, False, False))
+    if proj != h:
+        items += _linear("project_out", proj, h, False, 1, False)
+        items += _linear("project_in", h, proj, False, 1, False)
+    for name in ("k_proj", "v_proj", "q_proj", "out_proj"):
+        items += _linear(f"layers.self_attn.{name}", h, h, m.qkv_bias, L)
+    items += _norm("layers.self_attn_layer_norm", h, True, L)
+    items += _linear("layers.fc1", f, h, m.mlp_bias, L)
+    items += _linear("layers.fc2", h, f, m.mlp_bias, L)
+    items += _norm("layers.final_layer_norm", h, True, L)
+    if m.pre_norm:
+        items += _norm("final_layer_norm", h, True, 1, False)
+    if not m.tie_embeddings:
+        items += _linear("lm_head", V, proj, False, 1, False)
+    return items
+
+
+def _bert_params(m: ModelSpec) -> list[ParamTensor]:
+    """``BertForMaskedLM`` (an untied decoder keeps its own bias)."""
+    L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
+    items: list[ParamTensor] = []
+    items.append(ParamTensor("embeddings.word_embeddings.weight", (V, h), 1, False, False))
+    items.append(ParamTensor("embeddings.position_embeddings.weight", (m.max_positions, h), 1, False, False))
+    if m.type_vocab:
+        items.append(ParamTensor("embeddings.token_type_embeddings.weight", (m.type_vocab, h), 1, False, False))
+    items += _norm("embeddings.LayerNorm", h, True, 1, False)
+    for name in ("query", "key", "value"):
+        items += _linear(f"layers.attention.self.{name}", h, h, True, L)
+    items += _linear("layers.attention.output.dense", h, h, True, L)
+    items += _norm("layers.attention.output.LayerNorm", h, True, L)
+    items += _linear("layers.intermediate.dense", f, h, True, L)
+    items += _linear("layers.output.dense", h, f, True, L)
+    items += _norm("layers.output.LayerNorm", h, True, L)
+    items += _linear("cls.predictions.transform.dense", h, h, True, 1, False)
+    items += _norm("cls.predictions.transform.LayerNorm", h, True, 1, False)
+    items.append(ParamTensor("cls.predictions.bias", (V,), 1, False, False))
+    if not m.tie_embeddings:
+        items.append(ParamTensor("cls.predictions.decoder.weight", (V, h), 1, True, False))
+        # untied, the decoder keeps its own bias (cls.predictions.bias then gets no gradient)
+        items.append(ParamTensor("cls.predictions.decoder.bias", (V,), 1, False, False))
+    return items
+
+
+def _decoder_params(m: ModelSpec) -> list[ParamTensor]:
+    """A composed decoder (`trainmem_nb.recipes.decoder`), as its description builds it: fused or
+    separate projections (a fused ``qkv_proj`` registers after ``o_proj``, as Phi-3 does), the dense
+    MLP in dense layers and the router and expert stacks in MoE layers (tagged by layer kind where a
+    model has both), two norms per layer."""
+    d = DESCRIPTIONS[m.family]
+    L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
+    q, kv = m.q_dim, m.kv_dim
+    n_moe = sum(k.moe for k in m.layer_kinds)
+    n_dense = L - n_moe
+    moe, dense = ("moe", "dense") if n_moe and n_dense else ("", "")
+    items = [ParamTensor("embed_tokens.weight", (V, h), 1, False, False)]
+    if m.fused_qkv:
+        items += _linear("layers.self_attn.o_proj", h, q, m.out_bias, L)
+        items += _linear("layers.self_attn.qkv_proj", q + 2 * kv, h, m.qkv_bias, L)
+    else:
+        items += _linear("layers.self_attn.q_proj", q, h, m.qkv_bias, L)
+        items += _linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, L)
+        items += _linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, L)
+        items += _linear("layers.self_attn.o_proj", h, q, m.out_bias, L)
+    if n_moe:
+        E, ef = m.n_experts, m.expert_width
+        items.append(ParamTensor("layers.mlp.gate.weight", (E, h), n_moe, True, True, moe))
+        items.append(ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * ef, h), n_moe, True, True, moe))
+        items.append(ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n_moe, True, True, moe))
+    if n_dense:
+        if d.fused_gate_up:
+            items += _linear("layers.mlp.gate_up_proj", 2 * f, h, m.mlp_bias, n_dense, kind=dense)
+        else:
+            items += _linear("layers.mlp.gate_proj", f, h, m.mlp_bias, n_dense, kind=dense)
+            items += _linear("layers.mlp.up_proj", f, h, m.mlp_bias, n_dense, kind=dense)
+        items += _linear("layers.mlp.down_proj", h, f, m.mlp_bias, n_dense, kind=dense)
+    items += _norm("layers.input_layernorm", h, False, L)
+    items += _norm("layers.post_attention_layernorm", h, False, L)
+    items += _norm("norm", h, False, 1, False)
+    if not m.tie_embeddings:
+        items += _linear("lm_head", V, h, False, 1, False)
+    return items
+
+
+#: The inventory of each recipe's models (`trainmem_nb.model.families.Description.recipe`).
+_INVENTORIES = {"decoder": _decoder_params, "gpt2": _gpt2_params, "gpt_neox": _gpt_neox_params, "opt": _opt_params,
+                "bert": _bert_params}
+
+
 @lru_cache(maxsize=512)
 def param_inventory(m: ModelSpec) -> tuple[ParamTensor, ...]:
     """All parameter tensors of `m` in the order the model registers them.
@@ -68,101 +198,7 @@ def param_inventory(m: ModelSpec) -> tuple[ParamTensor, ...]:
     >>> sum(p.numel * p.count for p in param_inventory(get_model("gpt2")))
     124439808
     """
-    L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
-    fam = m.family
-    items: list[ParamTensor] = []
-    if fam is Family.GPT2:
-        items += [ParamTensor("wte.weight", (V, h), 1, False, False), ParamTensor("wpe.weight", (m.max_positions, h), 1, False, False)]
-        items += _norm("layers.ln_1", h, True, L)
-        # Conv1D stores (in, out); its bias is (out,)
-        items += [ParamTensor("layers.attn.c_attn.weight", (h, 3 * h), L, True, True), ParamTensor("layers.attn.c_attn.bias", (3 * h,), L, False, True)]
-        items += [ParamTensor("layers.attn.c_proj.weight", (h, h), L, True, True), ParamTensor("layers.attn.c_proj.bias", (h,), L, False, True)]
-        items += _norm("layers.ln_2", h, True, L)
-        items += [ParamTensor("layers.mlp.c_fc.weight", (h, f), L, True, True), ParamTensor("layers.mlp.c_fc.bias", (f,), L, False, True)]
-        items += [ParamTensor("layers.mlp.c_proj.weight", (f, h), L, True, True), ParamTensor("layers.mlp.c_proj.bias", (h,), L, False, True)]
-        items += _norm("ln_f", h, True, 1, False)
-        if not m.tie_embeddings:
-            items += _linear("lm_head", V, h, False, 1, False)
-        return tuple(items)
-    if fam is Family.GPT_NEOX:
-        items.append(ParamTensor("embed_in.weight", (V, h), 1, False, False))
-        items += _norm("layers.input_layernorm", h, True, L)
-        items += _norm("layers.post_attention_layernorm", h, True, L)
-        items += _linear("layers.attention.query_key_value", 3 * h, h, m.qkv_bias, L)
-        items += _linear("layers.attention.dense", h, h, m.out_bias, L)
-        items += _linear("layers.mlp.dense_h_to_4h", f, h, True, L)
-        items += _linear("layers.mlp.dense_4h_to_h", h, f, True, L)
-        items += _norm("final_layer_norm", h, True, 1, False)
-        if not m.tie_embeddings:
-            items += _linear("embed_out", V, h, False, 1, False)
-        return tuple(items)
-    if fam is Family.OPT:
-        proj = m.word_embed_proj_dim or h
-        items.append(ParamTensor("embed_tokens.weight", (V, proj), 1, False, False))
-        items.append(ParamTensor("embed_positions.weight", (m.max_positions + 2, h), 1, False, False))
-        if proj != h:
-            items += _linear("project_out", proj, h, False, 1, False)
-            items += _linear("project_in", h, proj, False, 1, False)
-        for name in ("k_proj", "v_proj", "q_proj", "out_proj"):
-            items += _linear(f"layers.self_attn.{name}", h, h, m.qkv_bias, L)
-        items += _norm("layers.self_attn_layer_norm", h, True, L)
-        items += _linear("layers.fc1", f, h, m.mlp_bias, L)
-        items += _linear("layers.fc2", h, f, m.mlp_bias, L)
-        items += _norm("layers.final_layer_norm", h, True, L)
-        if m.pre_norm:
-            items += _norm("final_layer_norm", h, True, 1, False)
-        if not m.tie_embeddings:
-            items += _linear("lm_head", V, proj, False, 1, False)
-        return tuple(items)
-    if fam is Family.BERT:
-        items.append(ParamTensor("embeddings.word_embeddings.weight", (V, h), 1, False, False))
-        items.append(ParamTensor("embeddings.position_embeddings.weight", (m.max_positions, h), 1, False, False))
-        if m.type_vocab:
-            items.append(ParamTensor("embeddings.token_type_embeddings.weight", (m.type_vocab, h), 1, False, False))
-        items += _norm("embeddings.LayerNorm", h, True, 1, False)
-        for name in ("query", "key", "value"):
-            items += _linear(f"layers.attention.self.{name}", h, h, True, L)
-        items += _linear("layers.attention.output.dense", h, h, True, L)
-        items += _norm("layers.attention.output.LayerNorm", h, True, L)
-        items += _linear("layers.intermediate.dense", f, h, True, L)
-        items += _linear("layers.output.dense", h, f, True, L)
-        items += _norm("layers.output.LayerNorm", h, True, L)
-        items += _linear("cls.predictions.transform.dense", h, h, True, 1, False)
-        items += _norm("cls.predictions.transform.LayerNorm", h, True, 1, False)
-        items.append(ParamTensor("cls.predictions.bias", (V,), 1, False, False))
-        if not m.tie_embeddings:
-            items.append(ParamTensor("cls.predictions.decoder.weight", (V, h), 1, True, False))
-            # untied, the decoder keeps its own bias (cls.predictions.bias then gets no gradient)
-            items.append(ParamTensor("cls.predictions.decoder.bias", (V,), 1, False, False))
-        return tuple(items)
-    # llama-style decoders: llama, mistral, qwen2, gemma, phi3, mixtral
-    q, kv = m.q_dim, m.kv_dim
-    items.append(ParamTensor("embed_tokens.weight", (V, h), 1, False, False))
-    if fam is Family.PHI3:
-        items += _linear("layers.self_attn.o_proj", h, q, m.out_bias, L)
-        items += _linear("layers.self_attn.qkv_proj", q + 2 * kv, h, m.qkv_bias, L)
-        items += _linear("layers.mlp.gate_up_proj", 2 * f, h, m.mlp_bias, L)
-        items += _linear("layers.mlp.down_proj", h, f, m.mlp_bias, L)
-    else:
-        items += _linear("layers.self_attn.q_proj", q, h, m.qkv_bias, L)
-        items += _linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, L)
-        items += _linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, L)
-        items += _linear("layers.self_attn.o_proj", h, q, m.out_bias, L)
-        if m.is_moe:
-            E = m.n_experts
-            items.append(ParamTensor("layers.mlp.gate.weight", (E, h), L, True, True))
-            items.append(ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * f, h), L, True, True))
-            items.append(ParamTensor("layers.mlp.experts.down_proj", (E, h, f), L, True, True))
-        else:
-            items += _linear("layers.mlp.gate_proj", f, h, m.mlp_bias, L)
-            items += _linear("layers.mlp.up_proj", f, h, m.mlp_bias, L)
-            items += _linear("layers.mlp.down_proj", h, f, m.mlp_bias, L)
-    items += _norm("layers.input_layernorm", h, False, L)
-    items += _norm("layers.post_attention_layernorm", h, False, L)
-    items += _norm("norm", h, False, 1, False)
-    if not m.tie_embeddings:
-        items += _linear("lm_head", V, h, False, 1, False)
-    return tuple(items)
+    return tuple(_INVENTORIES[DESCRIPTIONS[m.family].recipe](m))
 
 
 def count_params(m: ModelSpec) -> int:
@@ -288,25 +324,27 @@ def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, 
     >>> sum(p.numel for p in lora_inventory(m, "all-linear", 8))  # one layer; measured with peft 0.21
     5619776
     """
-    shapes = {p.name[len("layers."):-len(".weight")]: p.shape for p in param_inventory(m) if p.in_layer}
+    base = {p.name[len("layers."):].removesuffix(".weight"): p for p in param_inventory(m) if p.in_layer}
     out: list[ParamTensor] = []
     for mod in lora_modules(m, targets):
-        shape = shapes[mod]
-        in_f, out_f = (shape[0], shape[1]) if m.family is Family.GPT2 else (shape[1], shape[0])  # Conv1D is (in, out)
-        out.append(ParamTensor(f"layers.{mod}.lora_A.weight", (rank, in_f), m.n_layers, True, True))
-        out.append(ParamTensor(f"layers.{mod}.lora_B.weight", (out_f, rank), m.n_layers, True, True))
+        b = base[mod]
+        in_f, out_f = (b.shape[0], b.shape[1]) if m.family is Family.GPT2 else (b.shape[1], b.shape[0])  # Conv1D is (in, out)
+        out.append(ParamTensor(f"layers.{mod}.lora_A.weight", (rank, in_f), b.count, True, True, b.kind))
+        out.append(ParamTensor(f"layers.{mod}.lora_B.weight", (out_f, rank), b.count, True, True, b.kind))
     for mod, (out_f, in_f) in lora_outer_modules(m, targets):
         out.append(ParamTensor(f"{mod}.lora_A.weight", (rank, in_f), 1, True, False))
         out.append(ParamTensor(f"{mod}.lora_B.weight", (out_f, rank), 1, True, False))
     moe = lora_moe_params(m, targets)
-    L, E, h, f = m.n_layers, m.n_experts, m.hidden, m.ffn
+    E, h, f = m.n_experts, m.hidden, m.expert_width
     if "mlp.gate" in moe:
-        out.append(ParamTensor("layers.mlp.gate.lora_A.weight", (rank, h), L, True, True))
-        out.append(ParamTensor("layers.mlp.gate.lora_B.weight", (E, rank), L, True, True))
+        g = base["mlp.gate"]
+        out.append(ParamTensor("layers.mlp.gate.lora_A.weight", (rank, h), g.count, True, True, g.kind))
+        out.append(ParamTensor("layers.mlp.gate.lora_B.weight", (E, rank), g.count, True, True, g.kind))
     for name, r, in_f, out_f in (("mlp.experts.gate_up_proj", 2 * rank, h, 2 * f), ("mlp.experts.down_proj", rank, f, h)):
         if name in moe:
-            out.append(ParamTensor(f"layers.{name}.lora_A.weight", (E * r, in_f), L, True, True))
-            out.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, E * r), L, True, True))
+            e = base[name]
+            out.append(ParamTensor(f"layers.{name}.lora_A.weight", (E * r, in_f), e.count, True, True, e.kind))
+            out.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, E * r), e.count, True, True, e.kind))
     return tuple(out)
 
 
