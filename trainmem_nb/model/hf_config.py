@@ -8,13 +8,13 @@ would).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..errors import SpecError, did_you_mean
 from .families import DESCRIPTIONS, Family
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "shape_for_params", "spec_kwargs_from_hf", "to_hf_config"]
+__all__ = ["READERS", "SUPPORTED_MODEL_TYPES", "WRITERS", "shape_for_params", "spec_kwargs_from_hf", "to_hf_config"]
 
 #: ``model_type`` values we read, mapped to their family (each family's description lists its own).
 SUPPORTED_MODEL_TYPES: dict[str, Family] = {t: d.family for d in DESCRIPTIONS.values() for t in d.model_types}
@@ -55,7 +55,8 @@ def _rope(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
-    """`ModelSpec` keyword arguments from a Hugging Face config dict.
+    """`ModelSpec` keyword arguments from a Hugging Face config dict: the family's reader (`READERS`),
+    then what every family shares (tied embeddings, sanity bounds).
 
     >>> kw = spec_kwargs_from_hf({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4})
     >>> kw["family"].value, kw["ffn"], kw["vocab"]
@@ -71,110 +72,7 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
             f"model_type={model_type!r} is not supported{did_you_mean(model_type, list(SUPPORTED_MODEL_TYPES))}; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    f = family
-    kw: dict[str, Any] = {"family": family}
-    if family is Family.GPT2:
-        hidden = _int(cfg, "n_embd", "hidden_size", family=f)
-        kw.update(
-            n_layers=_int(cfg, "n_layer", "num_hidden_layers", family=f),
-            hidden=hidden,
-            n_heads=_int(cfg, "n_head", "num_attention_heads", family=f),
-            ffn=_int(cfg, "n_inner", family=f, default=4 * hidden),
-            vocab=_int(cfg, "vocab_size", family=f, default=50257),
-            max_positions=_int(cfg, "n_positions", "max_position_embeddings", family=f, default=1024),
-            activation=_get(cfg, "activation_function", default="gelu_new", family=f),
-            attn_dropout=_float(cfg, "attn_pdrop", family=f, default=0.1),
-            hidden_dropout=_float(cfg, "resid_pdrop", family=f, default=0.1),
-            embd_dropout=_float(cfg, "embd_pdrop", family=f, default=0.1),
-        )
-    elif family is Family.OPT:
-        hidden = _int(cfg, "hidden_size", family=f)
-        proj = _int(cfg, "word_embed_proj_dim", family=f, default=hidden)
-        bias = bool(_get(cfg, "enable_bias", default=True, family=f))
-        kw.update(
-            n_layers=_int(cfg, "num_hidden_layers", family=f),
-            hidden=hidden,
-            n_heads=_int(cfg, "num_attention_heads", family=f),
-            ffn=_int(cfg, "ffn_dim", family=f),
-            vocab=_int(cfg, "vocab_size", family=f, default=50272),
-            max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
-            activation=_get(cfg, "activation_function", default="relu", family=f),
-            attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
-            hidden_dropout=_float(cfg, "dropout", family=f, default=0.1),
-            word_embed_proj_dim=0 if proj == hidden else proj,
-            pre_norm=bool(_get(cfg, "do_layer_norm_before", default=True, family=f)),
-            qkv_bias=bias, out_bias=bias, mlp_bias=bias,
-        )
-        if cfg.get("_remove_final_layer_norm") or cfg.get("layer_norm_elementwise_affine") is False:
-            raise SpecError("OPT configs with _remove_final_layer_norm or without layer-norm weights are not supported")
-    elif family is Family.BERT:
-        kw.update(
-            n_layers=_int(cfg, "num_hidden_layers", family=f),
-            hidden=_int(cfg, "hidden_size", family=f),
-            n_heads=_int(cfg, "num_attention_heads", family=f),
-            ffn=_int(cfg, "intermediate_size", family=f),
-            vocab=_int(cfg, "vocab_size", family=f, default=30522),
-            max_positions=_int(cfg, "max_position_embeddings", family=f, default=512),
-            type_vocab=_int(cfg, "type_vocab_size", family=f, default=2, minimum=0),
-            activation=_get(cfg, "hidden_act", default="gelu", family=f),
-            attn_dropout=_float(cfg, "attention_probs_dropout_prob", family=f, default=0.1),
-            hidden_dropout=_float(cfg, "hidden_dropout_prob", family=f, default=0.1),
-            embd_dropout=_float(cfg, "hidden_dropout_prob", family=f, default=0.1),
-        )
-    elif family is Family.GPT_NEOX:
-        rotary = cfg.get("rotary_pct", _rope(cfg).get("partial_rotary_factor", 0.25))
-        bias = bool(_get(cfg, "attention_bias", default=True, family=f))
-        kw.update(
-            n_layers=_int(cfg, "num_hidden_layers", family=f),
-            hidden=_int(cfg, "hidden_size", family=f),
-            n_heads=_int(cfg, "num_attention_heads", family=f),
-            ffn=_int(cfg, "intermediate_size", family=f),
-            vocab=_int(cfg, "vocab_size", family=f),
-            max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
-            activation=_get(cfg, "hidden_act", default="gelu", family=f),
-            attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
-            hidden_dropout=_float(cfg, "hidden_dropout", family=f, default=0.0),
-            parallel_residual=bool(_get(cfg, "use_parallel_residual", default=True, family=f)),
-            rotary_pct=rotary,
-            qkv_bias=bias, out_bias=bias,
-        )
-    else:  # llama-style decoders
-        hidden = _int(cfg, "hidden_size", family=f)
-        heads = _int(cfg, "num_attention_heads", family=f)
-        act = _get(cfg, "hidden_activation", "hidden_act", default="silu", family=f)
-        if family is Family.GEMMA and act == "gelu":
-            act = "gelu_pytorch_tanh"  # transformers' GemmaConfig maps the legacy "gelu" to the tanh form
-        kw.update(
-            n_layers=_int(cfg, "num_hidden_layers", family=f),
-            hidden=hidden,
-            n_heads=heads,
-            n_kv_heads=_int(cfg, "num_key_value_heads", family=f, default=heads),
-            head_dim=_int(cfg, "head_dim", family=f, default=0, minimum=0),
-            ffn=_int(cfg, "intermediate_size", family=f),
-            vocab=_int(cfg, "vocab_size", family=f),
-            max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
-            activation=act,
-            attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
-        )
-        if family is Family.LLAMA:
-            bias = bool(cfg.get("attention_bias", False))
-            kw.update(qkv_bias=bias, out_bias=bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
-        if family is Family.PHI3:
-            kw.update(
-                hidden_dropout=_float(cfg, "resid_pdrop", family=f, default=0.0),
-                embd_dropout=_float(cfg, "embd_pdrop", family=f, default=0.0),
-                rotary_pct=cfg.get("partial_rotary_factor", _rope(cfg).get("partial_rotary_factor", 1.0)),
-            )
-        if family is Family.MIXTRAL:
-            kw.update(
-                n_experts=_int(cfg, "num_local_experts", family=f, default=8),
-                experts_top_k=_int(cfg, "num_experts_per_tok", family=f, default=2),
-            )
-        if family in (Family.MISTRAL, Family.MIXTRAL, Family.QWEN2, Family.PHI3):
-            window = cfg.get("sliding_window")
-            use = cfg.get("use_sliding_window", family is not Family.QWEN2)
-            if isinstance(window, int) and window > 0 and use:
-                kw["sliding_window"] = window
+    kw: dict[str, Any] = {"family": family, **READERS[family](cfg, family)}
     tie = cfg.get("tie_word_embeddings", DESCRIPTIONS[family].tie_default)
     if not isinstance(tie, bool):
         raise SpecError(f"config.json has tie_word_embeddings={tie!r}; it must be true or false")
@@ -184,6 +82,146 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
         if kw.get(key, 0) > limit:
             raise SpecError(f"config.json gives {key}={kw[key]}, beyond any real model (> {limit}); check the file")
     return kw
+
+
+# -- one reader per family: its configuration_*.py keys and defaults (transformers 5.x) -------------------
+
+def _read_gpt2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    hidden = _int(cfg, "n_embd", "hidden_size", family=f)
+    return dict(
+        n_layers=_int(cfg, "n_layer", "num_hidden_layers", family=f),
+        hidden=hidden,
+        n_heads=_int(cfg, "n_head", "num_attention_heads", family=f),
+        ffn=_int(cfg, "n_inner", family=f, default=4 * hidden),
+        vocab=_int(cfg, "vocab_size", family=f, default=50257),
+        max_positions=_int(cfg, "n_positions", "max_position_embeddings", family=f, default=1024),
+        activation=_get(cfg, "activation_function", default="gelu_new", family=f),
+        attn_dropout=_float(cfg, "attn_pdrop", family=f, default=0.1),
+        hidden_dropout=_float(cfg, "resid_pdrop", family=f, default=0.1),
+        embd_dropout=_float(cfg, "embd_pdrop", family=f, default=0.1),
+    )
+
+
+def _read_opt(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    hidden = _int(cfg, "hidden_size", family=f)
+    proj = _int(cfg, "word_embed_proj_dim", family=f, default=hidden)
+    bias = bool(_get(cfg, "enable_bias", default=True, family=f))
+    if cfg.get("_remove_final_layer_norm") or cfg.get("layer_norm_elementwise_affine") is False:
+        raise SpecError("OPT configs with _remove_final_layer_norm or without layer-norm weights are not supported")
+    return dict(
+        n_layers=_int(cfg, "num_hidden_layers", family=f),
+        hidden=hidden,
+        n_heads=_int(cfg, "num_attention_heads", family=f),
+        ffn=_int(cfg, "ffn_dim", family=f),
+        vocab=_int(cfg, "vocab_size", family=f, default=50272),
+        max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
+        activation=_get(cfg, "activation_function", default="relu", family=f),
+        attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
+        hidden_dropout=_float(cfg, "dropout", family=f, default=0.1),
+        word_embed_proj_dim=0 if proj == hidden else proj,
+        pre_norm=bool(_get(cfg, "do_layer_norm_before", default=True, family=f)),
+        qkv_bias=bias, out_bias=bias, mlp_bias=bias,
+    )
+
+
+def _read_bert(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    return dict(
+        n_layers=_int(cfg, "num_hidden_layers", family=f),
+        hidden=_int(cfg, "hidden_size", family=f),
+        n_heads=_int(cfg, "num_attention_heads", family=f),
+        ffn=_int(cfg, "intermediate_size", family=f),
+        vocab=_int(cfg, "vocab_size", family=f, default=30522),
+        max_positions=_int(cfg, "max_position_embeddings", family=f, default=512),
+        type_vocab=_int(cfg, "type_vocab_size", family=f, default=2, minimum=0),
+        activation=_get(cfg, "hidden_act", default="gelu", family=f),
+        attn_dropout=_float(cfg, "attention_probs_dropout_prob", family=f, default=0.1),
+        hidden_dropout=_float(cfg, "hidden_dropout_prob", family=f, default=0.1),
+        embd_dropout=_float(cfg, "hidden_dropout_prob", family=f, default=0.1),
+    )
+
+
+def _read_gpt_neox(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    bias = bool(_get(cfg, "attention_bias", default=True, family=f))
+    return dict(
+        n_layers=_int(cfg, "num_hidden_layers", family=f),
+        hidden=_int(cfg, "hidden_size", family=f),
+        n_heads=_int(cfg, "num_attention_heads", family=f),
+        ffn=_int(cfg, "intermediate_size", family=f),
+        vocab=_int(cfg, "vocab_size", family=f),
+        max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
+        activation=_get(cfg, "hidden_act", default="gelu", family=f),
+        attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
+        hidden_dropout=_float(cfg, "hidden_dropout", family=f, default=0.0),
+        parallel_residual=bool(_get(cfg, "use_parallel_residual", default=True, family=f)),
+        rotary_pct=cfg.get("rotary_pct", _rope(cfg).get("partial_rotary_factor", 0.25)),
+        qkv_bias=bias, out_bias=bias,
+    )
+
+
+def _read_decoder(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """What the llama-derived configs share (LlamaConfig's keys)."""
+    hidden = _int(cfg, "hidden_size", family=f)
+    heads = _int(cfg, "num_attention_heads", family=f)
+    return dict(
+        n_layers=_int(cfg, "num_hidden_layers", family=f),
+        hidden=hidden,
+        n_heads=heads,
+        n_kv_heads=_int(cfg, "num_key_value_heads", family=f, default=heads),
+        head_dim=_int(cfg, "head_dim", family=f, default=0, minimum=0),
+        ffn=_int(cfg, "intermediate_size", family=f),
+        vocab=_int(cfg, "vocab_size", family=f),
+        max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
+        activation=_get(cfg, "hidden_activation", "hidden_act", default="silu", family=f),
+        attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
+    )
+
+
+def _window(cfg: Mapping[str, Any], use_default: bool) -> dict[str, Any]:
+    """``sliding_window`` when the config sets one and uses it (``use_sliding_window``, where it exists)."""
+    window = cfg.get("sliding_window")
+    use = cfg.get("use_sliding_window", use_default)
+    return {"sliding_window": window} if isinstance(window, int) and window > 0 and use else {}
+
+
+def _read_llama(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    bias = bool(cfg.get("attention_bias", False))
+    return {**_read_decoder(cfg, f), "qkv_bias": bias, "out_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False))}
+
+
+def _read_mistral(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    return {**_read_decoder(cfg, f), **_window(cfg, True)}
+
+
+def _read_qwen2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    return {**_read_decoder(cfg, f), **_window(cfg, False)}
+
+
+def _read_gemma(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    kw = _read_decoder(cfg, f)
+    if kw["activation"] == "gelu":
+        kw["activation"] = "gelu_pytorch_tanh"  # transformers' GemmaConfig maps the legacy "gelu" to the tanh form
+    return kw
+
+
+def _read_phi3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    return {**_read_decoder(cfg, f), **_window(cfg, True),
+            "hidden_dropout": _float(cfg, "resid_pdrop", family=f, default=0.0),
+            "embd_dropout": _float(cfg, "embd_pdrop", family=f, default=0.0),
+            "rotary_pct": cfg.get("partial_rotary_factor", _rope(cfg).get("partial_rotary_factor", 1.0))}
+
+
+def _read_mixtral(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    return {**_read_decoder(cfg, f), **_window(cfg, True),
+            "n_experts": _int(cfg, "num_local_experts", family=f, default=8),
+            "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=2)}
+
+
+#: The config reader of every family.
+READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
+    Family.LLAMA: _read_llama, Family.MISTRAL: _read_mistral, Family.QWEN2: _read_qwen2, Family.GEMMA: _read_gemma,
+    Family.PHI3: _read_phi3, Family.MIXTRAL: _read_mixtral, Family.GPT2: _read_gpt2, Family.OPT: _read_opt,
+    Family.BERT: _read_bert, Family.GPT_NEOX: _read_gpt_neox,
+}
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
@@ -259,53 +297,79 @@ def _human_count(n: float) -> str:
 
 def to_hf_config(m: Any) -> dict[str, Any]:
     """The Hugging Face config dict that builds exactly `m` (a `ModelSpec`); the inverse of
-    `spec_kwargs_from_hf`, used to measure any spec with the real model code.
+    `spec_kwargs_from_hf` (the family's writer, `WRITERS`), used to measure any spec with the real
+    model code.
 
     >>> from trainmem_nb.model.spec import ModelSpec
     >>> m = ModelSpec(family="gpt2", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=100, max_positions=128)
     >>> ModelSpec.from_hf_config(to_hf_config(m), name=m.name) == m
     True
     """
-    fam = m.family
-    tie = {"tie_word_embeddings": m.tie_embeddings}
-    if fam is Family.GPT2:
-        return {"model_type": "gpt2", "n_layer": m.n_layers, "n_embd": m.hidden, "n_head": m.n_heads,
-                "n_inner": m.ffn, "vocab_size": m.vocab, "n_positions": m.max_positions,
-                "activation_function": m.activation, "attn_pdrop": m.attn_dropout,
-                "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.embd_dropout, **tie}
-    if fam is Family.OPT:
-        return {"model_type": "opt", "hidden_size": m.hidden, "ffn_dim": m.ffn, "num_hidden_layers": m.n_layers,
-                "num_attention_heads": m.n_heads, "vocab_size": m.vocab, "max_position_embeddings": m.max_positions,
-                "word_embed_proj_dim": m.word_embed_proj_dim or m.hidden, "do_layer_norm_before": m.pre_norm,
-                "activation_function": m.activation, "dropout": m.hidden_dropout,
-                "attention_dropout": m.attn_dropout, "enable_bias": m.qkv_bias, **tie}
-    if fam is Family.BERT:
-        return {"model_type": "bert", "hidden_size": m.hidden, "intermediate_size": m.ffn,
-                "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "vocab_size": m.vocab,
-                "max_position_embeddings": m.max_positions, "type_vocab_size": m.type_vocab,
-                "hidden_act": m.activation, "hidden_dropout_prob": m.hidden_dropout,
-                "attention_probs_dropout_prob": m.attn_dropout, **tie}
-    if fam is Family.GPT_NEOX:
-        return {"model_type": "gpt_neox", "hidden_size": m.hidden, "intermediate_size": m.ffn,
-                "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "vocab_size": m.vocab,
-                "max_position_embeddings": m.max_positions, "hidden_act": m.activation,
-                "attention_dropout": m.attn_dropout, "hidden_dropout": m.hidden_dropout,
-                "use_parallel_residual": m.parallel_residual, "rotary_pct": m.rotary_pct,
-                "attention_bias": m.qkv_bias, **tie}
-    cfg: dict[str, Any] = {
-        "model_type": fam.value, "hidden_size": m.hidden, "intermediate_size": m.ffn,
-        "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
-        "head_dim": m.head_dim, "vocab_size": m.vocab, "max_position_embeddings": m.max_positions,
-        "hidden_act": m.activation, "attention_dropout": m.attn_dropout, **tie,
-    }
-    if fam is Family.LLAMA:
-        cfg.update(attention_bias=m.qkv_bias, mlp_bias=m.mlp_bias)
-    if fam is Family.PHI3:
-        cfg.update(resid_pdrop=m.hidden_dropout, embd_pdrop=m.embd_dropout, partial_rotary_factor=m.rotary_pct)
-    if fam is Family.MIXTRAL:
-        cfg.update(num_local_experts=m.n_experts, num_experts_per_tok=m.experts_top_k)
-    if fam in (Family.MISTRAL, Family.MIXTRAL, Family.PHI3):
-        cfg["sliding_window"] = m.sliding_window or None
-    if fam is Family.QWEN2:
-        cfg.update(use_sliding_window=bool(m.sliding_window), sliding_window=m.sliding_window or None)
-    return cfg
+    return {**WRITERS[m.family](m), "tie_word_embeddings": m.tie_embeddings}
+
+
+def _write_gpt2(m: Any) -> dict[str, Any]:
+    return {"model_type": "gpt2", "n_layer": m.n_layers, "n_embd": m.hidden, "n_head": m.n_heads,
+            "n_inner": m.ffn, "vocab_size": m.vocab, "n_positions": m.max_positions,
+            "activation_function": m.activation, "attn_pdrop": m.attn_dropout,
+            "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.embd_dropout}
+
+
+def _write_opt(m: Any) -> dict[str, Any]:
+    return {"model_type": "opt", "hidden_size": m.hidden, "ffn_dim": m.ffn, "num_hidden_layers": m.n_layers,
+            "num_attention_heads": m.n_heads, "vocab_size": m.vocab, "max_position_embeddings": m.max_positions,
+            "word_embed_proj_dim": m.word_embed_proj_dim or m.hidden, "do_layer_norm_before": m.pre_norm,
+            "activation_function": m.activation, "dropout": m.hidden_dropout,
+            "attention_dropout": m.attn_dropout, "enable_bias": m.qkv_bias}
+
+
+def _write_bert(m: Any) -> dict[str, Any]:
+    return {"model_type": "bert", "hidden_size": m.hidden, "intermediate_size": m.ffn,
+            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "vocab_size": m.vocab,
+            "max_position_embeddings": m.max_positions, "type_vocab_size": m.type_vocab,
+            "hidden_act": m.activation, "hidden_dropout_prob": m.hidden_dropout,
+            "attention_probs_dropout_prob": m.attn_dropout}
+
+
+def _write_gpt_neox(m: Any) -> dict[str, Any]:
+    return {"model_type": "gpt_neox", "hidden_size": m.hidden, "intermediate_size": m.ffn,
+            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "vocab_size": m.vocab,
+            "max_position_embeddings": m.max_positions, "hidden_act": m.activation,
+            "attention_dropout": m.attn_dropout, "hidden_dropout": m.hidden_dropout,
+            "use_parallel_residual": m.parallel_residual, "rotary_pct": m.rotary_pct, "attention_bias": m.qkv_bias}
+
+
+def _write_decoder(m: Any) -> dict[str, Any]:
+    return {"model_type": m.family.value, "hidden_size": m.hidden, "intermediate_size": m.ffn,
+            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
+            "head_dim": m.head_dim, "vocab_size": m.vocab, "max_position_embeddings": m.max_positions,
+            "hidden_act": m.activation, "attention_dropout": m.attn_dropout}
+
+
+def _write_llama(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "mlp_bias": m.mlp_bias}
+
+
+def _write_windowed(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "sliding_window": m.sliding_window or None}
+
+
+def _write_qwen2(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None}
+
+
+def _write_phi3(m: Any) -> dict[str, Any]:
+    return {**_write_windowed(m), "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.embd_dropout,
+            "partial_rotary_factor": m.rotary_pct}
+
+
+def _write_mixtral(m: Any) -> dict[str, Any]:
+    return {**_write_windowed(m), "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
+
+
+#: The config writer of every family (`to_hf_config`).
+WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
+    Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
+    Family.GEMMA: _write_decoder, Family.PHI3: _write_phi3, Family.MIXTRAL: _write_mixtral, Family.GPT2: _write_gpt2,
+    Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
+}
