@@ -181,6 +181,19 @@ class ModelSpec(SpecModel):
         return _layer_kinds(self.family, self.n_layers, self.sliding_window, self.layer_types, self.nope_layers,
                             self.n_experts > 0, self.dense_layers)
 
+    def layer_slice(self, start: int, stop: int) -> ModelSpec:
+        """The model's layers ``start..stop-1`` as a model of their own (a pipeline stage): the layer
+        pattern is cut to them, everything else kept."""
+        if not 0 <= start < stop <= self.n_layers:
+            raise SpecError(f"layers {start}..{stop - 1} are not within 0..{self.n_layers - 1}")
+        if (start, stop) == (0, self.n_layers):
+            return self
+        data = self.model_dump()
+        data.update(n_layers=stop - start, layer_types=self.layer_types[start:stop],
+                    nope_layers=tuple(i - start for i in self.nope_layers if start <= i < stop),
+                    dense_layers=tuple(i - start for i in self.dense_layers if start <= i < stop))
+        return ModelSpec.model_validate(data)
+
     @property
     def expert_width(self) -> int:
         """Intermediate size of one expert's MLP."""

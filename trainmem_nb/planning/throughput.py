@@ -91,8 +91,9 @@ def flops_per_token(m: ModelSpec, t: TrainingSpec) -> tuple[float, float]:
     recomputes the attention core (4·L·h·T; Korthikanti et al. 2022, eq. 8), selective-op every other
     matmul of a layer (about half its weights' forward FLOPs, 2·layer weights / 2)."""
     frozen, trained, in_layers = _matmul_params(m, t)
-    window = m.sliding_window or t.seq_len
-    attn_fwd = 4.0 * m.n_layers * m.n_heads * (m.head_dim or m.hidden // m.n_heads) * min(t.seq_len, window)
+    # each layer attends over the whole sequence, or over its window (sliding-window layers)
+    keys = sum(min(t.seq_len, m.sliding_window) if k.attention == "sliding" else t.seq_len for k in m.layer_kinds)
+    attn_fwd = 4.0 * m.n_heads * (m.head_dim or m.hidden // m.n_heads) * keys
     model = 4.0 * frozen + 6.0 * trained + 3.0 * attn_fwd
     if t.checkpointing is Checkpointing.FULL:
         return model, model + 2.0 * in_layers + attn_fwd

@@ -89,7 +89,11 @@ class DecoderRecipe(Recipe):
         pos = g.alloc(per_seq(1), I64, "cache_position")
         g.drop(ar)
         sh.extra.append(pos)
-        sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
+        attention = sorted({k.attention for k in self.m.layer_kinds}, key=("full", "sliding").index)
+        if len(attention) == 1:
+            sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
+        else:  # one mask per attention kind, the full one first (the models' ``causal_mask_mapping``)
+            sh.masks = {a: self.attention_mask(g, x.dt, LayerKind(a)) for a in attention}
         sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt)
         return x, sh
 

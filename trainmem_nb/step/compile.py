@@ -88,17 +88,19 @@ _SINGLE = EngineHooks()
 
 
 def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
-                 workspace_bytes: int | None = None) -> Program:
+                 workspace_bytes: int | None = None, unrolled: bool = False) -> Program:
     """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic);
     `hooks` adds a parallel engine's buffers and sharding (hashable: part of the cache key);
-    `workspace_bytes`, a calibration's cuBLAS workspaces (None: `CUBLAS_WORKSPACE_BYTES`). Cached:
-    every spelling of the same arguments shares one entry."""
+    `workspace_bytes`, a calibration's cuBLAS workspaces (None: `CUBLAS_WORKSPACE_BYTES`); `unrolled`
+    runs every layer instead of repeating one period of the layer pattern (same bytes, slower: the
+    check of the repetition argument). Cached: every spelling of the same arguments shares one entry."""
     workspace = CUBLAS_WORKSPACE_BYTES["default"] if workspace_bytes is None else workspace_bytes
-    return _compile_step(m, t, hooks, workspace)
+    return _compile_step(m, t, hooks, workspace, unrolled)
 
 
 @lru_cache(maxsize=1024)
-def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_bytes: int) -> Program:
+def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_bytes: int,
+                  unrolled: bool = False) -> Program:
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
     g = Graph()
@@ -110,7 +112,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     # repeating layer pattern, the suffix (a uniform stack: its first, a middle and its last layer).
     # Every tensor passed between layers (outputs, gradients, an engine's lingering buffers) then has a
     # predecessor and a successor in the repeated period, in forward and in backward
-    plan = layer_plan(m)
+    plan = layer_plan(m, unrolled)
     n_sim = len(plan.kinds)
     units = plan.units
     layer_params: list[dict[str, T]] = [{} for _ in range(n_sim)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..model.layers import LayerKind, compress
+from ..model.layers import LayerKind, LayerPattern, compress
 from ..model.params import ParamTensor
 from ..model.spec import ModelSpec
 
@@ -36,10 +36,10 @@ def in_layer_of(p: ParamTensor, kind: LayerKind) -> bool:
     return not p.kind or (p.kind == "moe") == kind.moe
 
 
-def layer_plan(m: ModelSpec) -> LayerPlan:
-    """The layers the step of `m` simulates (see the module docstring)."""
+def layer_plan(m: ModelSpec, unrolled: bool = False) -> LayerPlan:
+    """The layers the step of `m` simulates (see the module docstring); `unrolled`: every layer."""
     kinds = m.layer_kinds
-    pattern = compress(kinds)
+    pattern = LayerPattern(kinds, (), 0, ()) if unrolled else compress(kinds)
     period, a = pattern.period, len(pattern.prefix)
     sim = (*pattern.prefix, *period, *period, *period, *pattern.suffix) if period else pattern.prefix
     # the layer index each simulated layer stands for (the middle period: its first repetition's)
