@@ -54,7 +54,7 @@ def test_layer_types_must_give_one_kind_per_layer_and_sliding_needs_a_window() -
     with pytest.raises(SpecError, match="sliding_window is 0"):
         ModelSpec(family="mistral", n_layers=1, hidden=64, n_heads=4, ffn=128, vocab=256,
                   layer_types=("sliding_attention",))
-    with pytest.raises(SpecError, match="dense_layers has layer 5, outside 0..3"):
+    with pytest.raises(SpecError, match=r"dense_layers has layer 5, outside 0\.\.3"):
         ModelSpec(family="mixtral", n_layers=4, hidden=64, n_heads=4, ffn=128, vocab=256, n_experts=4,
                   dense_layers=(5,))
 

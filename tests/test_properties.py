@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trainmem_nb import estimate
-from trainmem_nb.model.spec import ModelSpec
 from trainmem_nb.model.families import DESCRIPTIONS
+from trainmem_nb.model.spec import ModelSpec
 from trainmem_nb.spec.training import TrainingSpec
 
 FAMILIES = sorted(f.value for f in DESCRIPTIONS)
