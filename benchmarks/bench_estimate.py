@@ -14,6 +14,7 @@ from _timing import median_ms
 
 import trainmem_nb as tm
 from trainmem_nb.model.presets import get_model
+from trainmem_nb.model.spec import ModelSpec
 from trainmem_nb.step.compile import compile_step
 
 
@@ -65,6 +66,26 @@ def main() -> None:
         mm = get_model(name)
         tm.estimate(mm, micro_batch=1, seq_len=1024)
         print(f"estimate() warm, {name:<22} median {median_ms(lambda i, mm=mm: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=1024), 500):.3f} ms")
+    for label, mm in _pattern_models().items():
+        def first(i: int, mm: ModelSpec = mm) -> None:
+            compile_step.cache_clear()
+            tm.estimate(mm, micro_batch=1, seq_len=4096)
+
+        print(f"estimate() cold (first), {label}: median {median_ms(first, 20):.2f} ms")
+        print(f"estimate() warm,         {label}: median "
+              f"{median_ms(lambda i, mm=mm: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=4096), 500):.3f} ms")
+
+
+def _pattern_models() -> dict[str, ModelSpec]:
+    """Layer-pattern models of real shapes: DeepSeek-V3's 3 dense then 58 MoE layers (on a mixtral-style
+    MoE layer) and Gemma 3 27B's five sliding-window layers then one global, 62 layers."""
+    deep = ModelSpec(name="61-layer dense+MoE", family="mixtral", n_layers=61, hidden=7168, n_heads=128, n_kv_heads=128,
+                     head_dim=128, ffn=18432, expert_ffn=2048, vocab=129280, n_experts=256, experts_top_k=8,
+                     dense_layers=(0, 1, 2))
+    types = (("sliding_attention",) * 5 + ("full_attention",)) * 10 + ("sliding_attention",) * 2
+    gemma = ModelSpec(name="62-layer 5:1 sliding/global", family="mistral", n_layers=62, hidden=5376, n_heads=32,
+                      n_kv_heads=16, head_dim=128, ffn=21504, vocab=262208, sliding_window=1024, layer_types=types)
+    return {"61-layer dense then MoE   ": deep, "62-layer 5:1 sliding/global": gemma}
 
 
 if __name__ == "__main__":

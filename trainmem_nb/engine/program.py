@@ -8,8 +8,10 @@ bytes, the peak over repetitions is at the first or the last one. `timeline` dra
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
+from operator import itemgetter
 from typing import NamedTuple
 
 from ..device import CUDA_BLOCK_BYTES
@@ -35,6 +37,10 @@ class Segment(NamedTuple):
     net: tuple[tuple[int, int, float, int], ...] = ()
     sizes_of: tuple[tuple[int, float], ...] = ()  # the distinct one-term sizes (monomial index, coefficient)
     which: tuple[tuple[int, int], ...] = ()  # per event: (index into sizes_of, sign)
+    #: the distinct (index into sizes_of, sign) pairs of the one-term events, then one slot per
+    #: several-term event; `gather` picks every event's signed bytes from a table of them (in C)
+    pairs: tuple[tuple[int, int], ...] = ()
+    gather: Callable[[list[float]], tuple[float, ...]] | None = None
 
 
 def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...]) -> Segment:
@@ -46,8 +52,20 @@ def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, 
             net[(cat, i, c)] = net.get((cat, i, c), 0) + k
     distinct: dict[tuple[int, float], int] = {}
     which = tuple((distinct.setdefault((max(i, 0), c), len(distinct)), k) for i, c, k in fast)
-    return Segment(phase, label, repeat, events, fast, tuple(j for j, f in enumerate(fast) if f[0] < 0),
-                   tuple((cat, i, c, k) for (cat, i, c), k in net.items() if k), tuple(distinct), which)
+    general = tuple(j for j, f in enumerate(fast) if f[0] < 0)
+    slot: dict[tuple[int, int], int] = {}
+    index = [slot.setdefault(w, len(slot)) for w in which]
+    for g_index, j in enumerate(general):  # several-term sizes: a slot of their own, after the pairs
+        index[j] = len(slot) + g_index
+    gather: Callable[[list[float]], tuple[float, ...]] | None = None
+    if len(index) == 1:
+        only = index[0]
+        gather = lambda table: (table[only],)  # noqa: E731  (itemgetter of one index returns no tuple)
+    elif index:
+        gather = itemgetter(*index)
+    return Segment(phase, label, repeat, events, fast, general,
+                   tuple((cat, i, c, k) for (cat, i, c), k in net.items() if k), tuple(distinct), which,
+                   tuple(slot), gather)
 
 
 @dataclass(frozen=True)
@@ -97,13 +115,15 @@ def _terms(sz: Sz) -> tuple[int, float]:
 _TERMS: dict[Sz, tuple[int, float]] = {}
 
 
-def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> list[float]:
-    """Signed, 512-B-rounded bytes of each event at (b, s)."""
+def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> tuple[float, ...]:
+    """Signed, 512-B-rounded bytes of each event at (b, s): a table of the distinct (size, sign) pairs
+    and several-term sizes, then every event's entry picked from it."""
     vals = [-(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for i, c in seg.sizes_of]
-    out = [k * vals[u] for u, k in seg.which]
+    table = [k * vals[u] for u, k in seg.pairs]
     for j in seg.general:
-        out[j] = seg.fast[j][2] * _round(seg.events[j][2].at(b, s))
-    return out
+        table.append(seg.fast[j][2] * _round(seg.events[j][2].at(b, s)))
+    assert seg.gather is not None
+    return seg.gather(table)
 
 
 def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
@@ -114,10 +134,10 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     total: float = sum(init)
     best, best_where = total, (-1, 0, 0)  # (segment index, event index, repetitions before)
     phase_peaks: dict[str, float] = {}
-    all_sizes: list[list[float]] = []
+    all_sizes: list[tuple[float, ...]] = []
     for si, seg in enumerate(prog.segments):
         n = seg.repeat
-        sizes = _sizes(seg, b, s, mono) if n > 0 and seg.events else []
+        sizes = _sizes(seg, b, s, mono) if n > 0 and seg.events else ()
         all_sizes.append(sizes)
         if not sizes:
             continue
@@ -150,7 +170,7 @@ def _init_bytes(prog: Program, b: int, s: int) -> list[int]:
     return cats
 
 
-def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[float]], si: int, ei: int,
+def _breakdown_at(prog: Program, init: list[int], all_sizes: list[tuple[float, ...]], si: int, ei: int,
                   reps: int, mono: tuple[int, ...]) -> dict[str, int]:
     """Bytes per detailed category just after event `ei` of segment `si` (repeated `reps` times before)."""
     cats: list[float] = list(init)
