@@ -74,8 +74,19 @@ class Description:
     #: the token-embedding matrix (a tied head reuses it; the last pipeline stage then keeps a copy)
     embedding: str = "embed_tokens.weight"
     # -- the parts of a decoder composed by `trainmem_nb.recipes.decoder` ------------------------------
-    #: RMSNorm variant: ``"llama"`` (normalise in fp32, cast back, then ``* weight``) or ``"gemma"``
-    #: (``* (1 + weight)`` in fp32, then cast)
+    #: the decoder layer's placement of norms and residuals (`trainmem_nb.recipes.layers.LAYERS`):
+    #: ``"pre"`` (a norm before attention and before the MLP, each added to the residual stream)
+    layer: str = "pre"
+    #: the attention module (`trainmem_nb.recipes.attention.ATTENTIONS`): ``"gqa"`` (q/k/v projections,
+    #: grouped-query attention, ``o_proj``)
+    attention: str = "gqa"
+    #: the dense MLP (`trainmem_nb.recipes.mlp.MLPS`): ``"gated"`` (``down(act(gate(x)) * up(x))``)
+    mlp: str = "gated"
+    #: the mixture-of-experts block of MoE layers (`trainmem_nb.recipes.moe.MOES`): ``"mixtral"``
+    #: (softmax top-k router, grouped_mm experts)
+    moe: str = "mixtral"
+    #: RMSNorm variant (`trainmem_nb.recipes.norms.RMS_NORMS`): ``"llama"`` (normalise in fp32, cast back,
+    #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast)
     norm: str = "llama"
     #: the token embeddings are multiplied by ``sqrt(hidden)`` (a buffer in the model's dtype)
     embed_scale: bool = False

@@ -8,6 +8,7 @@ weights appear once, as in ``sum(p.numel() for p in model.parameters())``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -145,41 +146,66 @@ def _bert_params(m: ModelSpec) -> list[ParamTensor]:
     return items
 
 
+def _gqa_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The "gqa" attention module of `n` layers: q/k/v projections (or one fused ``qkv_proj``, which
+    registers after ``o_proj``, as Phi-3 does) and ``o_proj``."""
+    h, q, kv = m.hidden, m.q_dim, m.kv_dim
+    if m.fused_qkv:
+        return [*_linear("layers.self_attn.o_proj", h, q, m.out_bias, n),
+                *_linear("layers.self_attn.qkv_proj", q + 2 * kv, h, m.qkv_bias, n)]
+    return [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, n), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, n),
+            *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, n), *_linear("layers.self_attn.o_proj", h, q, m.out_bias, n)]
+
+
+def _gated_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "gated" MLP of `n` layers: gate and up projections (or one fused ``gate_up_proj``), down."""
+    h, f = m.hidden, m.ffn
+    if DESCRIPTIONS[m.family].fused_gate_up:
+        up = _linear("layers.mlp.gate_up_proj", 2 * f, h, m.mlp_bias, n, kind=kind)
+    else:
+        up = [*_linear("layers.mlp.gate_proj", f, h, m.mlp_bias, n, kind=kind),
+              *_linear("layers.mlp.up_proj", f, h, m.mlp_bias, n, kind=kind)]
+    return [*up, *_linear("layers.mlp.down_proj", h, f, m.mlp_bias, n, kind=kind)]
+
+
+def _mixtral_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "mixtral" MoE block of `n` layers: the router's weight and the fused 3-D expert stacks."""
+    E, h, ef = m.n_experts, m.hidden, m.expert_width
+    return [ParamTensor("layers.mlp.gate.weight", (E, h), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * ef, h), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n, True, True, kind)]
+
+
+def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The "pre" layer's norms: before attention and before the MLP."""
+    return [*_norm("layers.input_layernorm", m.hidden, m.norm_bias, n),
+            *_norm("layers.post_attention_layernorm", m.hidden, m.norm_bias, n)]
+
+
+#: Each part's parameters, by the name a description gives it (the parts of `trainmem_nb.recipes.decoder`).
+_ATTENTION_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"gqa": _gqa_params}
+_MLP_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"gated": _gated_params}
+_MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params}
+_LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"pre": _pre_norm_params}
+
+
 def _decoder_params(m: ModelSpec) -> list[ParamTensor]:
-    """A composed decoder (`trainmem_nb.recipes.decoder`), as its description builds it: fused or
-    separate projections (a fused ``qkv_proj`` registers after ``o_proj``, as Phi-3 does), the dense
-    MLP in dense layers and the router and expert stacks in MoE layers (tagged by layer kind where a
-    model has both), two norms per layer."""
+    """A composed decoder (`trainmem_nb.recipes.decoder`), as its description's parts build it: the
+    embeddings, each layer's attention, MoE block (MoE layers) or dense MLP (dense layers; tagged by
+    layer kind where a model has both) and norms, the final norm and the head."""
     d = DESCRIPTIONS[m.family]
-    L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
-    q, kv = m.q_dim, m.kv_dim
+    L, h, V = m.n_layers, m.hidden, m.vocab
     n_moe = sum(k.moe for k in m.layer_kinds)
     n_dense = L - n_moe
     moe, dense = ("moe", "dense") if n_moe and n_dense else ("", "")
     items = [ParamTensor("embed_tokens.weight", (V, h), 1, False, False)]
-    if m.fused_qkv:
-        items += _linear("layers.self_attn.o_proj", h, q, m.out_bias, L)
-        items += _linear("layers.self_attn.qkv_proj", q + 2 * kv, h, m.qkv_bias, L)
-    else:
-        items += _linear("layers.self_attn.q_proj", q, h, m.qkv_bias, L)
-        items += _linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, L)
-        items += _linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, L)
-        items += _linear("layers.self_attn.o_proj", h, q, m.out_bias, L)
+    items += _ATTENTION_PARAMS[d.attention](m, L)
     if n_moe:
-        E, ef = m.n_experts, m.expert_width
-        items.append(ParamTensor("layers.mlp.gate.weight", (E, h), n_moe, True, True, moe))
-        items.append(ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * ef, h), n_moe, True, True, moe))
-        items.append(ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n_moe, True, True, moe))
+        items += _MOE_PARAMS[d.moe](m, n_moe, moe)
     if n_dense:
-        if d.fused_gate_up:
-            items += _linear("layers.mlp.gate_up_proj", 2 * f, h, m.mlp_bias, n_dense, kind=dense)
-        else:
-            items += _linear("layers.mlp.gate_proj", f, h, m.mlp_bias, n_dense, kind=dense)
-            items += _linear("layers.mlp.up_proj", f, h, m.mlp_bias, n_dense, kind=dense)
-        items += _linear("layers.mlp.down_proj", h, f, m.mlp_bias, n_dense, kind=dense)
-    items += _norm("layers.input_layernorm", h, False, L)
-    items += _norm("layers.post_attention_layernorm", h, False, L)
-    items += _norm("norm", h, False, 1, False)
+        items += _MLP_PARAMS[d.mlp](m, n_dense, dense)
+    items += _LAYER_PARAMS[d.layer](m, L)
+    items += _norm("norm", h, m.norm_bias, 1, False)
     if not m.tie_embeddings:
         items += _linear("lm_head", V, h, False, 1, False)
     return items

@@ -13,6 +13,7 @@ options, the op context, dropout rates) and the layer's kind (its mask).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..engine import ops
@@ -27,7 +28,7 @@ from .rotary import apply_rotary_pair, apply_rotary_partial
 if TYPE_CHECKING:
     from .decoder import DecoderRecipe
 
-__all__ = ["eager_attention", "math_attention", "self_attention"]
+__all__ = ["ATTENTIONS", "eager_attention", "math_attention", "self_attention"]
 
 
 def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, T], kind: LayerKind) -> T:
@@ -187,3 +188,9 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     g.drop(kx, vx)  # locals of eager_attention_forward
     rec.attn_weights.append(pd)
     return out
+
+
+#: The attention modules a description names (`trainmem_nb.model.families.Description.attention`).
+ATTENTIONS: dict[str, Callable[[DecoderRecipe, Graph, T, Shared, dict[str, T], LayerKind], T]] = {
+    "gqa": self_attention,
+}

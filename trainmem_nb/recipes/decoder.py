@@ -19,12 +19,13 @@ from ..model.layers import LayerKind
 from ..model.spec import ModelSpec
 from ..spec.choices import Attention
 from ..spec.training import TrainingSpec
-from .attention import self_attention
+from .attention import ATTENTIONS
 from .base import DEFAULT_KIND, Recipe, Shared, tok
 from .head import causal_lm_loss
+from .layers import LAYERS
 from .masks import causal_mask, sliding_window_mask
-from .mlp import gated_mlp
-from .moe import moe_mlp
+from .mlp import MLPS
+from .moe import MOES
 from .norms import RMS_NORMS
 from .rotary import rotary_cos_sin
 
@@ -123,35 +124,17 @@ class DecoderRecipe(Recipe):
         return causal_mask(g, dt) if eager else None
 
     def layer(self, g: Graph, x: T, sh: Shared, p: dict[str, T], kind: LayerKind = DEFAULT_KIND) -> T:
-        """``*DecoderLayer.forward``: pre-norm attention and MLP, each added to the residual stream (with
-        residual dropout first when the family has it: ``residual + self.resid_attn_dropout(h)``, whose
-        dropout output is a temporary of the sum); the attention weights are bound until it returns."""
-        rd = self.d.residual_dropout
-        self.attn_weights = []
-        residual = g.hold(x)
-        h = self.norm(g, x, p["input_layernorm.weight"], "input_layernorm")
-        a = self_attention(self, g, h, sh, p, kind)
-        g.drop(h)
-        if rd:
-            ad = ops.dropout(g, self.ctx, a, self.dropout_hidden, "resid_attn_dropout")
-            h1 = ops.add(g, residual, ad, "residual add (attn)")
-            g.drop(ad, a, residual)
-        else:
-            h1 = ops.add(g, residual, a, "residual add (attn)")
-            g.drop(a, residual)
-        residual = g.hold(h1)
-        h2 = self.norm(g, h1, p["post_attention_layernorm.weight"], "post_attention_layernorm")
-        g.drop(h1)
-        mo = moe_mlp(self, g, h2, p) if kind.moe else gated_mlp(self, g, h2, p)
-        g.drop(h2)
-        if rd:
-            md = ops.dropout_last(g, self.ctx, mo, self.dropout_hidden, "resid_mlp_dropout")
-            out = ops.add(g, residual, md, "residual add (mlp)")
-            g.drop(md, mo, residual, *self.attn_weights)
-        else:
-            out = ops.add(g, residual, mo, "residual add (mlp)")
-            g.drop(mo, residual, *self.attn_weights)
-        return out
+        """``*DecoderLayer.forward``: the family's placement of norms and residuals (`LAYERS`)."""
+        return LAYERS[self.d.layer](self, g, x, sh, p, kind)
+
+    def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T], kind: LayerKind) -> T:
+        """The attention module's forward (`ATTENTIONS`)."""
+        return ATTENTIONS[self.d.attention](self, g, h, sh, p, kind)
+
+    def mlp(self, g: Graph, x: T, p: dict[str, T], kind: LayerKind) -> T:
+        """The layer's MLP: the family's mixture of experts in an MoE layer (`MOES`), else its dense
+        MLP (`MLPS`)."""
+        return MOES[self.d.moe](self, g, x, p) if kind.moe else MLPS[self.d.mlp](self, g, x, p)
 
     def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
         """The base model's last op (its output is held by the returned model output)."""

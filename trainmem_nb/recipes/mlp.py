@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..engine import ops
@@ -10,7 +11,7 @@ from ..engine.tape import Graph, T
 if TYPE_CHECKING:
     from .decoder import DecoderRecipe
 
-__all__ = ["gated_mlp"]
+__all__ = ["MLPS", "gated_mlp"]
 
 
 def gated_mlp(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
@@ -37,3 +38,7 @@ def gated_mlp(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
     out = rec.linear(g, pr, p, "mlp.down_proj", m.ffn, m.hidden)
     g.drop(pr)
     return out
+
+
+#: The dense MLPs a description names (`trainmem_nb.model.families.Description.mlp`).
+MLPS: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {"gated": gated_mlp}

@@ -20,6 +20,7 @@ default); router jitter noise is 0 by default.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..engine import ops
@@ -30,7 +31,7 @@ from .base import tok
 if TYPE_CHECKING:
     from .decoder import DecoderRecipe
 
-__all__ = ["experts", "moe_mlp", "router"]
+__all__ = ["MOES", "experts", "moe_mlp", "router"]
 
 I32 = 4
 
@@ -153,3 +154,7 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
             g.drop(*merged)
         g.drop(*factors[name])
     return out
+
+
+#: The mixture-of-experts blocks a description names (`trainmem_nb.model.families.Description.moe`).
+MOES: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {"mixtral": moe_mlp}
