@@ -82,6 +82,22 @@ class ModelSpec(SpecModel):
     word_embed_proj_dim: int = Field(default=0, ge=0, le=_MAX_DIM, description="OPT: 0 means hidden")
     pre_norm: bool = Field(default=True, description="OPT do_layer_norm_before; BERT is post-norm")
     type_vocab: int = Field(default=2, ge=0, le=1024, description="BERT token-type embeddings")
+    lm_head_bias: bool = Field(default=False, description="the LM head has a bias (phi)")
+    # Mixture-of-experts routing details (qwen3_moe, deepseek_v3, gpt_oss).
+    norm_topk_prob: bool = Field(default=True, description="renormalise the top-k routing weights")
+    n_shared_experts: int = Field(default=0, ge=0, le=64, description="experts every token goes through (deepseek)")
+    n_expert_groups: int = Field(default=0, ge=0, le=4096, description="router groups (deepseek n_group); 0: none")
+    topk_groups: int = Field(default=0, ge=0, le=4096, description="groups each token's experts come from")
+    # Attention details.
+    query_pre_attn_scalar: float = Field(default=0.0, ge=0.0, description="scaling = this ** -0.5 (gemma2); 0: head_dim")
+    attn_softcap: float = Field(default=0.0, ge=0.0, description="attention logit soft-capping (gemma2); 0: none")
+    final_softcap: float = Field(default=0.0, ge=0.0, description="final logit soft-capping (gemma2); 0: none")
+    # Multi-head latent attention (deepseek_v3): low-rank q and kv, a shared rope key, qk dim != v dim.
+    q_lora_rank: int = Field(default=0, ge=0, le=_MAX_DIM, description="rank of q's low-rank projection; 0: q_proj")
+    kv_lora_rank: int = Field(default=0, ge=0, le=_MAX_DIM, description="rank of the compressed kv (MLA); 0: no MLA")
+    qk_nope_head_dim: int = Field(default=0, ge=0, le=_MAX_DIM, description="per-head q/k dims without rotary (MLA)")
+    qk_rope_head_dim: int = Field(default=0, ge=0, le=_MAX_DIM, description="per-head q/k dims with rotary (MLA)")
+    v_head_dim: int = Field(default=0, ge=0, le=_MAX_DIM, description="per-head value dims (MLA); 0: head_dim")
 
     @model_validator(mode="before")
     @classmethod
