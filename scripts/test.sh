@@ -12,7 +12,7 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null) \
     || echo "[test] chromium could not be installed: browser tests will be skipped"
 fi
-bash scripts/setup_env.sh notebook,app,test,browser,measure,dev
+bash scripts/setup_env.sh notebook,app,test,browser,measure,hub,dev
 # shellcheck disable=SC1091
 . .venv/bin/activate
 echo "[test] ruff"

@@ -76,12 +76,20 @@ def get_model(name: str) -> ModelSpec:
 
 
 def resolve_model(model: str | ModelSpec | Mapping[str, Any] | int | float) -> ModelSpec:
-    """Any way of naming a model → a `ModelSpec`: a preset name or repo id, a spec, an HF config dict
-    (with ``model_type``), a spec dict (with ``family``), or a parameter count."""
+    """Any way of naming a model → a `ModelSpec`: a preset name or repo id (a repo id no preset names is
+    read from the Hub: `trainmem_nb.model.hub`), a spec, an HF config dict (with ``model_type``), a spec
+    dict (with ``family``), or a parameter count."""
     if isinstance(model, ModelSpec):
         return model
     if isinstance(model, str):
-        return get_model(model)
+        try:
+            return get_model(model)
+        except SpecError:
+            from .hub import is_repo_id, model_from_hub
+
+            if not is_repo_id(model):
+                raise
+            return model_from_hub(model.strip())
     if isinstance(model, Mapping):
         if "model_type" in model:
             return ModelSpec.from_hf_config(model)
