@@ -88,7 +88,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ..planning.launch import write_launch_files
     from ..planning.search import plan
 
-    catalog = load_gpus(args.gpu_file) if args.gpu_file else []
+    catalog = load_gpus(args.gpu_file, what="--gpu-file") if args.gpu_file is not None else []
     gpu_names = [n.strip() for item in args.gpu or [] for n in item.split(",") if n.strip()] or None
     par = {k: v for k, v in parallel_options_from_args(args).items() if v is not None}
     par["n_gpus"] = par.pop("gpus", None)  # plan(gpus=...) names GPU types; --gpus is the count

@@ -82,25 +82,35 @@ class MeasuredCase:
         return not self.measurement.training.first_step
 
 
-def load_cases(path: str | Path | None = None, steady_state_only: bool = False) -> list[MeasuredCase]:
+def load_cases(path: str | Path | None = None, steady_state_only: bool = False,
+               what: str = "dataset") -> list[MeasuredCase]:
     """The measured cases of ``validation/cases.jsonl`` (or `path`), without importing torch.
 
     >>> cases = load_cases()  # doctest: +SKIP
     >>> c = cases[0]; c.id, c.measurement.peak_allocated_bytes, c.measurement.breakdown_bytes  # doctest: +SKIP
     """
+    from ..errors import SpecError, parse_json, read_text_file
+
     file = Path(path) if path is not None else CASES_FILE
     if not file.exists():
-        raise FileNotFoundError(f"no measured cases at {file}; regenerate with: python -m trainmem_nb.measure.dataset")
+        if path is None:
+            raise SpecError(f"the measured dataset is missing from this installation ({file}); reinstall "
+                            "trainmem_nb, or pass the path of a cases.jsonl (trainmem validate --from-dataset PATH)")
+        raise SpecError(f"{what} {file}: no such file")
     out = []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text_file(file, what).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
+            data = parse_json(line, f"{what} {file} line {n}")
+            if not isinstance(data, dict):
+                raise SpecError(f"{what} {file} line {n}: not a measured case (a JSON object per line)")
             case = MeasuredCase(str(data["id"]), str(data.get("group", "")), str(data.get("source", "")),
                                 Measurement.from_dict(data))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{file}:{n}: not a measured case: {str(exc).splitlines()[0]}") from None
+        except SpecError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SpecError(f"{what} {file} line {n}: not a measured case: {str(exc).splitlines()[0]}") from None
         if case.steady_state or not steady_state_only:
             out.append(case)
     return out

@@ -8,10 +8,11 @@ would).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import SpecError, did_you_mean
+from ..errors import SpecError, did_you_mean, show_value, whole_number
 from .families import Family
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "shape_for_params", "spec_kwargs_from_hf", "to_hf_config"]
@@ -50,20 +51,43 @@ def _get(cfg: Mapping[str, Any], *keys: str, default: Any = ..., family: Family)
     return default
 
 
+#: The largest integer any config.json field is read as (int32, what torch shapes and HF configs use);
+#: beyond it a value is a typo or an overflow, refused before any arithmetic.
+_CONFIG_INT_MAX = 2**31 - 1
+
+
 def _int(cfg: Mapping[str, Any], *keys: str, family: Family, default: Any = ..., minimum: int = 1) -> int:
+    """A finite integer field (numpy integers and whole floats too; never a bool, text, NaN or Infinity)."""
     value = _get(cfg, *keys, default=default, family=family)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise SpecError(f"config.json {keys[0]}={value!r} must be an integer")
-    if int(value) < minimum:
-        raise SpecError(f"config.json {keys[0]}={value!r} must be >= {minimum}")
-    return int(value)
+    return whole_number(value, f"config.json {_present(cfg, keys)}", minimum, _CONFIG_INT_MAX)
 
 
 def _float(cfg: Mapping[str, Any], *keys: str, family: Family, default: float) -> float:
+    """A finite real field (never a bool, text, NaN or Infinity)."""
     value = _get(cfg, *keys, default=default, family=family)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SpecError(f"config.json {keys[0]}={value!r} must be a number")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise SpecError(f"config.json {_present(cfg, keys)}={show_value(value)} must be a finite number")
     return float(value)
+
+
+def _present(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    """The key the value came from (the first one present), for messages."""
+    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+
+
+def _sliding_window(cfg: Mapping[str, Any], family: Family) -> int:
+    """The attention window in tokens, 0 for none: ``sliding_window`` is an integer or null, and
+    ``use_sliding_window`` (Qwen2's switch, off by default there) true or false."""
+    use = cfg.get("use_sliding_window", family is not Family.QWEN2)
+    if not isinstance(use, bool):
+        raise SpecError(f"config.json use_sliding_window={show_value(use)} must be true or false")
+    window = cfg.get("sliding_window")
+    if window is None or window is False:
+        return 0
+    if window is True:
+        raise SpecError("config.json sliding_window=true must be a window size in tokens (an integer) or null")
+    size = whole_number(window, "config.json sliding_window", 0, _CONFIG_INT_MAX)
+    return size if use else 0
 
 
 def _rope(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -188,9 +212,8 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
                 experts_top_k=_int(cfg, "num_experts_per_tok", family=f, default=2),
             )
         if family in (Family.MISTRAL, Family.MIXTRAL, Family.QWEN2, Family.PHI3):
-            window = cfg.get("sliding_window")
-            use = cfg.get("use_sliding_window", family is not Family.QWEN2)
-            if isinstance(window, int) and window > 0 and use:
+            window = _sliding_window(cfg, family)
+            if window > 0:
                 kw["sliding_window"] = window
     tie = cfg.get("tie_word_embeddings", _TIE_DEFAULT[family])
     if not isinstance(tie, bool):

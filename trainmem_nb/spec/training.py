@@ -41,7 +41,8 @@ class TrainingSpec(SpecModel):
     method: Method = Method.FULL
     lora_rank: int = Field(default=16, ge=1, le=1 << 16)
     lora_alpha: float = Field(default=32.0, gt=0.0)
-    lora_targets: str = Field(default="qv", description="'qv', 'all-linear' or comma-separated module names")
+    lora_targets: str = Field(default="qv", min_length=1,
+                              description="'qv', 'all-linear', comma-separated module names or a list of them")
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     lora_dtype: AdapterDtype = Field(
         default=AdapterDtype.FP32, description="adapter dtype: 'fp32' (peft's default) or 'base' (the base weights')")
@@ -58,6 +59,9 @@ class TrainingSpec(SpecModel):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
+        # Hugging Face's gradient_checkpointing=True recomputes whole layers: True means full, False none
+        if isinstance(data.get("checkpointing"), bool):
+            data["checkpointing"] = Checkpointing.FULL if data["checkpointing"] else Checkpointing.NONE
         for key, enum in (
             ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
             ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
@@ -66,10 +70,15 @@ class TrainingSpec(SpecModel):
                 data[key] = enum.parse(data[key], key)
         if data.get("optimizer_impl") is not None:
             data["optimizer_impl"] = OptimizerImpl.parse(data["optimizer_impl"], "optimizer_impl")
-        if data.get("checkpointing") is True:
-            data["checkpointing"] = Checkpointing.FULL
-        if data.get("checkpointing") is False:
-            data["checkpointing"] = Checkpointing.NONE
+        targets = data.get("lora_targets")
+        if isinstance(targets, (list, tuple)):  # peft's target_modules=['q_proj', 'v_proj']
+            if not targets or not all(isinstance(n, str) and n.strip() for n in targets):
+                raise SpecError(f"lora_targets={list(targets)!r} must name modules: 'qv', 'all-linear', "
+                                "a comma-separated string or a list of module names such as ['q_proj', 'v_proj']")
+            data["lora_targets"] = ",".join(n.strip() for n in targets)
+        elif targets is not None and not isinstance(targets, str):
+            raise SpecError(f"lora_targets={targets!r} must be 'qv', 'all-linear', a comma-separated string or a "
+                            "list of module names such as ['q_proj', 'v_proj']")
         return data
 
     @model_validator(mode="after")
