@@ -321,8 +321,10 @@ def _each_row(rows: list[Any], where: str | None, read: Any) -> list[Any]:
         try:
             got = read(row)
         except SpecError as exc:
-            if where is None:
-                raise
+            if where is None or (len(rows) == 1 and not where.lower().endswith((".csv", ".json", ".yaml", ".yml"))):
+                if where is None:
+                    raise
+                raise SpecError(f"{where}: {exc}") from None
             label = str(row.get("short_name") or row.get("name") or row.get("gpu") or "") if isinstance(row, Mapping) else ""
             number = i + 2 if where.lower().endswith(".csv") else i + 1
             raise SpecError(f"{where} row {number}{f' ({label})' if label else ''}: {exc}") from None
@@ -356,15 +358,22 @@ def load_gpus(source: str | Path | Mapping[str, Any] | Iterable[Mapping[str, Any
         rows: list[Any] = _read_table(source, what)
         where = f"{what} {Path(source).name}"
     elif isinstance(source, Mapping):
-        rows = [source]
+        rows, where = [source], what
     elif isinstance(source, Iterable):
-        rows = list(source)
+        rows, where = list(source), what
     else:
         raise SpecError(f"{what} must be a file path, a dict or a list of dicts / GPUs, got {type(source).__name__}")
     for r in rows:
         if not isinstance(r, (GPU, Mapping)):
             raise SpecError(f"{what}: each GPU must be a GPU or a dict of its columns, got {type(r).__name__}")
     return _each_row(rows, where, lambda r: r if isinstance(r, GPU) else gpu_from_row(r))
+
+
+def _precision_for(precision: str, g: GPU) -> str:
+    """bf16 recipes become fp16 on GPUs without bf16 (V100, T4): same bytes, loss scaling instead."""
+    if precision.startswith("bf16") and not g.supports_bf16:
+        return precision.replace("bf16", "fp16")
+    return precision
 
 
 def _data_text(name: str) -> str:
@@ -409,6 +418,9 @@ def get_gpu(name: str | GPU, catalog: Iterable[GPU] | None = None) -> GPU:
     """
     if isinstance(name, GPU):
         return name
+    if not isinstance(name, str):
+        raise SpecError(f"gpu={name!r} must be a GPU name such as 'H100' (see `trainmem gpus`) or a GPU, "
+                        f"not {type(name).__name__}")
     key = _norm(name)
     if not key:
         raise SpecError(f"gpu={name!r} is empty; see `trainmem gpus` for the catalog")

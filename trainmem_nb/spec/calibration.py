@@ -38,22 +38,24 @@ class Calibration(SpecModel):
     source: str = "defaults"
 
 
-def load_calibration(calibration: Calibration | Mapping[str, Any] | str | Path | None) -> Calibration | None:
-    """A `Calibration` from an object, a dict or a JSON file written by ``trainmem measure``."""
+def load_calibration(calibration: Calibration | Mapping[str, Any] | str | Path | None,
+                     what: str = "calibration") -> Calibration | None:
+    """A `Calibration` from an object, a dict or a JSON file written by ``trainmem measure`` (errors name
+    `what`, the argument or flag)."""
     if calibration is None or isinstance(calibration, Calibration):
         return calibration
     if isinstance(calibration, (str, Path)):
         from ..errors import read_json
 
         if not str(calibration).strip():
-            raise SpecError("calibration='' names no file: give the JSON that `trainmem measure --save-calibration` wrote")
-        data = read_json(calibration, "calibration")
+            raise SpecError(f"{what}='' names no file: give the JSON that `trainmem measure --save-calibration` wrote")
+        data = read_json(calibration, what)
         calibration = data.get("calibration", data) if isinstance(data, dict) else data
     if not isinstance(calibration, Mapping):
-        raise SpecError(f"calibration must be a Calibration, a dict or a JSON file path, got {type(calibration).__name__}")
+        raise SpecError(f"{what} must be a Calibration, a dict or a JSON file path, got {type(calibration).__name__}")
     from .base import _validate
 
     try:
         return _validate(Calibration, calibration)  # type: ignore[no-any-return,unused-ignore]
     except SpecError as exc:
-        raise SpecError(f"calibration: {exc}") from None
+        raise SpecError(f"{what}: {exc}") from None
