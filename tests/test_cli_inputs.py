@@ -221,3 +221,10 @@ def test_debug_variable_shows_the_traceback_for_bugs(monkeypatch: pytest.MonkeyP
     with pytest.raises(ZeroDivisionError):
         main(["estimate", "--model", "gpt2"])
     assert os.environ["TRAINMEM_DEBUG"] == "1"
+
+
+def test_measure_with_zero3_and_no_engine_says_it_is_modelled_only(capsys: pytest.CaptureFixture[str]) -> None:
+    """As in estimate, ZeRO-3 without --engine means DeepSpeed, which one process cannot measure: say so."""
+    line = one_error_line(*run(capsys, "measure", "--model", "gpt2", "--gpus", "8", "--zero", "3",
+                               "--device", "fake")[::2])
+    assert "modelled by `trainmem estimate` only" in line and "--engine" in line
