@@ -102,6 +102,11 @@ def test_plan_with_an_impossible_fixed_layout_says_why() -> None:
         plan("llama-3.2-1b", gpu="H100", seq_len=512, prices=False, tp=8, gpus=4)
 
 
+def test_plan_with_max_gpus_below_the_layout_says_so() -> None:
+    with pytest.raises(SpecError, match=r"max_gpus=4 is below tp\*pp\*cp=8"):
+        plan("llama-3.2-1b", gpu="H100", seq_len=512, prices=False, tp=8, max_gpus=4)
+
+
 def test_plan_whose_every_option_fails_for_a_layout_reason_raises_it() -> None:
     # tp=8 is a valid layout for llama-3.2-1b, but the RTX 4090's nodes hold fewer GPUs than one tp group
     gpus_per_node = tm.get_gpu("RTX 4090").gpus_per_node

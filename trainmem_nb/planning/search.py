@@ -227,6 +227,8 @@ def plan(
     rows: list[dict[str, Any]] = []
     rejected: list[dict[str, Any]] = []
     step = model_parallel(fixed)
+    if "gpus" not in fixed and step > a.max_gpus:
+        raise SpecError(f"max_gpus={a.max_gpus} is below tp*pp*cp={step}, the fewest GPUs this layout needs")
     for g in gpu_types:
         counts = [int(fixed["gpus"])] if "gpus" in fixed else [n for n in _gpu_counts(g, a.max_gpus) if n % step == 0]
         _search_gpu(ctx, g, counts, a.scale_out, rows, rejected)
