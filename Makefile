@@ -3,11 +3,14 @@
 #   make test   install everything the tests need and run the whole suite (what CI runs)
 .PHONY: help lab test bench notebooks
 
+# extra arguments for `jupyter lab` (make lab LAB_ARGS="--no-browser --port 9999")
+LAB_ARGS ?=
+
 help:  ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-lab:  ## JupyterLab on notebooks/00_quick_start.ipynb (creates .venv on first use)
-	bash scripts/lab.sh
+lab:  ## JupyterLab on notebooks/00_quick_start.ipynb (creates .venv on first use; LAB_ARGS="--port 9999")
+	bash scripts/lab.sh $(LAB_ARGS)
 
 test:  ## install test dependencies and run every test stage
 	bash scripts/test.sh

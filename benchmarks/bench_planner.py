@@ -36,7 +36,7 @@ def main() -> None:
         ("llama-2-7b", None, {"seq_len": 2048, "target_global_batch": 256}),
     ):
         t0 = time.perf_counter()
-        result = plan(model, gpus=gpus, tokens=2e9, **kw)
+        result = plan(model, gpu=gpus, tokens=2e9, **kw)
         what = "whole catalog" if gpus is None else f"{len(gpus)} GPU types"
         label = f"plan({model}, {what})"
         print(f"{label:<40}{time.perf_counter() - t0:6.2f} s, {len(result.rows)} options")

@@ -21,6 +21,10 @@ import nbformat
 
 #: Notebook metadata kept by scripts/refresh_notebooks.py; anything else is editor or run state.
 ALLOWED_NOTEBOOK_METADATA = {"kernelspec", "language_info"}
+#: The ``language_info`` keys ipykernel reports; JupyterLab writes them into the notebook when the kernel
+#: connects, so a notebook committed without them shows as modified as soon as it opens.
+LANGUAGE_INFO_KEYS = {"name", "version", "mimetype", "codemirror_mode", "pygments_lexer", "nbconvert_exporter",
+                      "file_extension"}
 #: Cell metadata kept: tags (nbval and nbclient read them).
 ALLOWED_CELL_METADATA = {"tags"}
 BINDER = re.compile(r"https://mybinder\.org/v2/gh/[^)\s]+/[^)\s]+\?urlpath=(lab/tree|voila/render)/notebooks/"
@@ -34,6 +38,10 @@ def check(path: Path) -> list[str]:
     extra = set(nb.metadata) - ALLOWED_NOTEBOOK_METADATA
     if extra:
         problems.append(f"notebook metadata {sorted(extra)} (run scripts/refresh_notebooks.py)")
+    missing = LANGUAGE_INFO_KEYS - set(nb.metadata.get("language_info", {}))
+    if missing:
+        problems.append(f"language_info lacks {sorted(missing)}: JupyterLab would mark the notebook modified on "
+                        "open (run scripts/refresh_notebooks.py)")
     cells = nb.cells
     if not cells or cells[0].cell_type != "markdown":
         return [*problems, "the first cell must be markdown: a title, one sentence of purpose, a Binder link"]

@@ -3,7 +3,8 @@
 Each notebook runs top to bottom in a fresh ``python3`` kernel of this environment, from the
 ``notebooks/`` folder, with a timeout per cell; then it is cleaned so that a rerun changes nothing
 but real results: execution timings, widget state and widget-view ids (random on every run, useless
-without the state) are dropped, the notebook metadata is reduced to the kernel and language names.
+without the state) are dropped, the notebook metadata is reduced to the kernel spec and the kernel's
+``language_info`` (as JupyterLab writes it, so an opened notebook is not marked modified).
 The committed outputs are what ``pytest --nbval`` compares against, so review the diff before
 committing. Finally ``scripts/check_notebooks.py`` checks the result.
 
@@ -27,8 +28,11 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """Drop what changes on every run without meaning anything."""
-    nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": {"name": "python"}})
+    """Drop what changes on every run without meaning anything. The kernel's full ``language_info``
+    (what nbclient recorded from its kernel_info reply) is kept: JupyterLab writes it into the notebook
+    when the kernel connects, and a stub would mark the quick start modified the moment it opens."""
+    language = dict(nb.metadata.get("language_info") or {"name": "python"})
+    nb.metadata = nbformat.from_dict({"kernelspec": KERNELSPEC, "language_info": language})
     for cell in nb.cells:
         tags = cell.metadata.get("tags")
         cell.metadata = nbformat.from_dict({"tags": tags} if tags else {})

@@ -1,4 +1,4 @@
-"""The estimator against every measured step in ``validation/cases.jsonl`` (fake-tensor and real CPU
+"""The estimator against every measured step in ``trainmem_nb/data/measured/cases.jsonl`` (fake-tensor and real CPU
 runs of the real Hugging Face models; see validation/README.md). Most cases are byte-exact; the
 known gaps below are listed with their cause so that fixing one turns its xfail into a failure."""
 

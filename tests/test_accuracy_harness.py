@@ -1,4 +1,4 @@
-"""The estimator against the independent harness's 46 measured training steps (validation/harness_cases.json).
+"""The estimator against the independent harness's 46 measured training steps (trainmem_nb/data/measured/harness_cases.json).
 
 Required by issue 2: peak within ±3 % of the measured ``peak_cuda512``, the peak phase right, each
 breakdown category within ±5 % or 64 MiB. Measured with torch 2.13.0+cpu and transformers 5.24.0
@@ -8,15 +8,15 @@ breakdown category within ±5 % or 64 MiB. Measured with torch 2.13.0+cpu and tr
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
 from trainmem_nb import estimate
+from trainmem_nb.measure.paths import HARNESS_FILE
 from trainmem_nb.model.spec import ModelSpec
 from trainmem_nb.spec.training import TrainingSpec
 
-DATA = Path(__file__).resolve().parents[1] / "validation" / "harness_cases.json"
+DATA = HARNESS_FILE
 CASES = json.loads(DATA.read_text())["cases"]
 
 #: harness categories -> our top-level categories (recomputed tensors are activations here)

@@ -347,7 +347,7 @@ def test_more_interruptions_cost_more_and_too_many_never_finish() -> None:
 
 
 def test_a_small_model_fits_one_gpu_of_each_type_tried() -> None:
-    p = plan("gpt2", gpus=["H100", "T4"], seq_len=1024, target_global_batch=64, tokens=1e8)
+    p = plan("gpt2", gpu=["H100", "T4"], seq_len=1024, target_global_batch=64, tokens=1e8)
     assert set(p.fits_on) == {"H100 SXM 80GB", "T4 16GB"}
     assert p.notes[0].startswith("smallest scale that fits: single GPU")
     for r in p.rows:
@@ -357,7 +357,7 @@ def test_a_small_model_fits_one_gpu_of_each_type_tried() -> None:
 
 
 def test_a_7b_full_finetune_needs_a_node_and_says_so(fake_parallel: None) -> None:
-    p = plan("llama-2-7b", gpus=["A100 40GB", "L40S"], seq_len=2048, target_global_batch=32, tokens=1e9)
+    p = plan("llama-2-7b", gpu=["A100 40GB", "L40S"], seq_len=2048, target_global_batch=32, tokens=1e9)
     assert p.fits_on
     assert all(r["n_gpus"] > 1 for r in p.rows)
     assert "one NVLink node" in p.notes[0] or "one PCIe node" in p.notes[0]
@@ -370,27 +370,27 @@ def test_a_7b_full_finetune_needs_a_node_and_says_so(fake_parallel: None) -> Non
 
 
 def test_given_layout_options_are_kept_and_the_rest_searched(fake_parallel: None) -> None:
-    p = plan("llama-2-7b", gpus=["H100"], seq_len=2048, engine="deepspeed", zero=2, checkpointing="full")
+    p = plan("llama-2-7b", gpu=["H100"], seq_len=2048, engine="deepspeed", zero=2, checkpointing="full")
     assert p.rows and {(r["engine"], r["zero"], r["checkpointing"]) for r in p.rows} == {("deepspeed", 2, "full")}
     assert len({r["n_gpus"] for r in p.rows}) > 1
 
 
 def test_v100_plans_fp16_mixed_with_a_note() -> None:
-    p = plan("gpt2", gpus=["V100"], seq_len=512, precision="bf16-mixed", n_gpus=1)
+    p = plan("gpt2", gpu=["V100"], seq_len=512, precision="bf16-mixed", n_gpus=1)
     (row,) = p.rows
     assert row["precision"] == "fp16-mixed" and "no bf16" in row["warnings"][0]
 
 
 def test_costs_are_null_without_prices_and_follow_your_prices() -> None:
-    none = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, prices=False, n_gpus=1)
+    none = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, prices=False, n_gpus=1)
     assert none.rows[0]["cost_usd_on_demand"] is None and none.rows[0]["time_hours"] > 0
-    mine = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, prices={"H100": 2.0}, n_gpus=1)
+    mine = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, prices={"H100": 2.0}, n_gpus=1)
     r = mine.rows[0]
     assert r["price_provider"] == "yours" and r["cost_usd_on_demand"] == pytest.approx(2.0 * r["gpu_hours"], rel=0.01)
 
 
 def test_the_json_contract_has_an_estimate_and_options_with_nulls_for_unknown_prices() -> None:
-    d = plan("gpt2", gpus=["H100", "T4"], seq_len=512, tokens=1e8).to_dict()
+    d = plan("gpt2", gpu=["H100", "T4"], seq_len=512, tokens=1e8).to_dict()
     text = json.dumps(d)
     assert set(d) >= {"estimate", "options"} and "NaN" not in text and "Infinity" not in text
     assert d["estimate"]["breakdown_bytes"]
@@ -409,7 +409,7 @@ def test_the_json_contract_has_an_estimate_and_options_with_nulls_for_unknown_pr
 
 
 def test_pareto_options_are_not_beaten_on_both_time_and_cost(fake_parallel: None) -> None:
-    p = plan("llama-3.2-1b", gpus=["H100", "A100 80GB", "L40S"], seq_len=2048, target_global_batch=64, tokens=2e9)
+    p = plan("llama-3.2-1b", gpu=["H100", "A100 80GB", "L40S"], seq_len=2048, target_global_batch=64, tokens=2e9)
     costed = [r for r in p.rows if r["fits"] and r["cost_usd_on_demand"] is not None]
     front = [r for r in costed if r["pareto"]]
     assert front
@@ -425,7 +425,7 @@ def test_the_options_are_a_dataframe_and_the_chart_returns_its_artists(fake_para
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    p = plan("llama-3.2-1b", gpus=["H100", "L40S"], seq_len=2048, target_global_batch=64, tokens=2e9)
+    p = plan("llama-3.2-1b", gpu=["H100", "L40S"], seq_len=2048, target_global_batch=64, tokens=2e9)
     assert len(p.options) == len(p.rows) and "cost_usd_on_demand" in p.options.columns
     fig, ax = plt.subplots()
     artists = plan_options(p, ax=ax)
@@ -436,11 +436,11 @@ def test_the_options_are_a_dataframe_and_the_chart_returns_its_artists(fake_para
 
 def test_an_impossible_request_is_a_clear_error() -> None:
     with pytest.raises(SpecError, match="unknown gpu"):
-        plan("gpt2", gpus=["Z9000"])
+        plan("gpt2", gpu=["Z9000"])
     with pytest.raises(SpecError, match="target_global_batch"):
         plan("gpt2", target_global_batch=0)
     with pytest.raises(SpecError, match="engine"):
-        plan("gpt2", gpus=["H100"], engine="horovod")
+        plan("gpt2", gpu=["H100"], engine="horovod")
 
 
 def _offer(provider: str, od: float | None, spot: float | None, seen: str, **kw: Any) -> dict[str, Any]:
@@ -454,7 +454,7 @@ def test_spot_is_priced_at_the_provider_of_the_on_demand_offer_when_it_has_spot(
     # the spot to compare with, not B's cheaper spot from a different provider
     prices = [_offer("A", 2.0, None, "2026-01-01"), _offer("B", 5.0, 1.5, "2026-02-01"),
               _offer("A", 3.0, 2.5, "2026-03-01", instance="A spot box")]
-    r = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices).rows[0]
+    r = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices).rows[0]
     assert (r["price_provider"], r["price_on_demand_usd_per_gpu_hour"]) == ("A", 2.0)
     assert (r["spot_provider"], r["price_spot_usd_per_gpu_hour"], r["spot_date_seen"]) == ("A", 2.5, "2026-03-01")
     assert not any("another provider" in w for w in r["warnings"])
@@ -462,13 +462,13 @@ def test_spot_is_priced_at_the_provider_of_the_on_demand_offer_when_it_has_spot(
 
 def test_the_on_demand_offers_own_spot_price_comes_first() -> None:
     prices = [_offer("A", 2.0, 1.8, "2026-01-01"), _offer("A", 4.0, 1.0, "2026-02-01")]
-    r = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices).rows[0]
+    r = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices).rows[0]
     assert (r["price_spot_usd_per_gpu_hour"], r["spot_date_seen"]) == (1.8, "2026-01-01")
 
 
 def test_spot_from_another_provider_is_named_with_its_date_and_a_note() -> None:
     prices = [_offer("A", 2.0, None, "2026-01-01"), _offer("B", 5.0, 4.0, "2026-02-01")]
-    p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices)
+    p = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, n_gpus=1, prices=prices)
     r = p.rows[0]
     assert (r["price_provider"], r["spot_provider"], r["spot_date_seen"]) == ("A", "B", "2026-02-01")
     assert any("spot priced at another provider" in w for w in r["warnings"])
@@ -481,19 +481,19 @@ def test_spot_from_another_provider_is_named_with_its_date_and_a_note() -> None:
 
 def test_multi_gpu_options_priced_from_single_gpu_offers_say_so() -> None:
     def warned(prices: list[dict[str, Any]]) -> bool:
-        p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=8, engine="fsdp", zero=3, prices=prices)
+        p = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, n_gpus=8, engine="fsdp", zero=3, prices=prices)
         return any("offers smaller than the plan's nodes" in w for r in p.rows for w in r["warnings"])
 
     assert warned([_offer("Market", 2.0, None, "2026-01-01", gpus_per_instance=1)])
     assert not warned([_offer("Cloud", 2.0, None, "2026-01-01", gpus_per_instance=8)])
     assert not warned([_offer("Unsaid", 2.0, None, "2026-01-01")])  # instance size not stated: nothing to say
-    one = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
+    one = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
                prices=[_offer("Market", 2.0, None, "2026-01-01", gpus_per_instance=1)])
     assert not any("offers smaller" in w for w in one.rows[0]["warnings"])
 
 
 def test_your_undated_prices_are_called_yours_not_a_dated_snapshot() -> None:
-    p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
+    p = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
              prices=[{"gpu": "H100", "on_demand_usd_per_gpu_hour": 2.0}])
     assert p.prices_source == "yours" and p.prices_date == ""
     assert "costs use your prices (undated)" in p.notes
@@ -503,7 +503,7 @@ def test_your_undated_prices_are_called_yours_not_a_dated_snapshot() -> None:
 
 
 def test_your_dated_prices_show_their_date() -> None:
-    p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
+    p = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, n_gpus=1,
              prices=[_offer("lab", 2.0, None, "2025-01-01")])
     assert "costs use your prices (seen up to 2025-01-01)" in p.notes
     assert "prices: your prices (seen up to 2025-01-01)" in p.summary()
@@ -511,9 +511,9 @@ def test_your_dated_prices_show_their_date() -> None:
 
 
 def test_the_snapshot_is_still_called_a_dated_snapshot() -> None:
-    p = plan("gpt2", gpus=["H100"], seq_len=512, tokens=1e8, n_gpus=1)
+    p = plan("gpt2", gpu=["H100"], seq_len=512, tokens=1e8, n_gpus=1)
     assert p.prices_source == "snapshot" and any(n.startswith("prices are a dated snapshot (seen up to 20") for n in p.notes)
-    assert plan("gpt2", gpus=["H100"], seq_len=512, n_gpus=1, prices=False).prices_source == "none"
+    assert plan("gpt2", gpu=["H100"], seq_len=512, n_gpus=1, prices=False).prices_source == "none"
 
 
 def test_the_seed_example_gives_a_per_device_breakdown_and_the_gpus_it_fits() -> None:
@@ -612,7 +612,7 @@ def test_module_examples_run() -> None:
 
 def test_plan_refuses_a_sequence_beyond_the_models_positions_instead_of_fitting_nothing() -> None:
     with pytest.raises(tm.SpecError, match=r"seq_len=2048 exceeds gpt2's max_positions=1024"):
-        tm.plan("gpt2", seq_len=2048, gpus=["H100"], prices=False)
+        tm.plan("gpt2", seq_len=2048, gpu=["H100"], prices=False)
 
 
 def test_fit_says_when_paged_optimizer_states_could_spill_to_host_ram() -> None:

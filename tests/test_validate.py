@@ -21,7 +21,8 @@ from trainmem_nb.measure.dataset import CASES_FILE, HARNESS_FILE, load_cases
 from trainmem_nb.model.families import Family
 from trainmem_nb.spec.choices import Checkpointing
 
-SHARED_RESULTS = Path(__file__).resolve().parents[2] / "shared" / "harness" / "results"
+#: the harness's result files, copied from ../shared/harness/results (scripts/sync_shared_data.py)
+SHARED_RESULTS = Path(__file__).resolve().parent / "data" / "shared" / "harness_results"
 
 
 def test_cases_load_without_torch() -> None:
@@ -89,11 +90,10 @@ def test_harness_copy_keeps_its_provenance_and_numbers() -> None:
     assert doc["harness_versions"] and doc["copied_on"]
     for case in doc["cases"]:
         assert case["source"].startswith("shared/harness/results/")
-        source = SHARED_RESULTS / Path(case["source"]).name
-        if source.exists():  # beside a checkout, the copy must equal the harness's own file
-            live = json.loads(source.read_text())["live"]
-            assert case["peak_cuda512_bytes"] == live["peak_cuda512"]
-            assert case["peak_cuda512_breakdown"] == live["peak_cuda512_breakdown"]
+        source = SHARED_RESULTS / Path(case["source"]).name  # the harness's own file, always in the repository
+        live = json.loads(source.read_text())["live"]
+        assert case["peak_cuda512_bytes"] == live["peak_cuda512"]
+        assert case["peak_cuda512_breakdown"] == live["peak_cuda512_breakdown"]
 
 
 def test_stored_remeasurements_agree_with_the_harness_within_one_percent() -> None:

@@ -69,7 +69,8 @@ def test_an_invalid_combination_shows_its_message_and_keeps_the_last_good_chart(
     app.controls["engine"].value = "ddp"  # ddp shards only the optimizer states (zero <= 1)
     assert "engine='ddp' supports zero=0 or 1" in app.message
     assert "engine=&#x27;ddp&#x27;" in app.message_html.value
-    assert bytes(app.chart.value) == good_chart and app.estimate is good_est and app.verdict == good_verdict
+    assert bytes(app.chart.value) == good_chart and app.estimate is good_est and app.last_verdict == good_verdict
+    assert app.verdict == "" and "no verdict" in app.verdict_html.value  # never a stale "fits" above the error
     app.controls["zero"].value = 1  # valid again: the message goes, the chart follows
     assert app.message == "" and app.message_html.value == ""
     assert app.estimate.parallel.engine.value == "ddp" and app.estimate.parallel.zero == 1
@@ -125,8 +126,8 @@ def test_a_config_json_upload_becomes_the_model_and_a_bad_file_says_why(app: Exp
     assert app.estimate.n_params == tm.get_model("tinyllama-1.1b").n_params
     assert "my-tinyllama" in app._upload_label.value
     app.controls["upload"].value = _upload(b"{not json")
-    assert "not valid JSON" in app._upload_label.value
-    assert "upload a Hugging Face config.json" in app.message
+    assert "not valid JSON" in app._upload_label.value and "still using my-tinyllama" in app._upload_label.value
+    assert app.message == "" and app.estimate.model.name == "my-tinyllama"  # the good upload is kept
     app.controls["upload"].value = _upload(json.dumps({"model_type": "t5"}).encode())
     assert "t5" in app._upload_label.value
 
@@ -173,7 +174,11 @@ def _values(widget: Any) -> list[Any]:
         return list(widget._options_values)
     if isinstance(widget, w.FileUpload):
         cfg = json.dumps(get_preset("gpt2").config).encode()
-        return [_upload(cfg), _upload(b"[1, 2]"), _upload(b"\xff\xfe"), _upload(b'{"model_type": "llama"}'), _upload(cfg)]
+        nan = b'{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"intermediate_size":128,' \
+              b'"vocab_size":100,"num_hidden_layers":NaN}'
+        return [_upload(cfg), _upload(b"[1, 2]"), _upload(b"\xff\xfe"), _upload(b'{"model_type": "llama"}'),
+                _upload(nan), _upload(nan.replace(b"NaN", b"Infinity")), _upload(nan.replace(b"NaN", b"1e400")),
+                _upload(b"[" * 100_000 + b"]" * 100_000), _upload(bytes(range(256))), _upload(cfg)]
     raise AssertionError(f"no fuzz values for {type(widget).__name__}")
 
 
@@ -194,6 +199,7 @@ def _answers(app: Explorer) -> None:
     assert bytes(app.chart.value).startswith(b"\x89PNG")
     if app.message:
         assert app.message in app.message_html.value.replace("&#x27;", "'") or app.message_html.value
+        assert app.verdict == "" and "no verdict" in app.verdict_html.value  # the error replaces the verdict
     else:
         t = app.estimate.training
         assert (t.micro_batch, t.seq_len, t.precision.value) == (

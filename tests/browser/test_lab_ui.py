@@ -14,6 +14,19 @@ ALL_RUN = ("() => [...document.querySelectorAll('.jp-InputArea-prompt')]"
            ".every(p => !p.innerText.includes('*'))")
 
 
+DIRTY = "() => window.jupyterapp.shell.currentWidget.context.model.dirty"
+
+
+def test_the_quick_start_is_not_modified_by_opening_it(page: Any, lab_server: Server) -> None:
+    """The committed metadata is what the kernel reports: opening the notebook changes nothing."""
+    page.goto(f"{lab_server.url}/lab/tree/notebooks/00_quick_start.ipynb?token={lab_server.token}", timeout=120_000)
+    page.wait_for_function(KERNEL_IDLE, timeout=120_000)
+    page.wait_for_timeout(1500)  # the kernel's language_info reaches the model after it turns idle
+    assert page.evaluate(DIRTY) is False
+    tab = page.locator(".lm-TabBar-tab.jp-mod-current").first
+    assert "jp-mod-dirty" not in (tab.get_attribute("class") or "")
+
+
 def test_the_quick_start_runs_in_jupyterlab_and_its_explorer_answers(page: Any, lab_server: Server) -> None:
     page.goto(f"{lab_server.url}/lab/tree/notebooks/00_quick_start.ipynb?token={lab_server.token}", timeout=120_000)
     page.wait_for_function(KERNEL_IDLE, timeout=120_000)

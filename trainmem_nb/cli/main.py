@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from ..errors import SpecError
@@ -15,7 +18,9 @@ from .options import (
     add_model_options,
     add_training_options,
     model_from_args,
+    nonempty,
     parallel_options_from_args,
+    positive_int,
     training_options_from_args,
 )
 
@@ -25,12 +30,32 @@ __all__ = ['main']
 def _cmd_estimate(args: argparse.Namespace) -> int:
     from ..estimator.api import estimate
 
-    est = estimate(model_from_args(args), calibration=args.calibration, **training_options_from_args(args),
+    verdict = None
+    if args.gpu is not None:  # check the card before the estimate: a typo fails at once
+        from ..planning.assumptions import check_headroom
+        from ..planning.gpus import get_gpu
+
+        card, headroom = get_gpu(args.gpu), check_headroom(args.headroom)
+    from ..spec.calibration import load_calibration
+
+    calibration = load_calibration(args.calibration, what="--calibration")
+    est = estimate(model_from_args(args), calibration=calibration, **training_options_from_args(args),
                    **parallel_options_from_args(args))
+    if args.gpu is not None:
+        from ..planning.fit import fit
+
+        verdict = fit(est, card, headroom)
     if args.json:
-        print(json.dumps(est.to_dict(), indent=2))
+        data = est.to_dict()
+        if verdict is not None:
+            data["fit"] = verdict.to_dict()
+        print(json.dumps(data, indent=2, allow_nan=False))
     else:
         print(est.summary())
+        if verdict is not None:
+            print(verdict.message)
+            for note in verdict.notes:
+                print(f"note: {note}")
     return 0
 
 
@@ -59,20 +84,24 @@ def _add_planner_subcommands(sub: Any) -> None:
                     cp=None, ep=None, offload=None, ddp_bucket_view=None,
                     no_pp_return_outputs=None)
     g = pl.add_argument_group("planning")
-    g.add_argument("--gpu", action="append", metavar="NAME", help="GPU type to try (repeat; default: the whole catalog)")
-    g.add_argument("--gpu-file", metavar="PATH", help="your own GPUs (CSV/YAML/JSON with the catalog's columns)")
-    g.add_argument("--target-global-batch", type=int, metavar="N", help="sequences per optimizer step to reach")
-    g.add_argument("--tokens", metavar="N", help="total training tokens, e.g. 2e9 (gives time and cost)")
-    g.add_argument("--prices", metavar="PATH", help="your prices (CSV/YAML/JSON); default: the dated snapshot")
+    g.add_argument("--gpu", action="append", type=nonempty, metavar="NAME",
+                   help="GPU type to try (repeat; default: the whole catalog)")
+    g.add_argument("--gpu-file", type=nonempty, metavar="PATH",
+                   help="your own GPUs (CSV/YAML/JSON with the catalog's columns)")
+    g.add_argument("--target-global-batch", type=positive_int, metavar="N", help="sequences per optimizer step to reach")
+    g.add_argument("--tokens", type=nonempty, metavar="N", help="total training tokens, e.g. 2e9 (gives time and cost)")
+    g.add_argument("--prices", type=nonempty, metavar="PATH", help="your prices (CSV/YAML/JSON); default: the dated snapshot")
     g.add_argument("--no-prices", action="store_true", help="do not cost the options")
-    g.add_argument("--provider", metavar="NAME", help="only this provider's prices")
+    g.add_argument("--provider", type=nonempty, metavar="NAME", help="only this provider's prices")
     g.add_argument("--mfu", type=float, metavar="F", help="utilisation of the dense peak (default: per GPU class)")
     g.add_argument("--headroom", type=float, default=0.10, metavar="F", help="fraction of memory kept free (0.10)")
-    g.add_argument("--max-gpus", type=int, default=512, metavar="N", help="largest GPU count to try (512)")
+    g.add_argument("--max-gpus", type=positive_int, default=512, metavar="N", help="largest GPU count to try (512)")
     g.add_argument("--spot-rate", type=float, metavar="F", help="spot interruptions per node-hour (default 1/24)")
     g.add_argument("--storage-gbs", type=float, metavar="F", help="checkpoint write GB/s per node (default 1)")
-    g.add_argument("--top", type=int, default=15, metavar="N", help="rows in the table (15)")
-    g.add_argument("--export", metavar="DIR", help="write ds_config.json, accelerate_fsdp.yaml, launch.sh for the best option")
+    g.add_argument("--top", type=positive_int, default=15, metavar="N", help="rows in the table (15)")
+    g.add_argument("--export", type=nonempty, metavar="DIR",
+                   help="write ds_config.json, accelerate_fsdp.yaml, launch.sh for the best option (and a manifest)")
+    g.add_argument("--force", action="store_true", help="let --export replace the files of an earlier export")
     g.add_argument("--best", default="cost", choices=["cost", "time", "gpus"], help="which option --export takes")
     pl.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
     pl.set_defaults(func=_cmd_plan)
@@ -81,37 +110,63 @@ def _add_planner_subcommands(sub: Any) -> None:
     gp.set_defaults(func=_cmd_gpus)
 
 
+#: plan()'s argument names and the flags that set them, so an error names what the user typed.
+_PLAN_FLAGS = {"storage_gbs": "--storage-gbs", "spot_interruptions_per_node_hour": "--spot-rate",
+               "headroom": "--headroom", "mfu": "--mfu", "tokens": "--tokens", "max_gpus": "--max-gpus",
+               "provider": "--provider", "target_global_batch": "--target-global-batch", "gpus": "--gpus"}
+
+
+@contextmanager
+def _flags_for(names: Mapping[str, str]) -> Iterator[None]:
+    """Re-word a `SpecError` that starts with an argument name (``storage_gbs=0: ...``) with its flag."""
+    try:
+        yield
+    except SpecError as exc:
+        text = str(exc)
+        for name, flag in names.items():
+            if text.startswith((f"{name}=", f"{name}[")):
+                raise SpecError(flag + text[len(name):]) from None
+        raise
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ..errors import finite_number
     from ..planning.cost import SPOT_INTERRUPTIONS_PER_NODE_HOUR, STORAGE_WRITE_GBS_PER_NODE
-    from ..planning.gpus import load_gpus
-    from ..planning.launch import write_launch_files
+    from ..planning.gpus import load_gpus, load_prices
+    from ..planning.launch import MANIFEST, check_launch_dir, write_launch_files
     from ..planning.search import plan
 
-    catalog = load_gpus(args.gpu_file) if args.gpu_file else []
-    gpu_names = [n.strip() for item in args.gpu or [] for n in item.split(",") if n.strip()] or None
+    if args.export is not None:  # before the search: a folder we may not write into fails at once
+        check_launch_dir(args.export, args.force, "--export")
+    catalog = load_gpus(args.gpu_file, what="--gpu-file") if args.gpu_file is not None else []
+    gpu_names = [n.strip() for item in args.gpu or [] for n in item.split(",")]
+    if any(not n for n in gpu_names):
+        raise SpecError(f"--gpu {','.join(gpu_names)!r} has an empty name; see `trainmem gpus` for the catalog")
+    prices: Any = None if args.prices is None else load_prices(args.prices, catalog, what="--prices")
     par = {k: v for k, v in parallel_options_from_args(args).items() if v is not None}
-    par["n_gpus"] = par.pop("gpus", None)  # plan(gpus=...) names GPU types; --gpus is the count
-    result = plan(
-        model_from_args(args), gpus=gpu_names, catalog=catalog, target_global_batch=args.target_global_batch,
-        tokens=finite_number(args.tokens, "--tokens") if args.tokens else None,
-        prices=False if args.no_prices else args.prices, provider=args.provider, mfu=args.mfu,
-        headroom=args.headroom, max_gpus=args.max_gpus,
-        spot_interruptions_per_node_hour=SPOT_INTERRUPTIONS_PER_NODE_HOUR if args.spot_rate is None else args.spot_rate,
-        storage_gbs=STORAGE_WRITE_GBS_PER_NODE if args.storage_gbs is None else args.storage_gbs,
-        **training_options_from_args(args), **par,
-    )
+    with _flags_for(_PLAN_FLAGS):
+        result = plan(
+            model_from_args(args), gpu=gpu_names or None, catalog=catalog, target_global_batch=args.target_global_batch,
+            tokens=finite_number(args.tokens, "--tokens") if args.tokens is not None else None,
+            prices=False if args.no_prices else prices, provider=args.provider, mfu=args.mfu,
+            headroom=args.headroom, max_gpus=args.max_gpus,
+            spot_interruptions_per_node_hour=SPOT_INTERRUPTIONS_PER_NODE_HOUR if args.spot_rate is None else args.spot_rate,
+            storage_gbs=STORAGE_WRITE_GBS_PER_NODE if args.storage_gbs is None else args.storage_gbs,
+            **training_options_from_args(args), **par,
+        )
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(json.dumps(result.to_dict(), indent=2, allow_nan=False))
     else:
         print(result.summary(max_rows=args.top))
-    if args.export:
+    if args.export is not None:
         best = result.best(args.best) or result.best("time") or result.best("gpus")  # unpriced: fastest, smallest
         if best is None:
             raise SpecError("--export: no option fits, nothing to export")
-        paths = write_launch_files({**best, "family": result.model.family.value}, args.export)
-        print(f"wrote {', '.join(str(p) for p in paths)} for {best['n_gpus']}x {best['gpu']} ({best['layout']})",
-              file=sys.stderr if args.json else sys.stdout)
+        command = "trainmem " + " ".join(shlex.quote(a) for a in (args.argv or []))
+        paths = write_launch_files({**best, "family": result.model.family.value}, args.export, force=args.force,
+                                   command=command)
+        print(f"wrote {', '.join(str(p) for p in paths)} for {best['n_gpus']}x {best['gpu']} ({best['layout']}); "
+              f"{MANIFEST} says which plan wrote them", file=sys.stderr if args.json else sys.stdout)
     return 0
 
 
@@ -130,18 +185,32 @@ def _cmd_gpus(args: argparse.Namespace) -> int:
         return 0
     print(f"{'gpu':<30} {'usable':>11} {'bf16 TF':>8} {'link':<16} {'per node':>8}  cheapest on-demand $/GPU-h (seen)")
     for g, p in rows:
-        link = f"{g.interconnect_kind} {g.scale_up_bidir_gbs or 0:g}"
+        link = f"{g.interconnect_kind} {_known(g.scale_up_bidir_gbs)}"
         price = f"{p.on_demand_usd_per_gpu_hour:.2f} {p.provider} ({p.date_seen})" if p else "-"
-        print(f"{g.name:<30} {format_bytes(g.memory_bytes):>11} {g.bf16_tflops or 0:>8g} {link:<16} "
-              f"{g.gpus_per_node:>8}  {price}")
-    print("usable = nvidia-smi memory.total; TFLOPS are dense; links bidirectional GB/s; prices are a dated snapshot")
+        bf16 = _known(g.bf16_tflops if g.supports_bf16 else None)
+        print(f"{g.name:<30} {format_bytes(g.memory_bytes):>11} {bf16:>8} {link:<16} {g.gpus_per_node:>8}  {price}")
+    print("usable = nvidia-smi memory.total; TFLOPS are dense ('-': not in the catalog, or no bf16); links "
+          "bidirectional GB/s; prices are a dated snapshot")
     return 0
 
 
+def _known(value: float | None) -> str:
+    """A catalog number, or '-' when the catalog does not know it (never a misleading 0)."""
+    return "-" if value is None else f"{value:g}"
+
+
 class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag gets one line (not the whole usage block) and exit status 2."""
+    """argparse, but a bad flag gets one line (not the whole usage block) and exit status 2, and no
+    flag is abbreviated (``--gpu`` must never silently mean ``--gpus``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):  # '--params -7e9': argparse takes '-7e9' for a flag
+            flag = message.split()[1].rstrip(":") if message.startswith("argument ") else "--flag"
+            message += f" (for a negative or signed value write {flag}=VALUE, e.g. {flag}=-1)"
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -154,7 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
     est = sub.add_parser("estimate", help="estimate one training step's memory (no torch needed)")
     add_model_options(est)
     add_training_options(est)
-    est.add_argument("--calibration", metavar="PATH", help="a calibration JSON from `trainmem measure --device cuda`")
+    est.add_argument("--calibration", type=nonempty, metavar="PATH",
+                     help="a calibration JSON from `trainmem measure --device cuda`")
+    est.add_argument("--gpu", type=nonempty, metavar="NAME",
+                     help="also say whether the step fits this GPU (see `trainmem gpus`)")
+    est.add_argument("--headroom", type=float, default=0.10, metavar="F",
+                     help="with --gpu: fraction of its memory kept free (0.10)")
     est.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
     est.set_defaults(func=_cmd_estimate)
     pre = sub.add_parser("presets", help="list the model presets")
@@ -171,20 +245,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``trainmem`` console script; returns the exit status."""
+    """Entry point of the ``trainmem`` console script; returns the exit status.
+
+    Bad input prints one line naming what is wrong and exits 2. Nothing from inside the package ever
+    reaches the user as a traceback: an unexpected error is one line too, asking for a report
+    (``TRAINMEM_DEBUG=1`` shows the traceback)."""
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    args.argv = argv
     try:
         return int(args.func(args) or 0)
     except BrokenPipeError:  # output piped into `head`: not an error
         sys.stderr.close()
         return 0
+    except KeyboardInterrupt:
+        return 130
     except (SpecError, ValueError, RuntimeError, OSError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"trainmem {args.command}: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        return 130
+    except Exception as exc:  # a bug: one line, never a traceback (unless asked for)
+        if os.environ.get("TRAINMEM_DEBUG"):
+            raise
+        text = str(exc).splitlines()[0] if str(exc) else ""
+        print(f"trainmem {args.command}: internal error: {type(exc).__name__}: {text} (a bug: please report the "
+              f"command; TRAINMEM_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -16,12 +16,30 @@ def _choices(enum: Any) -> list[str]:
     return [m.value for m in enum]
 
 
+def nonempty(text: str) -> str:
+    """An argparse type for names and paths: ``--model ''`` is a mistake, not "no model"."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty: give a value (or leave the option out)")
+    return text
+
+
+def positive_int(text: str) -> int:
+    """An argparse type for counts only the CLI has (``--top``, ``--max-gpus``, ``--jobs``): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """``--model NAME | --hf-config PATH | --params N``: exactly one names the model."""
     group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--model", help="preset short name or Hugging Face repo id (see `trainmem presets`)")
-    group.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (file or folder)")
-    group.add_argument("--params", metavar="N", help="a bare parameter count, e.g. 7e9 (llama-shaped)")
+    group.add_argument("--model", type=nonempty, help="preset short name or Hugging Face repo id (see `trainmem presets`)")
+    group.add_argument("--hf-config", type=nonempty, metavar="PATH", help="a Hugging Face config.json (file or folder)")
+    group.add_argument("--params", type=nonempty, metavar="N", help="a bare parameter count, e.g. 7e9 (llama-shaped)")
 
 
 def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequence[str] = ("cuda", "cpu")) -> None:
@@ -30,7 +48,8 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     g.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     g.add_argument("--grad-accum", type=int, default=1, help="gradient-accumulation steps (default 1)")
-    g.add_argument("--precision", default="bf16-mixed", metavar="|".join(_choices(Precision)))
+    g.add_argument("--precision", default=None, metavar="|".join(_choices(Precision)),
+                   help="default: bf16-mixed; bf16-true (a 16-bit frozen base) with --method lora or qlora")
     g.add_argument("--optimizer", default="adamw", metavar="|".join(_choices(OptimizerName)))
     g.add_argument("--optimizer-impl", default=None, metavar="|".join(_choices(OptimizerImpl)),
                    help="default: the device's PyTorch default (cuda: foreach, cpu: for-loop)")
@@ -41,7 +60,8 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     p = parser.add_argument_group("parallel layout")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in total (default 1)")
     p.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
-    p.add_argument("--engine", default="ddp", metavar="ddp|fsdp|deepspeed|megatron")
+    p.add_argument("--engine", default=None, metavar="ddp|fsdp|deepspeed|megatron",
+                   help="default: deepspeed with --zero 2/3 or --offload (as the API), else ddp")
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (fsdp: 2 shard-grad-op, 3 full-shard)")
     p.add_argument("--hybrid-shard", action="store_true", help="FSDP HYBRID_SHARD: shard within a node only")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
@@ -72,14 +92,24 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
 
 def model_from_args(args: argparse.Namespace) -> Any:
     """The `ModelSpec` named by ``--model``, ``--hf-config`` or ``--params``."""
-    from ..errors import finite_number
-    from ..model.presets import get_model
+    from ..errors import SpecError, finite_number
+    from ..model.presets import resolve_model
     from ..model.spec import ModelSpec
 
-    if args.model:
-        return get_model(args.model)
-    if args.hf_config:
-        return ModelSpec.from_hf_config(args.hf_config)
+    if args.model is not None:
+        return resolve_model(args.model)
+    if args.hf_config is not None:
+        from pathlib import Path
+
+        from ..errors import read_json
+
+        path = Path(args.hf_config)
+        if path.is_dir():
+            path = path / "config.json"
+        data = read_json(path, "--hf-config")
+        if not isinstance(data, dict):
+            raise SpecError(f"--hf-config {path} must hold a JSON object, got {type(data).__name__}")
+        return ModelSpec.from_hf_config(data, name=path.parent.name or path.stem)
     return ModelSpec.from_params(finite_number(args.params, "--params"))
 
 

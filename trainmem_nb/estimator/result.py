@@ -154,6 +154,9 @@ class MemoryEstimate:
         if self.host_bytes:
             lines.append(f"host RAM (offload) {format_bytes(self.host_bytes):>10}  per process")
         lines.append(f"host RAM to load   {format_bytes(self.host_load_bytes):>10}  per process (full state dict)")
+        from .notes import estimate_notes
+
+        lines.extend(f"note: {n}" for n in estimate_notes(self.model, self.training))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -77,16 +77,18 @@ def after_step(before: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def write_calibration(measurement: Any, path: str | Path) -> Path:
-    """Write ``{"calibration": {...}, "measurement": {...}}``; `trainmem_nb.device.load_calibration` reads it."""
+def write_calibration(measurement: Any, path: str | Path, force: bool = False) -> Path:
+    """Write ``{"calibration": {...}, "measurement": {...}}``; `trainmem_nb.spec.calibration.load_calibration`
+    reads it. An existing file is never replaced silently: it is refused unless `force`, and the write is
+    atomic."""
+    from ..files import check_output_file, write_text_atomic
     from .calibration import calibration_from
 
+    out = check_output_file(path, "--save-calibration", force)
     cal = calibration_from(measurement)
-    out = Path(path)
     data = {
         "calibration": cal.model_dump(mode="json"),
         "measurement": measurement.to_dict(timeline=False),
         "written": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    out.write_text(json.dumps(data, indent=2) + "\n")
-    return out
+    return write_text_atomic(out, json.dumps(data, indent=2) + "\n")

@@ -1,4 +1,5 @@
-"""The shipped dataset of measured training steps (``validation/cases.jsonl``) and how to regenerate it.
+"""The shipped dataset of measured training steps (``trainmem_nb/data/measured/cases.jsonl``, package
+data) and how to regenerate it.
 
 Every case is one `Measurement` (``to_dict()`` without the timeline) plus ``id``, ``group`` and
 ``source``, one JSON object per line, sorted by id. Its ``measured_with`` block says how (device/mode,
@@ -8,7 +9,7 @@ kernels: compare a case with ``estimate(case.model, case.training)``, whose ``tr
 
 Regenerate everything (299 cases, 10-15 minutes on 2 cores)::
 
-    python -m trainmem_nb.measure.dataset            # or: trainmem validate --remeasure
+    python -m trainmem_nb.measure.dataset            # (trainmem validate --remeasure --out DIR: a copy in DIR)
     python -m trainmem_nb.measure.dataset --only gemma --keep   # re-measure a subset, keep the rest
 
 `load_cases` reads the file without torch.
@@ -82,25 +83,35 @@ class MeasuredCase:
         return not self.measurement.training.first_step
 
 
-def load_cases(path: str | Path | None = None, steady_state_only: bool = False) -> list[MeasuredCase]:
-    """The measured cases of ``validation/cases.jsonl`` (or `path`), without importing torch.
+def load_cases(path: str | Path | None = None, steady_state_only: bool = False,
+               what: str = "dataset") -> list[MeasuredCase]:
+    """The measured cases of the shipped dataset (or `path`), without importing torch.
 
     >>> cases = load_cases()  # doctest: +SKIP
     >>> c = cases[0]; c.id, c.measurement.peak_allocated_bytes, c.measurement.breakdown_bytes  # doctest: +SKIP
     """
+    from ..errors import SpecError, parse_json, read_text_file
+
     file = Path(path) if path is not None else CASES_FILE
     if not file.exists():
-        raise FileNotFoundError(f"no measured cases at {file}; regenerate with: python -m trainmem_nb.measure.dataset")
+        if path is None:
+            raise SpecError(f"the measured dataset is missing from this installation ({file}); reinstall "
+                            "trainmem_nb, or pass the path of a cases.jsonl (trainmem validate --from-dataset PATH)")
+        raise SpecError(f"{what} {file}: no such file")
     out = []
-    for n, line in enumerate(file.read_text().splitlines(), 1):
+    for n, line in enumerate(read_text_file(file, what).splitlines(), 1):
         if not line.strip():
             continue
         try:
-            data = json.loads(line)
+            data = parse_json(line, f"{what} {file} line {n}")
+            if not isinstance(data, dict):
+                raise SpecError(f"{what} {file} line {n}: not a measured case (a JSON object per line)")
             case = MeasuredCase(str(data["id"]), str(data.get("group", "")), str(data.get("source", "")),
                                 Measurement.from_dict(data))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{file}:{n}: not a measured case: {str(exc).splitlines()[0]}") from None
+        except SpecError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise SpecError(f"{what} {file} line {n}: not a measured case: {str(exc).splitlines()[0]}") from None
         if case.steady_state or not steady_state_only:
             out.append(case)
     return out
@@ -246,7 +257,7 @@ def _sweep_options() -> list[TrainingSpec]:
 
 
 def full_matrix() -> list[CaseSpec]:
-    """Every case of the shipped dataset (harness cases come from ``validation/harness_cases.json``)."""
+    """Every case of the shipped dataset (harness cases come from ``data/measured/harness_cases.json``)."""
     cases: list[CaseSpec] = []
     small = _small_shapes()
     small_trainings = [
@@ -408,15 +419,16 @@ def regenerate(out: Path = CASES_FILE, only: str = "", keep: bool = False, jobs:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainmem_nb.measure.dataset``: regenerate ``validation/`` (see the module docstring)."""
+    """``python -m trainmem_nb.measure.dataset``: regenerate the dataset and ``validation/`` (module docstring)."""
     ap = argparse.ArgumentParser(prog="python -m trainmem_nb.measure.dataset", description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=CASES_FILE, help="JSONL file to write (default validation/cases.jsonl)")
+    ap.add_argument("--out", type=Path, default=CASES_FILE,
+                    help="JSONL file to write (default: the shipped trainmem_nb/data/measured/cases.jsonl)")
     ap.add_argument("--only", default="", help="measure only cases whose id contains this text")
     ap.add_argument("--keep", action="store_true", help="keep stored cases that are not re-measured")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (timings are per case either way)")
     ap.add_argument("--list", action="store_true", help="print the case ids and exit")
     ap.add_argument("--import-harness", nargs="?", const="", default=None, metavar="RESULTS_DIR",
-                    help="first copy the harness's results into validation/harness_cases.json")
+                    help="first copy the harness's results into trainmem_nb/data/measured/harness_cases.json")
     ap.add_argument("--no-report", action="store_true", help="skip validation/harness_agreement.md and SUMMARY.md")
     args = ap.parse_args(argv)
     if args.import_harness is not None:
@@ -436,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_report:
         from .report import write_dataset_reports
 
-        for path in write_dataset_reports(args.out):
+        folder = VALIDATION_DIR if args.out == CASES_FILE and VALIDATION_DIR.is_dir() else None
+        for path in write_dataset_reports(args.out, folder=folder):
             print(f"wrote {path}", file=sys.stderr)
     return 1 if failures else 0
 

@@ -2,7 +2,7 @@
 
 The harness (a separate checking tool, not part of this package) measured 46 real PyTorch steps of
 GPT-2 and Llama shapes. `import_results` copies their key numbers, with provenance, into
-``validation/harness_cases.json``; `harness_specs` maps a harness configuration onto our
+``trainmem_nb/data/measured/harness_cases.json``; `harness_specs` maps a harness configuration onto our
 `ModelSpec` / `TrainingSpec`; `compare` checks one of our measurements against a harness result.
 Nothing here imports torch.
 
@@ -153,10 +153,10 @@ def import_results(results_dir: str | Path = DEFAULT_RESULTS) -> dict[str, Any]:
 
 
 def load_harness_cases(path: str | Path | None = None) -> list[dict[str, Any]]:
-    """The cases of ``validation/harness_cases.json`` (no torch needed)."""
-    from .paths import VALIDATION_DIR
+    """The cases of ``trainmem_nb/data/measured/harness_cases.json`` (no torch needed)."""
+    from .paths import HARNESS_FILE
 
-    file = Path(path) if path is not None else VALIDATION_DIR / "harness_cases.json"
+    file = Path(path) if path is not None else HARNESS_FILE
     return list(json.loads(file.read_text())["cases"])
 
 

@@ -1,6 +1,6 @@
-"""Reports written beside the dataset: ``validation/SUMMARY.md`` and the harness agreement.
+"""Reports about the dataset: ``validation/SUMMARY.md`` and the harness agreement.
 
-Both are regenerated from ``validation/cases.jsonl`` and ``validation/harness_cases.json`` by
+Both are regenerated from ``trainmem_nb/data/measured/cases.jsonl`` and ``harness_cases.json`` by
 ``python -m trainmem_nb.measure.dataset`` (no torch needed for this step).
 """
 
@@ -40,9 +40,12 @@ def _pct(x: float) -> str:
     return f"{100 * x:+.3f}%"
 
 
-def write_dataset_reports(cases_path: Path, harness_path: Path | None = None) -> list[Path]:
-    """Write ``SUMMARY.md`` (every case) and ``harness_agreement.{md,json}`` next to `cases_path`."""
-    folder = cases_path.parent
+def write_dataset_reports(cases_path: Path, harness_path: Path | None = None, folder: Path | None = None) -> list[Path]:
+    """Write ``SUMMARY.md`` (every case) and ``harness_agreement.{md,json}`` into `folder` (default: next
+    to `cases_path`); the harness cases default to the shipped ones."""
+    from .paths import HARNESS_FILE
+
+    folder = folder or cases_path.parent
     rows = [json.loads(line) for line in cases_path.read_text().splitlines() if line.strip()]
     written = []
     groups = Counter(r["group"] for r in rows)
@@ -78,7 +81,7 @@ def write_dataset_reports(cases_path: Path, harness_path: Path | None = None) ->
     summary = folder / "SUMMARY.md"
     summary.write_text("\n".join(lines) + "\n")
     written.append(summary)
-    hpath = harness_path or folder / "harness_cases.json"
+    hpath = harness_path or (folder / "harness_cases.json" if (folder / "harness_cases.json").exists() else HARNESS_FILE)
     if hpath.exists():
         agree = harness_agreement(cases_path, hpath)
         (folder / "harness_agreement.json").write_text(json.dumps(agree, indent=1, sort_keys=True) + "\n")

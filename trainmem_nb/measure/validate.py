@@ -171,11 +171,11 @@ def _figure(rows: Sequence[dict[str, Any]], tolerance: float) -> Any:
     return fig
 
 
-def measured_from_dataset(path: Path | None, only: str = "") -> list[tuple[str, Measurement]]:
-    """``(id, Measurement)`` of the stored cases whose id contains `only`."""
+def measured_from_dataset(path: Path | None, only: str = "", what: str = "dataset") -> list[tuple[str, Measurement]]:
+    """``(id, Measurement)`` of the stored cases whose id contains `only` (errors name `what`)."""
     from .dataset import load_cases
 
-    return [(c.id, c.measurement) for c in load_cases(path) if only in c.id]
+    return [(c.id, c.measurement) for c in load_cases(path, what=what) if only in c.id]
 
 
 def measured_live(only: str = "", full: bool = False, log: Any = None) -> list[tuple[str, Measurement]]:

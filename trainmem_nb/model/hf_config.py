@@ -8,10 +8,11 @@ would).
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..errors import SpecError, did_you_mean
+from ..errors import SpecError, did_you_mean, show_value, whole_number
 from .families import DESCRIPTIONS, Family
 
 __all__ = ["READERS", "SUPPORTED_MODEL_TYPES", "WRITERS", "shape_for_params", "spec_kwargs_from_hf", "to_hf_config"]
@@ -33,20 +34,43 @@ def _get(cfg: Mapping[str, Any], *keys: str, default: Any = ..., family: Family)
     return default
 
 
+#: The largest integer any config.json field is read as (int32, what torch shapes and HF configs use);
+#: beyond it a value is a typo or an overflow, refused before any arithmetic.
+_CONFIG_INT_MAX = 2**31 - 1
+
+
 def _int(cfg: Mapping[str, Any], *keys: str, family: Family, default: Any = ..., minimum: int = 1) -> int:
+    """A finite integer field (numpy integers and whole floats too; never a bool, text, NaN or Infinity)."""
     value = _get(cfg, *keys, default=default, family=family)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise SpecError(f"config.json {keys[0]}={value!r} must be an integer")
-    if int(value) < minimum:
-        raise SpecError(f"config.json {keys[0]}={value!r} must be >= {minimum}")
-    return int(value)
+    return whole_number(value, f"config.json {_present(cfg, keys)}", minimum, _CONFIG_INT_MAX)
 
 
 def _float(cfg: Mapping[str, Any], *keys: str, family: Family, default: float) -> float:
+    """A finite real field (never a bool, text, NaN or Infinity)."""
     value = _get(cfg, *keys, default=default, family=family)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SpecError(f"config.json {keys[0]}={value!r} must be a number")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+        raise SpecError(f"config.json {_present(cfg, keys)}={show_value(value)} must be a finite number")
     return float(value)
+
+
+def _present(cfg: Mapping[str, Any], keys: tuple[str, ...]) -> str:
+    """The key the value came from (the first one present), for messages."""
+    return next((k for k in keys if cfg.get(k) is not None), keys[0])
+
+
+def _sliding_window(cfg: Mapping[str, Any], use_default: bool) -> int:
+    """The attention window in tokens, 0 for none: ``sliding_window`` is an integer or null, and
+    ``use_sliding_window`` (Qwen2's switch, off by default there: `use_default`) true or false."""
+    use = cfg.get("use_sliding_window", use_default)
+    if not isinstance(use, bool):
+        raise SpecError(f"config.json use_sliding_window={show_value(use)} must be true or false")
+    window = cfg.get("sliding_window")
+    if window is None or window is False:
+        return 0
+    if window is True:
+        raise SpecError("config.json sliding_window=true must be a window size in tokens (an integer) or null")
+    size = whole_number(window, "config.json sliding_window", 0, _CONFIG_INT_MAX)
+    return size if use else 0
 
 
 def _rope(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -105,7 +129,7 @@ def _read_gpt2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
 def _read_opt(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     hidden = _int(cfg, "hidden_size", family=f)
     proj = _int(cfg, "word_embed_proj_dim", family=f, default=hidden)
-    bias = bool(_get(cfg, "enable_bias", default=True, family=f))
+    bias = _flag(cfg, "enable_bias", True)
     if cfg.get("_remove_final_layer_norm") or cfg.get("layer_norm_elementwise_affine") is False:
         raise SpecError("OPT configs with _remove_final_layer_norm or without layer-norm weights are not supported")
     return dict(
@@ -119,7 +143,7 @@ def _read_opt(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
         attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
         hidden_dropout=_float(cfg, "dropout", family=f, default=0.1),
         word_embed_proj_dim=0 if proj == hidden else proj,
-        pre_norm=bool(_get(cfg, "do_layer_norm_before", default=True, family=f)),
+        pre_norm=_flag(cfg, "do_layer_norm_before", True),
         qkv_bias=bias, out_bias=bias, mlp_bias=bias,
     )
 
@@ -141,7 +165,7 @@ def _read_bert(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
 
 
 def _read_gpt_neox(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
-    bias = bool(_get(cfg, "attention_bias", default=True, family=f))
+    bias = _flag(cfg, "attention_bias", True)
     return dict(
         n_layers=_int(cfg, "num_hidden_layers", family=f),
         hidden=_int(cfg, "hidden_size", family=f),
@@ -152,7 +176,7 @@ def _read_gpt_neox(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
         activation=_get(cfg, "hidden_act", default="gelu", family=f),
         attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
         hidden_dropout=_float(cfg, "hidden_dropout", family=f, default=0.0),
-        parallel_residual=bool(_get(cfg, "use_parallel_residual", default=True, family=f)),
+        parallel_residual=_flag(cfg, "use_parallel_residual", True),
         rotary_pct=cfg.get("rotary_pct", _rope(cfg).get("partial_rotary_factor", 0.25)),
         qkv_bias=bias, out_bias=bias,
     )
@@ -178,14 +202,23 @@ def _read_decoder(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
 
 def _window(cfg: Mapping[str, Any], use_default: bool) -> dict[str, Any]:
     """``sliding_window`` when the config sets one and uses it (``use_sliding_window``, where it exists)."""
-    window = cfg.get("sliding_window")
-    use = cfg.get("use_sliding_window", use_default)
-    return {"sliding_window": window} if isinstance(window, int) and window > 0 and use else {}
+    window = _sliding_window(cfg, use_default)
+    return {"sliding_window": window} if window > 0 else {}
+
+
+def _flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
+    """A true/false config key (a string "false" is not true)."""
+    value = cfg.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise SpecError(f"config.json {key}={show_value(value)} must be true or false")
+    return value
 
 
 def _read_llama(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
-    bias = bool(cfg.get("attention_bias", False))
-    return {**_read_decoder(cfg, f), "qkv_bias": bias, "out_bias": bias, "mlp_bias": bool(cfg.get("mlp_bias", False))}
+    bias = _flag(cfg, "attention_bias", False)
+    return {**_read_decoder(cfg, f), "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False)}
 
 
 def _read_mistral(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:

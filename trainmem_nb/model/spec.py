@@ -7,7 +7,6 @@ every field and an error names the field, the bad value and what would be valid.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
@@ -239,20 +238,16 @@ class ModelSpec(SpecModel):
 
         Nothing is downloaded. Unknown ``model_type`` values get an error naming the supported ones.
         """
+        from ..errors import read_json
         from .hf_config import spec_kwargs_from_hf
 
         if isinstance(config, (str, Path)):
+            if not str(config).strip():
+                raise SpecError("hf_config='' names no file: give the path of a config.json (or its folder)")
             path = Path(config)
             if path.is_dir():
                 path = path / "config.json"
-            try:
-                text = path.read_text()
-            except OSError as exc:
-                raise SpecError(f"hf_config={str(config)!r} cannot be read: {exc.strerror or exc}") from None
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise SpecError(f"hf_config={str(config)!r} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+            data = read_json(path, "hf_config")
             default_name = path.parent.name or path.stem
         elif isinstance(config, Mapping):
             data = dict(config)

@@ -21,7 +21,8 @@ from ..parallel.checks import check_layout
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
 from ..units import format_bytes
-from .gpus import GPU, get_gpu
+from .assumptions import check_count, check_headroom
+from .gpus import GPU, _precision_for, get_gpu
 
 if TYPE_CHECKING:
     pass
@@ -68,10 +69,14 @@ class Fit:
                 "margin_fraction": self.margin_fraction, "message": self.message, "notes": list(self.notes)}
 
 
-def _check_headroom(headroom: float) -> float:
-    if not 0.0 <= float(headroom) < 1.0:
-        raise SpecError(f"headroom={headroom!r} must be a fraction in [0, 1), e.g. 0.10 for 10% kept free")
-    return float(headroom)
+def _check_headroom(headroom: Any) -> float:
+    return check_headroom(headroom)
+
+
+def _check_estimate(estimate: Any, caller: str) -> MemoryEstimate:
+    if not isinstance(estimate, MemoryEstimate):
+        raise SpecError(f"{caller}() takes a MemoryEstimate from tm.estimate(...), got {type(estimate).__name__}")
+    return estimate
 
 
 def needed_bytes(est: MemoryEstimate) -> int:
@@ -90,8 +95,10 @@ def _verdict(needed: int, usable: int, headroom: float) -> tuple[Literal["fits",
 
 
 def _fit_notes(est: MemoryEstimate, g: GPU, headroom: float = DEFAULT_HEADROOM) -> tuple[str, ...]:
+    from ..estimator.notes import estimate_notes
+
     t = est.training
-    notes = []
+    notes = list(estimate_notes(est.model, t))
     if t.precision.value.startswith("bf16") and not g.supports_bf16:
         swap = t.precision.value.replace("bf16", "fp16")
         notes.append(f"{g.name} has no bf16: train with precision='{swap}' (same memory, loss scaling)")
@@ -120,6 +127,7 @@ def fit(estimate: MemoryEstimate, gpu: str | GPU, headroom: float = DEFAULT_HEAD
     >>> f.verdict, f.message.split(":")[0]
     ('oom', 'OOM on A100 SXM 40GB')
     """
+    estimate = _check_estimate(estimate, "fit")
     headroom = _check_headroom(headroom)
     g = get_gpu(gpu)
     need, usable = needed_bytes(estimate), g.memory_bytes
@@ -133,13 +141,6 @@ def fit(estimate: MemoryEstimate, gpu: str | GPU, headroom: float = DEFAULT_HEAD
         over = f"{-margin:.0%} over" if -margin < 1 else f"{need / usable:.1f}x the card"
         message = f"OOM on {g.name}: needs {format_bytes(need)} of {format_bytes(usable)} ({over})"
     return Fit(verdict, g.name, need, usable, headroom, margin, message, _fit_notes(estimate, g, headroom))
-
-
-def _precision_for(precision: str, g: GPU) -> str:
-    """bf16 recipes become fp16 on GPUs without bf16 (V100, T4): same bytes, loss scaling instead."""
-    if precision.startswith("bf16") and not g.supports_bf16:
-        return precision.replace("bf16", "fp16")
-    return precision
 
 
 def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -175,6 +176,7 @@ def max_micro_batch(model: Any, gpu: str | GPU, headroom: float = DEFAULT_HEADRO
     True
     """
     headroom = _check_headroom(headroom)
+    limit = check_count(limit, "limit", 1, 1 << 20)
     g = get_gpu(gpu)
     m = resolve_model(model)
     train_opts, par_opts = _split_options(options)
@@ -200,6 +202,7 @@ def fewest_gpus(model: Any, gpu: str | GPU, headroom: float = DEFAULT_HEADROOM, 
     1
     """
     headroom = _check_headroom(headroom)
+    max_gpus = check_count(max_gpus, "max_gpus")
     g = get_gpu(gpu)
     m = resolve_model(model)
     train_opts, par_opts = _split_options(options)
@@ -208,16 +211,28 @@ def fewest_gpus(model: Any, gpu: str | GPU, headroom: float = DEFAULT_HEADROOM, 
     data = _training_dict(training, train_opts)
     data["precision"] = _precision_for(str(build_training(None, **data).precision.value), g)
     layout = par_opts or {"engine": "fsdp", "zero": 3}
+    check_fixed_layout(m, layout)  # an impossible layout says why, instead of "nothing fits"
     ev = _Evaluator(m, data)
     limit = g.memory_bytes * (1.0 - headroom)
+    reasons: list[str] = []
+    tried = 0
     for n in _gpu_counts(g, max_gpus):
         try:
             p = _layout(m, g, n, layout)
-            need = ev.needed(p, {})
-        except SpecError:
+        except SpecError as exc:
+            reasons.append(f"{n} GPUs: {exc}")
             continue
+        try:
+            need = ev.needed(p, {})
+        except SpecError as exc:
+            reasons.append(f"{n} GPUs: {exc}")
+            continue
+        tried += 1
         if need <= limit:
             return p
+    if not tried:
+        first = reasons[0] if reasons else f"no GPU count up to max_gpus={max_gpus}"
+        raise SpecError(f"fewest_gpus: no GPU count up to {max_gpus} can hold this layout on {g.name} ({first})")
     return None
 
 
@@ -312,6 +327,23 @@ def _gpu_counts(g: GPU, max_gpus: int) -> list[int]:
         counts.append(n)
         n *= 2
     return counts
+
+
+def model_parallel(layout: Mapping[str, Any]) -> int:
+    """tp * pp * cp of a (partial) layout: every GPU count must be a multiple of it."""
+    return int(layout.get("tp") or 1) * int(layout.get("pp") or 1) * int(layout.get("cp") or 1)
+
+
+def check_fixed_layout(m: ModelSpec, layout: Mapping[str, Any]) -> None:
+    """Fail at once, with the reason, for a layout no GPU count can make valid (tp not dividing the
+    heads, more stages than layers, an engine that cannot offload...): built on the smallest GPU count
+    it allows (tp * pp * cp GPUs, or the count it fixes)."""
+    probe = {k: v for k, v in layout.items() if v is not None and k != "nodes"}
+    if "gpus" in layout and layout["gpus"] is not None:
+        probe["nodes"] = layout.get("nodes") or 1
+    probe.setdefault("gpus", model_parallel(probe))
+    p = build_parallel(None, **probe)
+    check_layout(m, p)
 
 
 def _layout(m: ModelSpec, g: GPU, n: int, layout: Mapping[str, Any]) -> ParallelSpec:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 import re
 from collections.abc import Iterable, Mapping
 from datetime import date, datetime
@@ -25,9 +24,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from ..errors import SpecError, did_you_mean
+from ..errors import SpecError, did_you_mean, finite_number, parse_json, read_text_file, whole_number
+from ..spec.base import _FROZEN, SpecModel
 
 __all__ = [
     "ECC_GDDR_FRACTION",
@@ -55,10 +55,7 @@ USABLE_FRACTION_GDDR = 0.9995
 #: 48 GiB). Datacenter GDDR cards run with ECC on in clouds, so derived totals take it off.
 ECC_GDDR_FRACTION = 15 / 16
 
-_FROZEN = ConfigDict(frozen=True, extra="forbid")
-
-
-class GPU(BaseModel):
+class GPU(SpecModel):
     """One accelerator as a training process sees it (one software device: an MI250X is two).
 
     >>> g = GPU(name="my-card", memory_bytes=24 * 2**30, bf16_tflops=100.0)
@@ -131,7 +128,7 @@ class GPU(BaseModel):
         return self.name
 
 
-class Price(BaseModel):
+class Price(SpecModel):
     """USD per GPU-hour for one GPU at one provider, as seen on ``date_seen`` (a snapshot: re-check it)."""
 
     model_config = _FROZEN
@@ -196,10 +193,19 @@ def _bool(value: Any, field: str) -> bool:
 
 
 def _number(value: Any, field: str) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise SpecError(f"{field}={value!r} is not a number") from None
+    """A finite number cell (``inf``, ``nan`` and text refused with the column named)."""
+    return finite_number(value, field)
+
+
+#: The largest whole-number cell read (bytes of a device included): 2**53, where floats stop being exact.
+_MAX_CELL = 2**53
+
+
+def _whole(value: Any, field: str, minimum: int = 1) -> int:
+    """A whole-number cell: ``8`` or ``8.0``, never ``inf`` or ``2.5`` (text cells of a CSV read as numbers)."""
+    if isinstance(value, str):
+        value = _number(value, field)
+    return whole_number(value, field, minimum, _MAX_CELL)
 
 
 def _usable_from_marketed(marketed_gb: float, memory_type: str, segment: str) -> tuple[int, str]:
@@ -219,6 +225,7 @@ def gpu_from_row(row: Mapping[str, Any]) -> GPU:
     derated as documented (`USABLE_FRACTION_HBM`, `USABLE_FRACTION_GDDR`, `ECC_GDDR_FRACTION`).
     """
     data: dict[str, Any] = {}
+    column: dict[str, str] = {}  # field -> the row's own column name, for messages
     fields = GPU.model_fields
     for key, value in row.items():
         key = str(key).strip()
@@ -231,6 +238,7 @@ def gpu_from_row(row: Mapping[str, Any]) -> GPU:
             valid = sorted(set(fields) | set(_COLUMN_TO_FIELD) | _DERIVED_COLUMNS)
             raise SpecError(f"unknown GPU column {key!r}{did_you_mean(key, valid)}; valid columns: {', '.join(valid)}")
         data[field] = _plain(value)
+        column[field] = key
     full = str(data.get("name", "")).strip()
     short = str(row.get("short_name") or "").strip()
     if not full:
@@ -245,10 +253,13 @@ def gpu_from_row(row: Mapping[str, Any]) -> GPU:
     for key in ("memory_marketed_gb", "memory_bandwidth_gbs", "bf16_tflops", "fp16_tflops", "fp8_tflops",
                 "tf32_tflops", "interconnect_bidir_gbs", "pcie_bidir_gbs", "tdp_w"):
         if key in data:
-            data[key] = _number(data[key], key)
+            data[key] = _number(data[key], column.get(key, key))
     for key in ("release_year", "gpus_per_node", "nvlink_domain", "devices_per_package", "memory_bytes"):
         if key in data:
-            data[key] = int(_number(data[key], key))
+            data[key] = _whole(data[key], column.get(key, key))
+    if "memory_marketed_gb" in data and not data["memory_marketed_gb"] > 0:
+        raise SpecError(f"{column['memory_marketed_gb']}={data['memory_marketed_gb']:g} must be > 0 "
+                        "(the marketed size in GiB, e.g. 80)")
     if data.get("pcie_bidir_gbs") == 0:
         data["pcie_bidir_gbs"] = None
     per = int(data.get("devices_per_package", 1))
@@ -259,7 +270,7 @@ def gpu_from_row(row: Mapping[str, Any]) -> GPU:
     if "memory_bytes" in data:
         data.setdefault("memory_bytes_source", "given")
     elif not _blank(row.get("nvidia_smi_total_mib")) and per == 1:
-        data["memory_bytes"] = int(_number(row["nvidia_smi_total_mib"], "nvidia_smi_total_mib")) * MIB
+        data["memory_bytes"] = _whole(row["nvidia_smi_total_mib"], "nvidia_smi_total_mib") * MIB
         data["memory_bytes_source"] = "nvidia-smi"
     elif "memory_marketed_gb" in data:
         data["memory_bytes"], data["memory_bytes_source"] = _usable_from_marketed(
@@ -271,27 +282,54 @@ def gpu_from_row(row: Mapping[str, Any]) -> GPU:
     return _validate(GPU, data)  # type: ignore[no-any-return,unused-ignore]
 
 
-def _read_table(source: str | Path) -> list[dict[str, Any]]:
-    """Rows of a CSV, YAML or JSON file (YAML needs PyYAML, which trainmem_nb does not require)."""
+def _read_table(source: str | Path, what: str = "file") -> list[dict[str, Any]]:
+    """Rows of a CSV, YAML or JSON file (YAML needs PyYAML, which trainmem_nb does not require); errors name
+    `what` (the flag or argument) and the file."""
     path = Path(source)
+    if not str(source).strip():
+        raise SpecError(f"{what}='' names no file")
     if not path.is_file():
-        raise SpecError(f"no such file: {path}")
+        raise SpecError(f"{what} {path}: no such file")
     suffix = path.suffix.lower()
+    if suffix not in (".csv", ".yaml", ".yml", ".json"):
+        raise SpecError(f"{what} {path.name}: use a .csv, .yaml/.yml or .json file")
+    text = read_text_file(path, what)
     if suffix == ".csv":
-        with path.open(newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
-    text = path.read_text(encoding="utf-8")
+        try:
+            return list(csv.DictReader(io.StringIO(text, newline="")))
+        except csv.Error as exc:
+            raise SpecError(f"{what} {path}: not a readable CSV ({exc})") from None
     if suffix in (".yaml", ".yml"):
         try:
             import yaml  # type: ignore[import-untyped,unused-ignore]
         except ImportError:
             raise SpecError(f"reading {path.name} needs PyYAML (pip install pyyaml), or give a CSV or JSON file") from None
-        data = yaml.safe_load(text)
-    elif suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = yaml.safe_load(text)
+        except (yaml.YAMLError, RecursionError) as exc:
+            raise SpecError(f"{what} {path}: not valid YAML ({str(exc).splitlines()[0] if str(exc) else exc})") from None
     else:
-        raise SpecError(f"{path.name}: use a .csv, .yaml/.yml or .json file")
-    return _rows_of(data, path.name)
+        data = parse_json(text, f"{what} {path}")
+    return _rows_of(data, f"{what} {path.name}")
+
+
+def _each_row(rows: list[Any], where: str | None, read: Any) -> list[Any]:
+    """`read` applied to each row; an error names the file, the row (CSV rows count from 2, after the
+    header) and the GPU it describes."""
+    out: list[Any] = []
+    for i, row in enumerate(rows):
+        try:
+            got = read(row)
+        except SpecError as exc:
+            if where is None or (len(rows) == 1 and not where.lower().endswith((".csv", ".json", ".yaml", ".yml"))):
+                if where is None:
+                    raise
+                raise SpecError(f"{where}: {exc}") from None
+            label = str(row.get("short_name") or row.get("name") or row.get("gpu") or "") if isinstance(row, Mapping) else ""
+            number = i + 2 if where.lower().endswith(".csv") else i + 1
+            raise SpecError(f"{where} row {number}{f' ({label})' if label else ''}: {exc}") from None
+        out.extend(got if isinstance(got, list) else [got])
+    return out
 
 
 def _rows_of(data: Any, where: str) -> list[dict[str, Any]]:
@@ -307,20 +345,35 @@ def _rows_of(data: Any, where: str) -> list[dict[str, Any]]:
     return [dict(r) for r in data]
 
 
-def load_gpus(source: str | Path | Mapping[str, Any] | Iterable[Mapping[str, Any] | GPU]) -> list[GPU]:
+def load_gpus(source: str | Path | Mapping[str, Any] | Iterable[Mapping[str, Any] | GPU], what: str = "gpu file"
+              ) -> list[GPU]:
     """Your own GPUs: a CSV/YAML/JSON path, one dict or a list of dicts (the shared CSV's columns or
     `GPU`'s fields). Pass the result to `trainmem_nb.planning.search.plan` (``gpus=``) or `trainmem_nb.planning.fit.fit`.
 
     >>> [g.name for g in load_gpus([{"name": "lab-card", "memory_gib": 24, "bf16_dense_tflops": 80}])]
     ['lab-card']
     """
+    where = None
     if isinstance(source, (str, Path)):
-        rows: list[Any] = _read_table(source)
+        rows: list[Any] = _read_table(source, what)
+        where = f"{what} {Path(source).name}"
     elif isinstance(source, Mapping):
-        rows = [source]
+        rows, where = [source], what
+    elif isinstance(source, Iterable):
+        rows, where = list(source), what
     else:
-        rows = list(source)
-    return [r if isinstance(r, GPU) else gpu_from_row(r) for r in rows]
+        raise SpecError(f"{what} must be a file path, a dict or a list of dicts / GPUs, got {type(source).__name__}")
+    for r in rows:
+        if not isinstance(r, (GPU, Mapping)):
+            raise SpecError(f"{what}: each GPU must be a GPU or a dict of its columns, got {type(r).__name__}")
+    return _each_row(rows, where, lambda r: r if isinstance(r, GPU) else gpu_from_row(r))
+
+
+def _precision_for(precision: str, g: GPU) -> str:
+    """bf16 recipes become fp16 on GPUs without bf16 (V100, T4): same bytes, loss scaling instead."""
+    if precision.startswith("bf16") and not g.supports_bf16:
+        return precision.replace("bf16", "fp16")
+    return precision
 
 
 def _data_text(name: str) -> str:
@@ -365,6 +418,9 @@ def get_gpu(name: str | GPU, catalog: Iterable[GPU] | None = None) -> GPU:
     """
     if isinstance(name, GPU):
         return name
+    if not isinstance(name, str):
+        raise SpecError(f"gpu={name!r} must be a GPU name such as 'H100' (see `trainmem gpus`) or a GPU, "
+                        f"not {type(name).__name__}")
     key = _norm(name)
     if not key:
         raise SpecError(f"gpu={name!r} is empty; see `trainmem gpus` for the catalog")
@@ -409,8 +465,9 @@ def _billing_seconds(text: str) -> tuple[int | None, int]:
     return gran, minimum
 
 
-def price_from_row(row: Mapping[str, Any], catalog: Iterable[GPU] | None = None) -> list[Price]:
-    """`Price` rows from one snapshot-style row (one per catalog GPU it names)."""
+def price_from_row(row: Mapping[str, Any], catalog: Iterable[GPU] | None = None, strict: bool = False) -> list[Price]:
+    """`Price` rows from one snapshot-style row (one per catalog GPU it names). With `strict` (your own
+    prices) a ``gpu`` that names no GPU is refused with a did-you-mean; the snapshot keeps such rows."""
     data = {str(k).strip(): _plain(v) for k, v in row.items() if not _blank(v)}
     label = str(data.pop("gpu", "") or data.get("gpu_label", ""))
     data.pop("catalog_gpu", None)
@@ -424,6 +481,9 @@ def price_from_row(row: Mapping[str, Any], catalog: Iterable[GPU] | None = None)
     for key in ("on_demand_usd_per_gpu_hour", "spot_usd_per_gpu_hour"):
         if key in data:
             data[key] = _number(data[key], key)
+    for key, least in (("gpus_per_instance", 1), ("billing_granularity_s", 1), ("minimum_billed_s", 0)):
+        if key in data:
+            data[key] = _whole(data[key], key, least)
     if "billing_granularity_s" not in data and "billing_granularity" in data:
         gran, minimum = _billing_seconds(str(data["billing_granularity"]))
         if gran is not None:
@@ -434,6 +494,8 @@ def price_from_row(row: Mapping[str, Any], catalog: Iterable[GPU] | None = None)
         try:
             names = [get_gpu(label, catalog).name] if label else [""]
         except SpecError:
+            if strict:  # your own prices: a GPU name that matches nothing would price nothing, silently
+                raise
             names = [label]
     else:
         names = [t.strip() for t in str(targets or "").split("|")]
@@ -449,7 +511,7 @@ def _snapshot() -> tuple[Price, ...]:
 
 
 def load_prices(source: str | Path | Mapping[str, Any] | Iterable[Mapping[str, Any] | Price],
-                catalog: Iterable[GPU] | None = None) -> list[Price]:
+                catalog: Iterable[GPU] | None = None, what: str = "prices file") -> list[Price]:
     """Your own prices: a CSV/YAML/JSON path, a list of dicts (the snapshot's columns), or a plain
     ``{gpu: usd_per_gpu_hour}`` dict of on-demand prices.
 
@@ -458,18 +520,40 @@ def load_prices(source: str | Path | Mapping[str, Any] | Iterable[Mapping[str, A
     ('H100 SXM 80GB', 2.5, 'yours')
     """
     catalog = list(catalog or ())
+    where = None
     if isinstance(source, (str, Path)):
-        rows: list[Any] = _read_table(source)
+        rows: list[Any] = _read_table(source, what)
+        where = f"{what} {Path(source).name}"
     elif isinstance(source, Mapping) and source and all(isinstance(v, (int, float)) for v in source.values()):
-        rows = [{"gpu": k, "on_demand_usd_per_gpu_hour": v, "date_seen": date.today().isoformat(),
-                 "billing_granularity": "per second (assumed for a plain price)"} for k, v in source.items()]
+        return _plain_prices(source, catalog)
     elif isinstance(source, Mapping):
         rows = [source]
-    else:
+    elif isinstance(source, Iterable):
         rows = list(source)
-    out: list[Price] = []
+    else:
+        raise SpecError(f"{what} must be a file path, a {{gpu: usd_per_gpu_hour}} dict or a list of rows, "
+                        f"got {type(source).__name__}")
     for r in rows:
-        out.extend([r] if isinstance(r, Price) else price_from_row(r, catalog))
+        if not isinstance(r, (Price, Mapping)):
+            raise SpecError(f"{what}: each price must be a Price or a dict of its columns, got {type(r).__name__}")
+    return _each_row(rows, where, lambda r: [r] if isinstance(r, Price) else price_from_row(r, catalog, strict=True))
+
+
+def _plain_prices(source: Mapping[str, Any], catalog: list[GPU]) -> list[Price]:
+    """``{gpu: usd_per_gpu_hour}``: every key must name a GPU (did-you-mean otherwise) and every price be a
+    finite number >= 0; a key silently ignored would leave that GPU unpriced without a word."""
+    out: list[Price] = []
+    for key, usd in source.items():
+        try:
+            gpu = get_gpu(key, catalog)
+        except SpecError as exc:
+            raise SpecError(f"prices={{{key!r}: ...}}: {exc}") from None
+        value = finite_number(usd, f"prices[{key!r}]")
+        if value < 0:
+            raise SpecError(f"prices[{key!r}]={usd!r} must be >= 0 (USD per GPU-hour)")
+        out.extend(price_from_row({"gpu": gpu.name, "on_demand_usd_per_gpu_hour": value,
+                                   "date_seen": date.today().isoformat(),
+                                   "billing_granularity": "per second (assumed for a plain price)"}, catalog))
     return out
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
+from ..files import write_text_atomic
 from ..model.families import describe
 from ..parallel.ranks import (
     DS_ALLGATHER_BUCKET,
@@ -31,7 +32,10 @@ from ..parallel.ranks import (
 
 __all__ = [
     "DEEPSPEED_DEFAULTS",
-        "accelerate_fsdp_config",
+    "LAUNCH_FILES",
+    "MANIFEST",
+    "accelerate_fsdp_config",
+    "check_launch_dir",
     "deepspeed_config",
     "to_yaml",
     "torchrun_command",
@@ -243,24 +247,83 @@ def to_yaml(data: Mapping[str, Any], indent: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_launch_files(option: Any, directory: str | Path, script: str = "train.py") -> list[Path]:
+#: Every file `write_launch_files` may write into a folder, and the manifest that says which plan wrote them.
+LAUNCH_FILES = ("ds_config.json", "accelerate_fsdp.yaml", "launch.sh")
+MANIFEST = "trainmem_plan.json"
+
+
+def check_launch_dir(directory: str | Path, force: bool = False, what: str = "directory") -> Path:
+    """The folder an export may write into, checked before anything is computed or written: not a file,
+    its parent exists, and (unless `force`) it holds neither a file an export would write nor another
+    plan's manifest."""
+    if not str(directory).strip():
+        raise SpecError(f"{what}='' names no folder")
+    out = Path(directory)
+    if out.exists() and not out.is_dir():
+        raise SpecError(f"{what} {out}: exists and is not a folder")
+    if not out.exists():
+        if not out.parent.is_dir():
+            raise SpecError(f"{what} {out}: its parent folder {out.parent} does not exist")
+        return out
+    taken = [name for name in (*LAUNCH_FILES, MANIFEST) if (out / name).exists()]
+    if taken and not force:
+        whose = "another plan's files" if MANIFEST in taken else "files trainmem did not write"
+        raise SpecError(f"{what} {out}: would overwrite {', '.join(n for n in taken if n != MANIFEST) or MANIFEST} "
+                        f"({whose}); pass --force (force=True) to replace them, or choose an empty folder")
+    return out
+
+
+def write_launch_files(option: Any, directory: str | Path, script: str = "train.py", *, force: bool = False,
+                       command: str = "") -> list[Path]:
     """Write ``ds_config.json`` (ZeRO layouts), ``accelerate_fsdp.yaml`` (ZeRO-2/3 without TP/PP, and
     without an optimizer-only offload, which FSDP cannot do) and ``launch.sh`` (the torchrun line) into
-    `directory`; returns the paths written."""
+    `directory`; returns the paths written.
+
+    Nothing a user made is lost: a folder that already holds one of these files, or another plan's
+    manifest, is refused unless `force`. With `force`, the files the previous plan's manifest lists and
+    this one does not write are removed, so the folder holds one plan's files, and
+    ``trainmem_plan.json`` says which option (and `command`) wrote them."""
     s = _launch(option)
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    written = []
+    out = check_launch_dir(directory, force)
+    out.mkdir(exist_ok=True)
+    texts: dict[str, str] = {}
     if s.tp == 1 and s.pp == 1:
-        path = out / "ds_config.json"
-        path.write_text(json.dumps(deepspeed_config(option), indent=2) + "\n", encoding="utf-8")
-        written.append(path)
+        texts["ds_config.json"] = json.dumps(deepspeed_config(option), indent=2) + "\n"
     if s.zero in (2, 3) and s.tp == 1 and s.pp == 1 and not s.hybrid_shard and s.offload != "optimizer":
-        path = out / "accelerate_fsdp.yaml"
-        path.write_text(to_yaml(accelerate_fsdp_config(option)), encoding="utf-8")
-        written.append(path)
-    path = out / "launch.sh"
-    path.write_text("#!/bin/sh\n# one line per node; set MASTER_ADDR on every node for several nodes\n"
-                    + torchrun_command(option, script) + "\n", encoding="utf-8")
-    written.append(path)
+        texts["accelerate_fsdp.yaml"] = to_yaml(accelerate_fsdp_config(option))
+    texts["launch.sh"] = ("#!/bin/sh\n# one line per node; set MASTER_ADDR on every node for several nodes\n"
+                          + torchrun_command(option, script) + "\n")
+    previous = _manifest_files(out / MANIFEST)
+    for name in previous:
+        if name not in texts and name in LAUNCH_FILES and (out / name).exists():
+            (out / name).unlink()  # the last plan's file this plan does not write: stale, and trainmem's own
+    written = []
+    for name, text in texts.items():
+        write_text_atomic(out / name, text)
+        written.append(out / name)
+    option_fields = {k: getattr(s, k) for k in s.__dataclass_fields__}
+    if isinstance(option, Mapping):
+        option_fields.update({k: option[k] for k in ("gpu", "layout", "model") if k in option})
+    manifest = {"written_by": f"trainmem_nb {_version()}", "command": command, "files": list(texts),
+                "option": option_fields}
+    write_text_atomic(out / MANIFEST, json.dumps(manifest, indent=2, default=str) + "\n")
     return written
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainmem_nb")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _manifest_files(path: Path) -> list[str]:
+    """The files a previous export's manifest lists (none when there is no readable manifest)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    files = data.get("files") if isinstance(data, dict) else None
+    return [f for f in files if isinstance(f, str)] if isinstance(files, list) else []

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ['Plan']
 
 
-@dataclass
+@dataclass(repr=False)
 class Plan:
     """What `plan` found: viable options (one row per GPU type and layout), what was rejected and why,
     the estimate of the step as given, and the assumptions behind time and cost."""
@@ -113,6 +113,20 @@ class Plan:
 
     def __str__(self) -> str:
         return self.summary()
+
+    def __repr__(self) -> str:
+        """One line at a REPL (the full table is ``print(plan)``; the dataclass dump ran to 20,000 characters)."""
+        n_types = len({r["gpu"] for r in self.rows} | {r["gpu"] for r in self.rejected})
+        fits = sum(1 for r in self.rows if r["fits"])
+        best = self.best("cost") or self.best("time") or self.best("gpus")
+        if best is None:
+            head = "nothing fits"
+        else:
+            cost = "" if best.get("cost_usd_on_demand") is None else f", ${best['cost_usd_on_demand']:,.0f}"
+            hours = "" if best.get("time_hours") is None else f", {best['time_hours']:,.1f} h"
+            head = f"best {best['n_gpus']}x {best['gpu']} {best['layout']}{hours}{cost}"
+        return (f"<Plan {self.model.name}: {fits} option(s) that fit on {n_types} GPU type(s); {head}; "
+                f"{len(self.rejected)} rejected>")
 
     def _repr_html_(self) -> str:
         import html

@@ -18,6 +18,7 @@ from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
+from .assumptions import check_count, check_headroom, check_mfu, check_provider, plan_assumptions, resolve_gpus
 from .cost import (
     HW_INTERRUPTIONS_PER_GPU_HOUR,
     KEEP_CHECKPOINTS,
@@ -31,16 +32,16 @@ from .cost import (
 )
 from .fit import (
     DEFAULT_HEADROOM,
-    _check_headroom,
     _Evaluator,
     _gpu_counts,
     _layout,
-    _precision_for,
     _split_options,
     _training_dict,
+    check_fixed_layout,
     fit,
+    model_parallel,
 )
-from .gpus import GPU, Price, get_gpu, list_gpus, load_prices, snapshot_date
+from .gpus import GPU, Price, _precision_for, list_gpus, load_gpus, load_prices, snapshot_date
 from .report import Plan, _label, _your_prices
 from .throughput import (
     COMM_EFFICIENCY,
@@ -54,7 +55,13 @@ from .throughput import (
 if TYPE_CHECKING:
     pass
 
-__all__ = ['plan']
+__all__ = ['MAX_PIPELINE_BUBBLE', 'pipeline_grad_accum', 'plan']
+
+#: The largest share of a pipelined step the planner lets the GPUs idle. 1F1B idles (p-1)/m of the step
+#: with m micro-batches on p stages (Narayanan et al. 2021, section 2.2.1: "the bubble ... is small when
+#: m >> p"); a quarter is this planner's choice, not a published threshold. Without a target batch the
+#: planner accumulates enough micro-batches to stay under it; above it, an option is flagged.
+MAX_PIPELINE_BUBBLE = 0.25
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -99,21 +106,6 @@ def _scale(p: ParallelSpec, g: GPU) -> str:
     return "multi-node"
 
 
-def _gpu_list(gpus: str | GPU | Iterable[str | GPU] | None, catalog: Sequence[GPU]) -> list[GPU]:
-    if gpus is None:
-        return list(catalog) or list_gpus()
-    if isinstance(gpus, (str, GPU)):
-        gpus = [gpus]
-    out = []
-    for item in gpus:
-        g = get_gpu(item, catalog)
-        if g not in out:
-            out.append(g)
-    if not out:
-        raise SpecError("gpus=[] names no GPU; leave it out to search the whole catalog")
-    return out
-
-
 def _price_list(prices: Any, catalog: Sequence[GPU]) -> list[Price]:
     if prices is None:
         from .gpus import list_prices
@@ -121,14 +113,35 @@ def _price_list(prices: Any, catalog: Sequence[GPU]) -> list[Price]:
         return list_prices()
     if prices is False:
         return []
-    return load_prices(prices, catalog)
+    return load_prices(prices, catalog, what="prices")
+
+
+def _catalog(catalog: Any) -> list[GPU]:
+    """Your own GPUs: `GPU` objects, or anything `load_gpus` reads (a path, a dict, a list of dicts)."""
+    if catalog is None:
+        return []
+    if isinstance(catalog, (list, tuple)) and all(isinstance(g, GPU) for g in catalog):
+        return list(catalog)
+    return load_gpus(catalog, what="catalog")
+
+
+def _gpu_count(gpus: Any, n_gpus: Any) -> int | None:
+    """The fixed GPU count: ``gpus=`` (as in `estimate`) or its alias ``n_gpus=``."""
+    if gpus is not None and not isinstance(gpus, bool) and isinstance(gpus, (str, GPU, list, tuple, set)):
+        raise SpecError(f"gpus={gpus!r} is the GPU count in plan(), as in estimate(); name GPU types with "
+                        f"gpu={gpus!r}")
+    if gpus is not None and n_gpus is not None and gpus != n_gpus:
+        raise SpecError(f"gpus={gpus!r} and n_gpus={n_gpus!r} both give the GPU count; give one")
+    value, name = (gpus, "gpus") if gpus is not None else (n_gpus, "n_gpus")
+    return None if value is None else check_count(value, name)
 
 
 def plan(
     model: Any,
     training: TrainingSpec | Mapping[str, Any] | None = None,
     *,
-    gpus: str | GPU | Iterable[str | GPU] | None = None,
+    gpu: str | GPU | Iterable[str | GPU] | None = None,
+    gpus: int | None = None,
     target_global_batch: int | None = None,
     tokens: float | None = None,
     prices: Any = None,
@@ -150,31 +163,35 @@ def plan(
 ) -> Plan:
     """Search GPU types and layouts for a training run; one row per viable (GPU type, layout).
 
-    `options` are training and parallel fields as for `estimate` (the GPU count is `n_gpus`, since `gpus`
-    names GPU types). Whatever you give is kept; what you leave out is searched: the GPU count (1, 2, 4... a
-    node, then whole nodes doubling, up to `max_gpus`,
+    `gpu` names the GPU types to try (a name, a `GPU` or a list; default: the whole catalog), as the
+    CLI's ``--gpu`` and `fit` do; `gpus` is the GPU count, as in `estimate` (``n_gpus`` is an alias).
+    `options` are training and parallel fields as for `estimate`. Whatever you give is kept; what you
+    leave out is searched: the GPU count (1, 2, 4... a node, then whole nodes doubling, up to `max_gpus`,
     and `scale_out` doublings past the fewest that fit), the layout (DDP, FSDP ZeRO-3, hybrid shard across
     nodes, Megatron TP inside the NVLink domain with PP across nodes), checkpointing (none, else full), the
     micro-batch (the largest that fits) and gradient accumulation (to reach `target_global_batch`
     sequences). bf16 becomes fp16 on GPUs without bf16. `tokens` (total training tokens) gives time and
     cost; `prices` is None (the dated snapshot), False, a path, rows or ``{gpu: usd_per_gpu_hour}``;
-    `mfu` a number or ``{gpu or class: number}`` (default: `MFU_DEFAULTS`).
+    `mfu` a number or ``{gpu or class: number}`` (default: `MFU_DEFAULTS`). Every assumption is checked
+    (`PlanAssumptions`): a bad value raises `SpecError` naming it.
 
-    >>> p = plan("gpt2", gpus=["H100", "T4"], seq_len=1024, target_global_batch=64, tokens=1e9)
+    >>> p = plan("gpt2", gpu=["H100", "T4"], seq_len=1024, target_global_batch=64, tokens=1e9)
     >>> p.fits_on
     ['H100 SXM 80GB', 'T4 16GB']
     """
-    headroom = _check_headroom(headroom)
-    if target_global_batch is not None and int(target_global_batch) < 1:
-        raise SpecError(f"target_global_batch={target_global_batch!r} must be >= 1 (sequences per optimizer step)")
-    if tokens is not None and not (float(tokens) > 0 and math.isfinite(float(tokens))):
-        raise SpecError(f"tokens={tokens!r} must be a positive number of training tokens")
-    if max_gpus < 1:
-        raise SpecError(f"max_gpus={max_gpus!r} must be >= 1")
+    a = plan_assumptions(
+        headroom=check_headroom(headroom), target_global_batch=target_global_batch, tokens=tokens,
+        n_gpus=_gpu_count(gpus, n_gpus), max_gpus=max_gpus, scale_out=scale_out, inter_node_gbs=inter_node_gbs,
+        storage_gbs=storage_gbs, spot_interruptions_per_node_hour=spot_interruptions_per_node_hour,
+        restart_minutes=restart_minutes, checkpoint_interval_hours=checkpoint_interval_hours,
+        keep_checkpoints=keep_checkpoints)
+    headroom = a.headroom
     m = resolve_model(model)
-    cat = list(catalog or ())
-    gpu_types = _gpu_list(gpus, cat)
+    cat = _catalog(catalog)
+    gpu_types = resolve_gpus(gpu, cat) or (list(cat) or list_gpus())
+    mfu = check_mfu(mfu, cat + gpu_types)
     price_rows = _price_list(prices, cat + gpu_types)
+    provider = check_provider(provider, price_rows)
     source: Literal["snapshot", "yours", "none"] = "snapshot" if prices is None else "none" if prices is False else "yours"
     train_opts, par_opts = _split_options(options)
     given = _training_dict(training, train_opts)
@@ -183,13 +200,13 @@ def plan(
         fixed.update({k: getattr(parallel, k) for k in parallel.model_fields_set})
     elif isinstance(parallel, Mapping):
         fixed.update(parallel)
+    elif parallel is not None:
+        raise SpecError(f"parallel must be a ParallelSpec or a dict, got {type(parallel).__name__}")
     fixed.update({k: v for k, v in par_opts.items() if v is not None})
-    if n_gpus is not None:
-        fixed["gpus"] = int(n_gpus)
-    if fixed:  # bad values fail here, once, with the usual message
-        probe = dict(fixed) if "gpus" in fixed else {k: v for k, v in fixed.items() if k != "nodes"}
-        probe.setdefault("gpus", _model_parallel(fixed))
-        build_parallel(None, **probe)
+    if a.n_gpus is not None:
+        fixed["gpus"] = a.n_gpus
+    if fixed:  # bad values and impossible layouts fail here, once, with the usual message
+        check_fixed_layout(m, fixed)
     base_training = build_training(None, **given)
     check_model_options(m, base_training)  # e.g. a sequence beyond the model's positions fails every option alike
     as_given, as_given_error = None, ""
@@ -202,29 +219,37 @@ def plan(
             raise
         as_given_error = f"{type(exc).__name__}: {exc}"
     ev = _Evaluator(m, given)
-    ctx = _PlanContext(m=m, ev=ev, given=given, fixed=fixed, target=target_global_batch, tokens=tokens,
+    ctx = _PlanContext(m=m, ev=ev, given=given, fixed=fixed, target=a.target_global_batch, tokens=a.tokens,
                        prices=price_rows, mfu=mfu, headroom=headroom, provider=provider,
-                       inter_node_gbs=inter_node_gbs, storage_gbs=storage_gbs,
-                       spot_rate=spot_interruptions_per_node_hour, restart_s=restart_minutes * 60,
-                       interval_h=checkpoint_interval_hours, keep=keep_checkpoints, prices_source=source)
+                       inter_node_gbs=a.inter_node_gbs, storage_gbs=a.storage_gbs,
+                       spot_rate=a.spot_interruptions_per_node_hour, restart_s=a.restart_minutes * 60,
+                       interval_h=a.checkpoint_interval_hours, keep=a.keep_checkpoints, prices_source=source)
     rows: list[dict[str, Any]] = []
     rejected: list[dict[str, Any]] = []
+    step = model_parallel(fixed)
+    if "gpus" not in fixed and step > a.max_gpus:
+        raise SpecError(f"max_gpus={a.max_gpus} is below tp*pp*cp={step}, the fewest GPUs this layout needs")
     for g in gpu_types:
-        counts = [int(fixed["gpus"])] if "gpus" in fixed else _gpu_counts(g, max_gpus)
-        _search_gpu(ctx, g, counts, scale_out, rows, rejected)
+        counts = [int(fixed["gpus"])] if "gpus" in fixed else [n for n in _gpu_counts(g, a.max_gpus) if n % step == 0]
+        _search_gpu(ctx, g, counts, a.scale_out, rows, rejected)
+    if not rows and rejected and all("headroom_fraction" not in r for r in rejected):
+        # every option failed for a layout reason, none for memory: that reason is the answer, not "fits none"
+        first = rejected[0]
+        raise SpecError(f"no layout as given can run: {first['reason']} ({first['n_gpus']}x {first['gpu']}; "
+                        f"{len(rejected)} option(s) tried, see the layout options)")
     _mark_pareto(rows)
     rows.sort(key=lambda r: (not r["fits"], r["cost_usd_on_demand"] if r["cost_usd_on_demand"] is not None else math.inf,
                              r["time_hours"] if r["time_hours"] is not None else math.inf, r["n_gpus"]))
-    notes = _plan_notes(m, rows, gpu_types, tokens, price_rows, fixed.get("gpus"), source)
+    notes = _plan_notes(m, rows, gpu_types, a.tokens, price_rows, fixed.get("gpus"), source)
     if as_given is None and "gpus" in fixed:
         notes.insert(0, f"the step as given could not be estimated: {as_given_error}")
     assumptions = {
-        "headroom": headroom, "target_global_batch": target_global_batch, "tokens": tokens,
+        "headroom": headroom, "target_global_batch": a.target_global_batch, "tokens": a.tokens,
         "mfu": {g.name: _mfu_for(g, mfu)[0] for g in gpu_types},
-        "inter_node_gbs_per_gpu": inter_node_gbs, "storage_write_gbs_per_node": storage_gbs,
-        "spot_interruptions_per_node_hour": spot_interruptions_per_node_hour,
-        "hw_interruptions_per_gpu_hour": HW_INTERRUPTIONS_PER_GPU_HOUR, "restart_minutes": restart_minutes,
-        "keep_checkpoints": keep_checkpoints, "comm_efficiency": COMM_EFFICIENCY,
+        "inter_node_gbs_per_gpu": a.inter_node_gbs, "storage_write_gbs_per_node": a.storage_gbs,
+        "spot_interruptions_per_node_hour": a.spot_interruptions_per_node_hour,
+        "hw_interruptions_per_gpu_hour": HW_INTERRUPTIONS_PER_GPU_HOUR, "restart_minutes": a.restart_minutes,
+        "keep_checkpoints": a.keep_checkpoints, "comm_efficiency": COMM_EFFICIENCY,
     }
     return Plan(m, as_given, rows, rejected, notes, assumptions, snapshot_date(price_rows) if price_rows else "",
                 ctx.kept, source)
@@ -260,7 +285,7 @@ def _search_gpu(ctx: _PlanContext, g: GPU, counts: list[int], scale_out: int, ro
     dead: set[str] = set()  # families whose memory per GPU does not fall with more GPUs (DDP)
     closest: dict[str, Any] | None = None
     for n in counts:
-        if ctx.target is not None and n > ctx.target * _model_parallel(ctx.fixed):
+        if ctx.target is not None and n > ctx.target * model_parallel(ctx.fixed):
             break  # more data-parallel ranks than sequences per step
         fams = [(f, lay) for f, lay in _families(ctx.m, g, n, ctx.fixed)
                 if f not in dead and fits_seen.get(f, 0) <= scale_out]
@@ -287,8 +312,13 @@ def _search_gpu(ctx: _PlanContext, g: GPU, counts: list[int], scale_out: int, ro
         rejected.append(closest)
 
 
-def _model_parallel(fixed: Mapping[str, Any]) -> int:
-    return int(fixed.get("tp", 1)) * int(fixed.get("pp", 1)) * int(fixed.get("cp", 1))
+def pipeline_grad_accum(p: ParallelSpec) -> int:
+    """The fewest micro-batches per step that keep 1F1B's bubble (p-1)/(m·v) at or under
+    `MAX_PIPELINE_BUBBLE`; 1 without pipeline parallelism."""
+    if p.pp <= 1:
+        return 1
+    v = p.virtual_stages if p.pp_schedule.value == "interleaved" else 1
+    return max(1, math.ceil((p.pp - 1) / (MAX_PIPELINE_BUBBLE * v)))
 
 
 def _choose_batch(ctx: _PlanContext, g: GPU, p: ParallelSpec, over: dict[str, Any]) -> tuple[int, int, int]:
@@ -301,8 +331,8 @@ def _choose_batch(ctx: _PlanContext, g: GPU, p: ParallelSpec, over: dict[str, An
         ga = int(ga_given) if ga_given else (-(-ctx.target // (mb * dp)) if ctx.target else 1)
         mx = ctx.ev.max_micro_batch(p, {**over, "grad_accum": ga}, limit)
         return mb, ga, mx
-    if ctx.target is None:
-        ga = int(ga_given or 1)
+    if ctx.target is None:  # no batch to reach: enough micro-batches that the pipeline is not mostly idle
+        ga = int(ga_given) if ga_given else pipeline_grad_accum(p)
         mx = ctx.ev.max_micro_batch(p, {**over, "grad_accum": ga}, limit)
         return mx, ga, mx
     per_rank = -(-ctx.target // dp)
@@ -353,7 +383,7 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
     row.update(_time_and_cost(ctx, g, p, t, od_price, sp_price))
     row["warnings"] = (list(f.notes) + _row_warnings(g, p, t, row, ctx.prices_source)
                        + _price_warnings(g, p, od_price, sp_price))
-    asked = str(ctx.given.get("precision", "bf16-mixed"))
+    asked = build_training(None, **ctx.given).precision.value  # the default follows the method
     if asked != t.precision.value:
         row["warnings"].insert(0, f"{g.name} has no bf16: planned as {t.precision.value} (same memory, loss scaling)")
     row["pareto"] = False
@@ -370,6 +400,7 @@ def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec, 
         "step_time_s": st.step_s if st else None, "compute_time_s": st.compute_s if st else None,
         "comm_time_s": (st.overlapped_comm_s + st.exposed_comm_s) if st else None,
         "comm_bound": st.comm_bound if st else None, "tokens_per_s": st.tokens_per_s if st else None,
+        "bubble_fraction": st.bubble_fraction if st else None,
         "mfu_assumed": st.mfu if st else None, "mfu_effective": st.effective_mfu if st else None,
         "mfu_source": st.mfu_source if st else None,
         "model_flops_per_token": st.model_flops_per_token if st else None,
@@ -428,6 +459,13 @@ def _row_warnings(g: GPU, p: ParallelSpec, t: TrainingSpec, row: Mapping[str, An
         where = g.interconnect_kind if _in_fast_domain(g, p.gpus, p.nodes) or p.nodes == 1 else "the network between nodes"
         out.append(f"communication-bound on {p.gpus}x {g.name}: {comm:.2f} s of collectives over {where} vs "
                    f"{compute:.2f} s of compute per step")
+    bubble = row.get("bubble_fraction")
+    if bubble is not None and bubble > MAX_PIPELINE_BUBBLE:
+        idle = bubble / (1 + bubble)  # the bubble is relative to the compute; as a share of the step
+        need = pipeline_grad_accum(p)
+        out.append(f"pipeline bubble: {idle:.0%} of each step idle (grad_accum={t.grad_accum} micro-batches on "
+                   f"pp={p.pp} stages); pass target_global_batch, or grad_accum >= {need}, to keep it under "
+                   f"{MAX_PIPELINE_BUBBLE / (1 + MAX_PIPELINE_BUBBLE):.0%}")
     if p.tp > g.nvlink_domain:
         out.append(f"tp={p.tp} spans more than the {g.nvlink_domain}-GPU fast domain of {g.name}")
     if row.get("step_time_s") is None:

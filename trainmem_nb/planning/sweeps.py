@@ -35,16 +35,25 @@ FIGURES = ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", 
            *(f"{k}_bytes" for k in TOP_KEYS), "saved_activations_bytes", "n_params", "n_trainable_params")
 
 
-def _as_list(value: Any) -> list[Any]:
+#: Options for which None is a value of its own (the model config's dropout; the device's default kernels).
+_NONE_IS_A_VALUE = frozenset({"dropout", "optimizer_impl"})
+
+
+def _as_list(value: Any, key: str) -> list[Any]:
+    """The values swept for option `key`: a list (or any iterable but text and specs), else one value.
+    An empty list or a None in it is refused, naming the option."""
     from pydantic import BaseModel
 
     scalar = isinstance(value, (str, bytes, Mapping, BaseModel))  # a spec is one value, not its fields
     if isinstance(value, (list, tuple, range)) or (hasattr(value, "__iter__") and not scalar):
         values = list(value)
         if not values:
-            raise SpecError("a swept option got an empty list; give at least one value")
-        return values
-    return [value]
+            raise SpecError(f"{key}=[]: an empty list sweeps nothing; give at least one value")
+    else:
+        values = [value]
+    if key not in _NONE_IS_A_VALUE and any(v is None for v in values):
+        raise SpecError(f"{key}={values!r}: None is not a value to sweep; leave the option out for its default")
+    return values
 
 
 def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int]) -> dict[str, Any]:
@@ -147,8 +156,8 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
 
     from ..step.reserved import reserved_and_total
 
-    models = [resolve_model(m) for m in _as_list(model)]
-    axes = {k: _as_list(v) for k, v in options.items()}
+    models = [resolve_model(m) for m in _as_list(model, "model")]
+    axes = {k: _as_list(v, k) for k, v in options.items()}
     swept = [k for k, v in axes.items() if len(v) > 1]
     keys = list(axes)
     base = build_training(training) if training is not None else None

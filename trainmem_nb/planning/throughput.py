@@ -4,17 +4,17 @@ communication that cannot hide. Every number from the world is a named constant 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..errors import SpecError
+from ..errors import SpecError, show_value
 from ..model.spec import ModelSpec
 from ..spec.choices import Checkpointing, Method, Precision
 from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec
-from .fit import _precision_for
-from .gpus import GPU, get_gpu
+from .gpus import GPU, _norm, _precision_for, get_gpu
 
 if TYPE_CHECKING:
     pass
@@ -128,16 +128,55 @@ class StepTime:
         return self.tokens_per_step / self.step_s
 
 
+def check_fraction(value: Any, field: str) -> float:
+    """A utilisation in (0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or isinstance(value, complex):
+        raise SpecError(f"{field}={show_value(value)} must be a fraction in (0, 1], e.g. 0.4")
+    number = float(value)
+    if not (math.isfinite(number) and 0.0 < number <= 1.0):
+        raise SpecError(f"{field}={show_value(value)} must be a fraction in (0, 1], e.g. 0.4")
+    return number
+
+
+def check_mfu(mfu: Any, catalog: Iterable[GPU] = ()) -> float | dict[str, float] | None:
+    """``mfu`` as the planner uses it: None (the per-class defaults), one fraction, or ``{gpu or class:
+    fraction}`` whose keys are resolved to catalog names (``'H100'`` -> ``'H100 SXM 80GB'``); an unknown
+    key is refused with a did-you-mean instead of being ignored."""
+    if mfu is None:
+        return None
+    if isinstance(mfu, Mapping):
+        out: dict[str, float] = {}
+        for key, value in mfu.items():
+            if not isinstance(key, (str, GPU)):
+                raise SpecError(f"mfu={{{key!r}: ...}}: keys name a GPU or a GPU class, got {type(key).__name__}")
+            name = key.name if isinstance(key, GPU) else key
+            if isinstance(key, str) and key.strip().lower() in MFU_DEFAULTS:
+                name = key.strip().lower()
+            else:
+                try:
+                    name = get_gpu(key, catalog).name
+                except SpecError as exc:
+                    classes = ", ".join(MFU_DEFAULTS)
+                    raise SpecError(f"mfu={{{key!r}: ...}} names no GPU or GPU class: {exc} (classes: {classes})") from None
+            out[name] = check_fraction(value, f"mfu[{key!r}]")
+        return out
+    return check_fraction(mfu, "mfu")
+
+
 def _mfu_for(g: GPU, mfu: float | Mapping[str, float] | None) -> tuple[float, str]:
-    if isinstance(mfu, (int, float)):
-        value, source = float(mfu), "given"
-    elif isinstance(mfu, Mapping) and (g.name in mfu or g.perf_class in mfu):
-        value, source = float(mfu.get(g.name, mfu.get(g.perf_class, 0.0))), "given"
-    else:
-        value, source = MFU_DEFAULTS.get(g.perf_class, MFU_DEFAULTS["generic"])
-    if not 0.0 < value <= 1.0:
-        raise SpecError(f"mfu={value!r} must be a fraction in (0, 1], e.g. 0.4")
-    return value, source
+    """The utilisation assumed on `g`: the given number, the dict's entry for `g` (by any of its names,
+    or its class), else the class default. Values are checked as `check_mfu` checks them."""
+    if isinstance(mfu, Mapping):
+        names = {_norm(n) for n in (g.name, g.full_name, *g.aliases) if n}
+        for key, value in mfu.items():
+            if (isinstance(key, GPU) and key.name == g.name) or (isinstance(key, str) and _norm(key) in names):
+                return check_fraction(value, f"mfu[{key!r}]"), "given"
+        for key, value in mfu.items():
+            if isinstance(key, str) and key.strip().lower() == g.perf_class:
+                return check_fraction(value, f"mfu[{key!r}]"), "given"
+    elif mfu is not None:
+        return check_fraction(mfu, "mfu"), "given"
+    return MFU_DEFAULTS.get(g.perf_class, MFU_DEFAULTS["generic"])
 
 
 def _in_fast_domain(g: GPU, group: int, nodes: int) -> bool:

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from ..errors import SpecError, did_you_mean
-from .base import SpecModel, _Choice
+from .base import _FROZEN, SpecModel, _Choice
 
 __all__ = ['Engine', 'Offload', 'ParallelSpec', 'PipelineSchedule', 'build_parallel']
 
@@ -43,9 +43,6 @@ class PipelineSchedule(_Choice):
     #: activations in flight on the first stage, for a bubble v times smaller (Narayanan et al. 2021)
     INTERLEAVED = "interleaved"
     GPIPE = "gpipe"  #: all grad_accum micro-batches in flight
-
-
-_FROZEN = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
 
 class ParallelSpec(SpecModel):

@@ -29,7 +29,9 @@ class TrainingSpec(SpecModel):
     micro_batch: int = Field(default=1, ge=1, le=1 << 20)
     seq_len: int = Field(default=2048, ge=1, le=1 << 24)
     grad_accum: int = Field(default=1, ge=1, le=1 << 20)
-    precision: Precision = Precision.BF16_MIXED
+    precision: Precision = Field(
+        default=Precision.BF16_MIXED, description="default: bf16-mixed for method='full', bf16-true (a 16-bit frozen "
+        "base, fp32 adapters) for lora and qlora, as peft users run them")
     optimizer: OptimizerName = OptimizerName.ADAMW
     optimizer_impl: OptimizerImpl | None = Field(
         default=None, description="None: the device's PyTorch default (cuda: foreach, cpu: for-loop)"
@@ -41,7 +43,8 @@ class TrainingSpec(SpecModel):
     method: Method = Method.FULL
     lora_rank: int = Field(default=16, ge=1, le=1 << 16)
     lora_alpha: float = Field(default=32.0, gt=0.0)
-    lora_targets: str = Field(default="qv", description="'qv', 'all-linear' or comma-separated module names")
+    lora_targets: str = Field(default="qv", min_length=1,
+                              description="'qv', 'all-linear', comma-separated module names or a list of them")
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     lora_dtype: AdapterDtype = Field(
         default=AdapterDtype.FP32, description="adapter dtype: 'fp32' (peft's default) or 'base' (the base weights')")
@@ -58,6 +61,11 @@ class TrainingSpec(SpecModel):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
+        if data.get("precision") is None:  # the default follows the method: see _default_precision
+            data.pop("precision", None)
+        # Hugging Face's gradient_checkpointing=True recomputes whole layers: True means full, False none
+        if isinstance(data.get("checkpointing"), bool):
+            data["checkpointing"] = Checkpointing.FULL if data["checkpointing"] else Checkpointing.NONE
         for key, enum in (
             ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
             ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
@@ -66,11 +74,26 @@ class TrainingSpec(SpecModel):
                 data[key] = enum.parse(data[key], key)
         if data.get("optimizer_impl") is not None:
             data["optimizer_impl"] = OptimizerImpl.parse(data["optimizer_impl"], "optimizer_impl")
-        if data.get("checkpointing") is True:
-            data["checkpointing"] = Checkpointing.FULL
-        if data.get("checkpointing") is False:
-            data["checkpointing"] = Checkpointing.NONE
+        targets = data.get("lora_targets")
+        if isinstance(targets, (list, tuple)):  # peft's target_modules=['q_proj', 'v_proj']
+            if not targets or not all(isinstance(n, str) and n.strip() for n in targets):
+                raise SpecError(f"lora_targets={list(targets)!r} must name modules: 'qv', 'all-linear', "
+                                "a comma-separated string or a list of module names such as ['q_proj', 'v_proj']")
+            data["lora_targets"] = ",".join(n.strip() for n in targets)
+        elif targets is not None and not isinstance(targets, str):
+            raise SpecError(f"lora_targets={targets!r} must be 'qv', 'all-linear', a comma-separated string or a "
+                            "list of module names such as ['q_proj', 'v_proj']")
         return data
+
+    @model_validator(mode="after")
+    def _default_precision(self) -> TrainingSpec:
+        # LoRA and QLoRA users load the frozen base in 16 bits (peft: from_pretrained(torch_dtype=bfloat16);
+        # QLoRA: bnb_4bit_compute_dtype=bfloat16), with fp32 adapters (lora_dtype='fp32'): without an
+        # explicit precision they get bf16-true, not an fp32 base under autocast. Left out of
+        # model_fields_set, so a rebuilt spec follows its new method.
+        if "precision" not in self.model_fields_set and self.method is not Method.FULL:
+            object.__setattr__(self, "precision", Precision.BF16_TRUE)
+        return self
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainingSpec:
@@ -121,8 +144,8 @@ def build_training(training: TrainingSpec | Mapping[str, Any] | None = None, **o
     if isinstance(training, TrainingSpec) and not options:
         return training
     data: dict[str, Any] = {}
-    if isinstance(training, TrainingSpec):
-        data.update(training.model_dump(exclude_defaults=True))
+    if isinstance(training, TrainingSpec):  # what was set: a default that follows another field stays unset
+        data.update({k: getattr(training, k) for k in training.model_fields_set})
     elif isinstance(training, Mapping):
         data.update(training)
     elif training is not None:

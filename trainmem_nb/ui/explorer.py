@@ -20,7 +20,6 @@ JupyterLab see the same thing, and the callbacks run in plain Python without a k
 from __future__ import annotations
 
 import html
-import json
 import math
 import time
 from collections.abc import Iterator, Mapping
@@ -84,8 +83,11 @@ class Explorer:
     parameter count starts in the custom-dimensions or size mode); `gpu` a catalog name
     (`trainmem_nb.planning.gpus.get_gpu`); `options` are training and parallel options (micro_batch, seq_len,
     precision, gpus, zero, …). ``controls`` maps each option to its widget; ``set(**values)`` moves
-    several at once with one redraw. ``estimate``, ``fit`` and ``verdict`` describe the last good
-    combination, ``message`` is the error of the current one ("" when it is valid).
+    several at once with one redraw. ``verdict`` is the verdict of the current combination ("" while it
+    is invalid, when ``message`` holds its error, "" otherwise); ``estimate``, ``fit`` and
+    ``last_verdict`` describe the last valid one, which the (greyed) chart keeps showing. Custom
+    dimensions you type are kept through visits to other model sources, and a bad upload keeps the
+    last good one.
     """
 
     def __init__(
@@ -99,20 +101,24 @@ class Explorer:
     ) -> None:
         import ipywidgets as w
 
+        from ..planning.assumptions import check_count, check_headroom
         from ..planning.gpus import get_gpu
 
-        self.headroom = headroom
-        self.dpi = dpi
+        self.headroom = check_headroom(headroom)  # refused here: no control could clear a bad one later
+        self.dpi = check_count(dpi, "dpi", 10, 600)
         self.estimate: MemoryEstimate | None = None
         self.fit: Any = None
         self.max_micro_batch: int | None = None
         self.verdict = ""
+        self.last_verdict = ""
         self.message = ""
         self.redraws = 0
         self.last_refresh_s = 0.0
         self._hold = 0
         self._pending = False
         self._upload_spec: ModelSpec | None = None
+        self._custom_touched = False  # the user edited the custom dimensions: never overwrite them
+        self._filling = False
         self._mmb_cache: dict[Any, int] = {}
         self._figure: Any = None
         self._charts: tuple[Any, Any] | None = None
@@ -145,10 +151,12 @@ class Explorer:
             "ffn": w.BoundedIntText(value=spec.ffn, min=1, max=1 << 23, description="ffn"),
             "vocab": w.BoundedIntText(value=spec.vocab, min=1, max=1 << 24, description="vocab"),
             "upload": w.FileUpload(accept=".json", multiple=False, description="config.json"),
-            "micro_batch": w.IntSlider(value=t["micro_batch"], min=1, max=64, description="micro-batch", **slow),
+            "micro_batch": w.IntSlider(value=t["micro_batch"], min=1, max=max(64, t["micro_batch"]),
+                                       description="micro-batch", **slow),
             "seq_len": w.SelectionSlider(options=_with(SEQ_LENS, t["seq_len"]), value=t["seq_len"],
                                          description="sequence", **slow),
-            "grad_accum": w.IntSlider(value=t["grad_accum"], min=1, max=64, description="grad accum", **slow),
+            "grad_accum": w.IntSlider(value=t["grad_accum"], min=1, max=max(64, t["grad_accum"]),
+                                      description="grad accum", **slow),
             "precision": w.Dropdown(options=[p.value for p in Precision], value=t["precision"],
                                     description="precision"),
             "optimizer": w.Dropdown(options=[o.value for o in OptimizerName], value=t["optimizer"],
@@ -305,17 +313,25 @@ class Explorer:
         except Exception as exc:  # never let a callback die: say what happened, keep the last chart
             self._show_error(f"unexpected {type(exc).__name__}: {exc} (please report this combination)")
         else:
-            self.estimate, self.fit, self.max_micro_batch = est, fit, mmb
-            self.message = ""
-            self.message_html.value = ""
-            self.verdict = _verdict_text(fit, mmb, est.parallel.gpus)
-            color = {"fits": "#2d7a3e", "tight": "#a86b00", "oom": "#b2182b"}.get(fit.verdict, "#333333")
-            notes = "".join(f"<div style='color:#666;font-size:0.9em'>{html.escape(n)}</div>" for n in fit.notes)
-            self.verdict_html.value = (f"<div style='font-size:1.15em;color:{color}'><b>"
-                                       f"{html.escape(self.verdict)}</b></div>{notes}")
-            self.summary_html.value = _summary_html(est)
-            self._draw(est, gpu)
+            try:
+                self._show(est, fit, mmb, gpu)
+            except Exception as exc:  # a drawing failure too is a message, never a dead callback
+                self._show_error(f"unexpected {type(exc).__name__}: {exc} (please report this combination)")
         self.last_refresh_s = time.perf_counter() - t0
+
+    def _show(self, est: MemoryEstimate, fit: Any, mmb: int, gpu: Any) -> None:
+        """Draw a valid combination: the chart first, then the verdict and numbers that describe it."""
+        self._draw(est, gpu)
+        self.estimate, self.fit, self.max_micro_batch = est, fit, mmb
+        self.message = ""
+        self.message_html.value = ""
+        self.chart.remove_class("trainmem-stale")
+        self.verdict = self.last_verdict = _verdict_text(fit, mmb, est.parallel.gpus)
+        color = {"fits": "#2d7a3e", "tight": "#a86b00", "oom": "#b2182b"}.get(fit.verdict, "#333333")
+        notes = "".join(f"<div style='color:#666;font-size:0.9em'>{html.escape(n)}</div>" for n in fit.notes)
+        self.verdict_html.value = (f"<div style='font-size:1.15em;color:{color}'><b>"
+                                   f"{html.escape(self.verdict)}</b></div>{notes}")
+        self.summary_html.value = _summary_html(est)
 
     # -- display -----------------------------------------------------------------------------------------
 
@@ -336,19 +352,28 @@ class Explorer:
     # -- callbacks -----------------------------------------------------------------------------------------
 
     def _on_change(self, change: Mapping[str, Any]) -> None:
+        try:
+            self._handle(change)
+        except Exception as exc:  # never let a callback die: a widget observer's exception is lost in a kernel
+            self._show_error(f"unexpected {type(exc).__name__}: {exc} (please report this change)")
+
+    def _handle(self, change: Mapping[str, Any]) -> None:
         owner = change.get("owner")
         c = self.controls
         with self.hold():  # whatever the handlers below change, redraw once
             if owner is c["source"]:
                 self._show_model_box()
-                if change["new"] == "custom":  # start the dimensions from the model shown so far
-                    self._fill_custom(change.get("old"))
+                if change["new"] == "custom" and not self._custom_touched:
+                    self._fill_custom(change.get("old"))  # start from the model shown, until you edit it
             elif owner is c["method"]:
                 self._sync_lora()
             elif owner is c["upload"]:
                 self._read_upload()
             elif owner in (c["params"], c["size_family"]) and c["source"].value == "size":
                 self._update_size_label()
+            elif (owner in [c[k] for k in ("family", *CUSTOM_DIMS)] and not self._filling
+                  and c["source"].value == "custom"):
+                self._custom_touched = True  # yours now: a visit to a preset and back keeps it
             self._pending = True
 
     def _set_model(self, model: Any) -> None:
@@ -361,11 +386,17 @@ class Explorer:
             c["source"].value = "size"
         else:
             spec = resolve_model(model)
+            self._custom_touched = False
             c["source"].value = "custom"
             self._custom_base = spec
-            c["family"].value = spec.family.value
-            for k in CUSTOM_DIMS:
-                c[k].value = getattr(spec, k)
+            self._filling = True
+            try:
+                c["family"].value = spec.family.value
+                for k in CUSTOM_DIMS:
+                    c[k].value = getattr(spec, k)
+            finally:
+                self._filling = False
+            self._custom_touched = True  # the spec you gave is the custom model now
 
     def _fill_custom(self, old_source: Any) -> None:
         c = self.controls
@@ -374,10 +405,14 @@ class Explorer:
         except SpecError:
             return
         with self.hold():
-            self._custom_base = spec
-            c["family"].value = spec.family.value
-            for k in CUSTOM_DIMS:
-                c[k].value = getattr(spec, k)
+            self._filling = True
+            try:
+                self._custom_base = spec
+                c["family"].value = spec.family.value
+                for k in CUSTOM_DIMS:
+                    c[k].value = getattr(spec, k)
+            finally:
+                self._filling = False
 
     def _show_model_box(self) -> None:
         source = self.controls["source"].value
@@ -399,26 +434,27 @@ class Explorer:
         self.controls["lora_rank"].disabled = self.controls["method"].value == Method.FULL.value
 
     def _read_upload(self) -> None:
+        """Read an uploaded config.json; a bad file says why and keeps the last good model."""
+        from ..errors import parse_json
+
         files = self.controls["upload"].value
         if not files:
             return
         f = files[0]
         name = str(f.get("name", "config.json"))
         try:
-            data = json.loads(bytes(f["content"]).decode("utf-8"))
-        except (ValueError, UnicodeDecodeError) as exc:
-            self._upload_spec = None
-            self._upload_label.value = html.escape(f"{name}: not valid JSON ({exc})")
-            return
-        try:
+            data = parse_json(bytes(f["content"]), name)
             if not isinstance(data, dict):
                 raise SpecError(f"{name} must hold a JSON object, got {type(data).__name__}")
-            self._upload_spec = ModelSpec.from_hf_config(data, name=str(data.get("_name_or_path") or name))
-        except SpecError as exc:
-            self._upload_spec = None
-            self._upload_label.value = html.escape(f"{name}: {exc}")
+            spec = ModelSpec.from_hf_config(data, name=str(data.get("_name_or_path") or name))
+        except Exception as exc:  # SpecError, and anything else a file can provoke: say it, keep the old model
+            text = str(exc) if isinstance(exc, SpecError) else f"unexpected {type(exc).__name__}: {exc}"
+            kept = self._upload_spec
+            still = (f"; still using {kept.name} ({kept.family.value}, {format_count(kept.n_params)} parameters)"
+                     if kept is not None else "")
+            self._upload_label.value = html.escape(f"{name}: {text}{still}")
             return
-        m = self._upload_spec
+        self._upload_spec = m = spec
         self._upload_label.value = html.escape(f"{m.name}: {m.family.value}, {format_count(m.n_params)} parameters, "
                                                f"{m.n_layers} layers × {m.hidden} hidden")
         self.controls["source"].value = "upload"
@@ -436,9 +472,16 @@ class Explorer:
         return f, self._mmb_cache[key]
 
     def _show_error(self, text: str) -> None:
+        """An invalid combination: its message replaces the verdict (a stale green "fits" must never read as
+        current), and the last valid chart stays, greyed and labelled as such."""
         self.message = text
+        self.verdict = ""
+        self.verdict_html.value = ("<div style='font-size:1.15em;color:#666666'><b>no verdict: this combination is "
+                                   "not valid (see below)</b></div>")
+        self.chart.add_class("trainmem-stale")
         self.message_html.value = (f"<div style='color:#b2182b'>&#9888; {html.escape(text)}</div>"
-                                   "<div style='color:#666;font-size:0.9em'>showing the last valid combination</div>"
+                                   "<div style='color:#666;font-size:0.9em'>the chart shows the last valid "
+                                   "combination</div>"
                                    if self.estimate is not None else
                                    f"<div style='color:#b2182b'>&#9888; {html.escape(text)}</div>")
 
@@ -537,4 +580,5 @@ def _legend_html() -> str:
     band = ("<span style='white-space:nowrap'><span style='display:inline-block;width:0.9em;height:0.9em;"
             "background:#e6a532;opacity:0.45;vertical-align:middle;margin-right:0.3em'></span>10–15 % headroom"
             "</span> &middot; black line: the GPU's usable memory")
-    return f"<div style='font-size:0.85em;line-height:1.6'>{items}{band}</div>"
+    stale = "<style>.trainmem-stale { opacity: 0.35; }</style>"  # the last valid chart, greyed under an error
+    return f"{stale}<div style='font-size:0.85em;line-height:1.6'>{items}{band}</div>"

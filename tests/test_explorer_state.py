@@ -1,0 +1,107 @@
+"""The explorer never loses what the user made and never shows a stale verdict: typed custom dimensions
+survive a look at a preset, a bad upload keeps the good one, an error replaces the green "fits", bad
+constructor values are refused at once, and no exception ever escapes a callback."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+pytest.importorskip("ipywidgets")
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+
+import trainmem_nb as tm  # noqa: E402
+from trainmem_nb.ui.explorer import Explorer  # noqa: E402
+
+GOOD = (b'{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"intermediate_size":128,'
+        b'"vocab_size":100,"num_hidden_layers":2,"_name_or_path":"good-tiny"}')
+
+
+def _upload(content: bytes, name: str) -> tuple[dict[str, Any], ...]:
+    return ({"name": name, "type": "application/json", "size": len(content), "content": memoryview(content),
+             "last_modified": datetime(2024, 1, 1)},)
+
+
+@pytest.fixture
+def app() -> Explorer:
+    return tm.explore("llama-3.2-1b", gpu="h100-80gb", micro_batch=1, seq_len=2048)
+
+
+def test_explorer_keeps_typed_custom_dimensions_across_a_preset_visit(app: Explorer) -> None:
+    app.set(source="custom")
+    typed = dict(n_layers=7, hidden=1536, n_heads=12, n_kv_heads=4, ffn=4096, vocab=50000)
+    app.set(**typed)
+    assert app.message == "" and app.estimate.model.n_layers == 7
+    app.set(source="preset")
+    app.set(preset="mistral-7b")
+    app.set(source="custom")
+    assert {k: app.controls[k].value for k in typed} == typed
+    assert app.estimate.model.hidden == 1536 and app.message == ""
+
+
+def test_custom_dimensions_start_from_the_model_shown_until_edited(app: Explorer) -> None:
+    app.set(source="custom")
+    assert app.controls["hidden"].value == tm.get_model("llama-3.2-1b").hidden
+    app.set(source="preset", preset="gpt2")
+    app.set(source="custom")  # nothing typed yet: the custom model still follows the model shown
+    assert app.controls["hidden"].value == tm.get_model("gpt2").hidden
+
+
+def test_explorer_keeps_the_last_good_upload_when_a_bad_one_arrives(app: Explorer) -> None:
+    app.controls["upload"].value = _upload(GOOD, "good.json")
+    assert app.controls["source"].value == "upload" and app.estimate.model.name == "good-tiny"
+    app.controls["upload"].value = _upload(b"{broken", "bad.json")
+    label = app._upload_label.value
+    assert "bad.json: " in label and "not valid JSON" in label and "still using good-tiny" in label
+    assert app.controls["source"].value == "upload" and app.message == ""
+    assert app.model_spec().name == "good-tiny"
+
+
+@pytest.mark.parametrize("bad", [GOOD.replace(b':2,', b':NaN,'), GOOD.replace(b':2,', b':Infinity,'),
+                                 GOOD.replace(b':2,', b':1e400,'), b"[" * 100_000 + b"]" * 100_000,
+                                 bytes(range(256)), b"\xff\xfe{}"])
+def test_explorer_upload_of_non_finite_or_deep_json_shows_an_error_and_raises_nothing(app: Explorer,
+                                                                                      bad: bytes) -> None:
+    app.controls["upload"].value = _upload(bad, "n.json")  # an exception here would escape the observer
+    label = app._upload_label.value
+    assert label.startswith("n.json: ") and "unexpected" not in label
+    assert app.estimate.model.name == "llama-3.2-1b" and app.message == ""
+
+
+def test_explorer_error_replaces_the_verdict_instead_of_showing_a_stale_fit(app: Explorer) -> None:
+    assert app.verdict.startswith("fits H100 SXM 80GB") and "#2d7a3e" in app.verdict_html.value
+    good = app.verdict
+    app.set(tp=8, gpus=1)
+    assert "does not divide gpus=1" in app.message
+    assert app.verdict == "" and "fits" not in app.verdict_html.value and "#2d7a3e" not in app.verdict_html.value
+    assert "no verdict" in app.verdict_html.value and "last valid" in app.message_html.value
+    assert app.last_verdict == good and "trainmem-stale" in app.chart._dom_classes
+    app.set(tp=1)
+    assert app.verdict == good and "trainmem-stale" not in app.chart._dom_classes
+
+
+@pytest.mark.parametrize(("kwargs", "text"), [
+    (dict(headroom=float("nan")), "headroom=NaN"), (dict(headroom=2), "headroom=2 must be a fraction"),
+    (dict(dpi=0), "dpi=0 must be an integer from 10"), (dict(dpi="x"), "dpi='x'"),
+])
+def test_explore_refuses_bad_headroom_and_dpi(kwargs: dict, text: str) -> None:
+    with pytest.raises(tm.SpecError, match=text.replace("(", r"\(")):
+        tm.explore("gpt2", **kwargs)
+
+
+def test_explore_keeps_large_start_values() -> None:
+    app = tm.explore("gpt2", gpu="H100", seq_len=128, micro_batch=100, grad_accum=200)
+    assert app.controls["micro_batch"].value == 100 and app.controls["grad_accum"].value == 200
+    assert app.estimate.training.micro_batch == 100 and app.estimate.training.grad_accum == 200
+
+
+def test_a_failure_inside_a_callback_becomes_a_message(app: Explorer, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken() -> None:
+        raise ZeroDivisionError("boom")
+
+    monkeypatch.setattr(app, "_sync_lora", broken)
+    app.controls["method"].value = "lora"  # the observer must not raise
+    assert app.message.startswith("unexpected ZeroDivisionError: boom") and app.verdict == ""

@@ -1,0 +1,35 @@
+"""What a reader of a verdict must know that the numbers alone do not say: notes next to every fit
+verdict (`trainmem_nb.planning.fit.fit`, plan rows, the explorer, ``trainmem estimate --gpu``) and
+under ``MemoryEstimate.summary()``.
+"""
+
+from __future__ import annotations
+
+from ..model.spec import ModelSpec
+from ..spec.choices import Method
+from ..spec.training import TrainingSpec
+from ..units import format_bytes
+
+__all__ = ["estimate_notes"]
+
+
+def estimate_notes(m: ModelSpec, t: TrainingSpec) -> tuple[str, ...]:
+    """Notes on a step of `m` trained as `t`: a LoRA base counted in fp32 under a mixed recipe, QLoRA
+    leaving an MoE model's fused expert tensors unquantized."""
+    notes = []
+    if t.method is not Method.FULL and t.mixed:
+        notes.append(
+            f"{t.method.value} with precision={t.precision.value!r}: the frozen base is counted in fp32 (autocast "
+            "with fp32 weights); peft users usually load the base in 16 bits (torch_dtype=torch.bfloat16): "
+            "precision='bf16-true' (the default for lora and qlora) counts that, about half the weights")
+    if t.method is Method.QLORA and m.is_moe:
+        from ..model.params import param_inventory, quantized
+
+        kept = [p for p in param_inventory(m) if p.in_layer and p.matmul and len(p.shape) > 2 and not quantized(p)]
+        if kept:
+            size = sum(p.numel * p.count for p in kept) * t.param_bytes
+            notes.append(
+                f"qlora on {m.name}: bitsandbytes quantizes nn.Linear layers only, and transformers stores the "
+                f"{m.n_experts} experts of each layer as fused 3-D parameters: {format_bytes(size)} of expert "
+                f"weights stay in {8 * t.param_bytes}-bit, not NF4")
+    return tuple(notes)
