@@ -16,7 +16,8 @@ from ..device import CUDA_BLOCK_BYTES
 from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .tape import Sz
 
-__all__ = ['Program', 'Segment', 'TimelinePoint', 'evaluate', 'timeline']
+__all__ = ['Program', 'Segment', 'TimelinePoint', 'activations_at_forward_end', 'evaluate',
+           'forward_activation_events', 'timeline']
 
 CAT_INDEX = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -227,17 +228,34 @@ def timeline(prog: Program, micro_batch: int, seq_len: int, max_points: int = 15
     return [max(points[i:i + size], key=lambda p: p.total_bytes) for i in range(0, len(points), size)]
 
 
+_ACTIVATIONS = frozenset(i for i, k in enumerate(DETAIL_KEYS) if k.startswith("activations/"))
+
+
 def activations_at_forward_end(prog: Program, micro_batch: int, seq_len: int) -> int:
     """Bytes of activations alive when the forward pass ends: what is kept for backward (saved
     tensors, autocast weight copies, the loss path) plus the inputs."""
     b, s = micro_batch, seq_len
     mono = (1, b, s, b * s, s * s, b * s * s)
-    acts = {i for i, k in enumerate(DETAIL_KEYS) if k.startswith("activations/")}
-    total: float = sum(_round(sz.at(b, s)) * count for cat, sz, count in prog.init if cat in acts)
+    total: float = sum(_round(sz.at(b, s)) * count for cat, sz, count in prog.init if cat in _ACTIVATIONS)
     for seg in prog.segments:
         if seg.phase != "forward":
             break
         for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True):
-            if cat in acts:
+            if cat in _ACTIVATIONS:
                 total += d * seg.repeat
     return int(total)
+
+
+def forward_activation_events(prog: Program) -> list[tuple[int, int, Sz, str]]:
+    """The tensors `activations_at_forward_end` counts, as events (category, +count, bytes, label): the
+    activations alive before the step and every activation event of the forward pass, times its
+    segment's repetitions. Summed at a batch shape they give exactly `activations_at_forward_end` (each
+    event is rounded to the allocator's block on its own, as in `evaluate`): what one more micro-batch
+    in flight keeps (`trainmem_nb.parallel.pipeline`)."""
+    out = [(cat, count, sz, "inputs") for cat, sz, count in prog.init if cat in _ACTIVATIONS and count]
+    for seg in prog.segments:
+        if seg.phase != "forward":
+            break
+        out += [(cat, k * seg.repeat, sz, f"{seg.label}: {label}")
+                for cat, k, sz, label in seg.events if cat in _ACTIVATIONS and k * seg.repeat]
+    return out
