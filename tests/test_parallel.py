@@ -516,6 +516,36 @@ def test_deepspeed_zero01_grad_accumulation_counts_the_accumulated_gradients(zer
     assert _lowest_category(two) >= 0 and _timeline_max(two) == two.peak_allocated_bytes
 
 
+def test_tied_head_gradient_on_the_last_pipeline_stage_is_a_gradient() -> None:
+    """A later stage replaces its embedding output with the previous stage's activations, so the lookup
+    never reaches the loss: the tied head's weight gets its gradient from the head alone (the autograd
+    engine waits only for reachable uses). It is a `gradients` tensor zero_grad frees, not a temporary
+    left pending (which put gradients 154 MB below zero at zero_grad)."""
+    e = tm.estimate("gpt2", seq_len=512, gpus=2, engine="ddp", pp=2, device="cuda")
+    assert e.model.tie_embeddings
+    from trainmem_nb.engine.program import timeline
+
+    for prog in e.rank_programs:
+        points = timeline(prog, *e.rank_shape, max_points=10**7)
+        assert min(min(p.by_category) for p in points) >= 0
+        end = dict(zip(tm.engine.breakdown.TOP_KEYS, points[-1].by_category, strict=True))
+        assert end["gradients"] == 0 and end["transient"] == 0
+
+
+def test_opt_project_in_lives_on_the_first_pipeline_stage() -> None:
+    """OPT-350m's ``project_in`` maps the token embeddings to the hidden size: it runs, and trains, on
+    the first stage; on the last it had no gradient for zero_grad to free."""
+    from trainmem_nb.model.params import on_stage, weight_tensors
+    from trainmem_nb.model.presets import resolve_model
+
+    m = resolve_model("opt-350m")
+    proj = {p.name: p for p, _, _ in weight_tensors(m, TrainingSpec())}
+    assert on_stage(proj["project_in.weight"], m, True, False) and not on_stage(proj["project_in.weight"], m, False, True)
+    assert on_stage(proj["project_out.weight"], m, False, True)
+    e = tm.estimate(m, seq_len=128, gpus=4, engine="fsdp", zero=2, pp=2, cp=2, device="cuda")
+    assert _lowest_category(e) >= 0
+
+
 def test_pipeline_headline_figures_are_each_the_worst_stage_and_do_not_fall_as_the_sequence_grows() -> None:
     """Each headline figure is the maximum over the stages (it was the allocation of the stage with the
     largest device total, which fell from seq_len 256 to 512 while every stage rose)."""

@@ -372,10 +372,17 @@ def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int
         qout += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
         # NF4 weights' bytes per element are fractional: the tape's `dt` is typed int (a float works at run time)
         return qout  # type: ignore[return-value]
-    out = [(p, t.param_bytes, full) for p in param_inventory(m)]
+    out = [(p, t.param_bytes, full and _gets_gradient(p, m)) for p in param_inventory(m)]
     if not full:
         out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
     return out
+
+
+def _gets_gradient(p: ParamTensor, m: ModelSpec) -> bool:
+    """Does full fine-tuning give `p` a gradient? An untied BERT head's decoder has its own bias, so
+    ``cls.predictions.bias`` takes no part in the loss: it gets no ``.grad``, hence no optimizer state
+    (torch.optim's ``_init_group`` skips parameters whose grad is None) and nothing for zero_grad to free."""
+    return not (m.family is Family.BERT and not m.tie_embeddings and p.name == "cls.predictions.bias")
 
 
 def trainable_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int]]:
@@ -384,9 +391,10 @@ def trainable_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, 
 
 
 #: Names of the input-side parameters outside the layers (token, position and type embeddings; BERT's
-#: embedding LayerNorm); every other one outside the layers belongs to the output side (final norm,
-#: LM head, pythia's ``embed_out``, BERT's ``cls.*``).
-_INPUT_SIDE = ("embed_tokens.", "embed_positions.", "embed_in.", "wte.", "wpe.", "embeddings.")
+#: embedding LayerNorm; OPT's ``project_in``, which maps the token embeddings to the hidden size before
+#: the first layer, OPTDecoder.forward): the first pipeline stage's. Every other one outside the layers
+#: belongs to the output side (final norm, LM head, pythia's ``embed_out``, BERT's ``cls.*``).
+_INPUT_SIDE = ("embed_tokens.", "embed_positions.", "embed_in.", "wte.", "wpe.", "embeddings.", "project_in.")
 
 
 def on_stage(p: ParamTensor, m: ModelSpec, first: bool, last: bool) -> bool:
