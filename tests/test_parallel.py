@@ -575,3 +575,19 @@ def test_in_flight_micro_batches_are_released_before_the_optimizer_step() -> Non
     assert opt and max(p.by_category[acts] for p in opt) < activations_at_forward_end(prog, *e.rank_shape) / 2
     alone = tm.estimate("gpt2", **{**kw, "grad_accum": 1}).rank_programs[0]  # 1F1B over one: one in flight
     assert activations_at_forward_end(prog, *e.rank_shape) == 2 * activations_at_forward_end(alone, *e.rank_shape)
+
+
+def test_reserved_is_the_steps_high_water_mark_so_it_does_not_fall_while_allocated_rises() -> None:
+    """Reserved is the highest ``allocated + fraction * churn`` over the step, not the value at the
+    allocated peak: a larger batch that moves the allocated peak to a point with less churn no longer
+    lowers it (micro_batch 2 -> 3 here: allocated +0.9 MB, reserved was -2 MB)."""
+    from trainmem_nb.device import RESERVED_CHURN_FRACTION
+
+    kw = dict(engine="deepspeed", zero=3, tp=2, gpus=4, offload="optimizer", optimizer="paged-adamw", grad_accum=4,
+              checkpointing="full", seq_len=64, device="cuda")
+    two, three = (tm.estimate("opt-350m", micro_batch=b, **kw) for b in (2, 3))
+    assert three.peak_allocated_bytes > two.peak_allocated_bytes
+    assert three.peak_reserved_bytes >= two.peak_reserved_bytes
+    for e in (two, three):  # never below the value at the allocated peak
+        churn = e.breakdown_bytes["activations"] + e.breakdown_bytes["transient"]
+        assert e.peak_reserved_bytes >= e.peak_allocated_bytes + RESERVED_CHURN_FRACTION * churn

@@ -17,7 +17,7 @@ from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .tape import Sz
 
 __all__ = ['Program', 'Segment', 'TimelinePoint', 'activations_at_forward_end', 'evaluate',
-           'forward_activation_events', 'timeline']
+           'forward_activation_events', 'peak_with_churn', 'timeline']
 
 CAT_INDEX = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -141,6 +141,30 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
         rep = "" if seg.repeat == 1 else f" ({'last' if reps else 'first'} of {seg.repeat})"
         phase, where = seg.phase, f"{seg.label}{rep}: {seg.events[ei][3]}"
     return Evaluation(int(best), phase, where, detail, {k: int(v) for k, v in phase_peaks.items()})
+
+
+def peak_with_churn(prog: Program, micro_batch: int, seq_len: int, fraction: float) -> float:
+    """The highest point over the step of allocated bytes plus `fraction` of the activation and
+    temporary bytes alive there (the churn that leaves cached, fragmented blocks behind): what the
+    caching allocator is modelled to reserve (`trainmem_nb.step.reserved`). Taken over every point, not
+    only at the allocated peak, so it never falls when the batch or the sequence grows (every point's
+    live tensors grow with them) and never lies below ``peak + fraction * churn at the peak``.
+    Repeated segments are handled as in `evaluate`."""
+    b, s = micro_batch, seq_len
+    mono = (1, b, s, b * s, s * s, b * s * s)
+    weight = [1 + fraction if k.startswith(("activations/", "transient/")) else 1.0 for k in DETAIL_KEYS]
+    total = float(sum(w * v for w, v in zip(weight, _init_bytes(prog, b, s), strict=True)))
+    best = total
+    for seg in prog.segments:
+        n = seg.repeat
+        if n <= 0 or not seg.events:
+            continue
+        sizes = [weight[cat] * d for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True)]
+        run = list(accumulate(sizes))
+        net, pmax = run[-1], max(run)
+        best = max(best, total + ((n - 1) * net if net > 0 else 0) + pmax)
+        total += net * n
+    return best
 
 
 def _init_bytes(prog: Program, b: int, s: int) -> list[int]:

@@ -35,7 +35,8 @@ class MemoryEstimate:
     activations, transient, overhead) sums exactly to ``peak_allocated_bytes`` (what
     ``torch.cuda.max_memory_allocated()`` reports); ``detail_bytes`` splits it further with slash
     keys (``activations/layers``). ``peak_reserved_bytes`` adds the caching allocator's unused
-    cache, ``device_total_bytes`` the CUDA context (what nvidia-smi shows). With a parallel layout each of these figures is the maximum over
+    cache (the step's high-water mark, `trainmem_nb.step.reserved`), ``device_total_bytes`` the CUDA
+    context (what nvidia-smi shows). With a parallel layout each of these figures is the maximum over
     the ranks, and the breakdown, phase and `timeline` are those of the rank with the largest allocated
     peak, evaluated at the sequence length a rank holds (`rank_shape`).
     """

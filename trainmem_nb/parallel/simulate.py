@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..engine.program import Program, evaluate
+from ..engine.program import Program, evaluate, peak_with_churn
 from ..model.params import ParamTensor, trainable_tensors, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.calibration import Calibration
@@ -14,7 +14,7 @@ from ..spec.parallel import Engine, Offload, ParallelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks, compile_step, program_key
 from ..step.optimizers import paged_state_bytes
-from ..step.reserved import reserved_and_total
+from ..step.reserved import churn_fraction, reserved_and_total, reserved_and_total_over_step
 from .ddp import DDPHooks
 from .fsdp import FSDP2Hooks
 from .layout import _hooks, _host_bytes, _sequence_parallel, _stages, _tp_model, rank_seq_len
@@ -85,8 +85,8 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
                 return _row_shard(q, d) if _held(h, q, sm) else None
 
             paged = paged_state_bytes(stage_model, t, stage_shard)
-        reserved, total = reserved_and_total(t, peak, tops.get("activations", 0) + tops.get("transient", 0),
-                                             calibration, paged)
+        high_water = peak_with_churn(prog, *shape, churn_fraction(calibration))
+        reserved, total = reserved_and_total_over_step(t, peak, high_water, calibration, paged)
         per_stage = p.gpus // p.pp
         first, last = stage * per_stage, (stage + 1) * per_stage - 1
         label = f"stage {stage} (ranks {first}-{last})" if p.pp > 1 else f"every rank (0-{p.gpus - 1})"
