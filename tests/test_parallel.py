@@ -465,6 +465,22 @@ def test_context_parallel_timeline_peaks_at_the_reported_peak_and_saves_at_the_r
     assert e.saved_activations_bytes == short.saved_activations_bytes
 
 
+@pytest.mark.parametrize(("seq_len", "gpus", "cp", "message"), [
+    (512, 1024, 1024, r"cp=1024 needs seq_len divisible by 2\*cp = 2048 .*seq_len=512 is not: use a seq_len that is "
+                      r"a multiple of 2048, or cp in \[32, 64, 128, 256\]"),
+    (512, 3, 3, r"cp=3 needs seq_len divisible by 2\*cp = 6 .*seq_len=512 is not.*or cp in \[1\]"),
+    (1022, 8, 2, r"cp=2 needs seq_len divisible by 2\*cp = 4 .*seq_len=1022 is not"),
+])
+def test_context_parallel_needs_a_sequence_its_2cp_chunks_divide(seq_len: int, gpus: int, cp: int,
+                                                                  message: str) -> None:
+    """PyTorch's context_parallel and Megatron-LM cut each sequence into 2 * cp equal chunks: fewer
+    tokens than chunks, or a sequence they do not divide, is refused naming cp, seq_len and what fits."""
+    with pytest.raises(SpecError, match=message) as info:
+        tm.estimate("gpt2", micro_batch=1, seq_len=seq_len, gpus=gpus, nodes=max(1, gpus // 8), cp=cp)
+    assert "\n" not in str(info.value)
+    assert tm.estimate("gpt2", micro_batch=1, seq_len=512, gpus=4, cp=4).rank_shape == (1, 128)
+
+
 def test_sequence_parallel_saving_is_part_of_the_program_so_the_peak_grows_with_the_batch() -> None:
     """sp=True splits the hidden-sized saved tensors tp ways inside the rank's program: the peak is chosen
     with the saving in it (it used to be subtracted afterwards, and fell from b=1 to b=2), the timeline
