@@ -500,6 +500,15 @@ def test_sequence_parallel_saving_is_part_of_the_program_so_the_peak_grows_with_
     assert peaks[1] >= peaks[0]
 
 
+def test_timeline_rounds_each_tensor_as_the_peak_does() -> None:
+    """Sequence parallelism's scaled tensors have fractional byte forms: the timeline rounds each to the
+    allocator's 512-B blocks exactly as `evaluate` does, so its highest point is the peak to the byte
+    (it rounded to the nearest byte first and drew this step 6,144 B below its peak)."""
+    e = tm.estimate("gpt2", micro_batch=3, seq_len=64, gpus=2, tp=2, sp=True, grad_accum=2, precision="bf16-mixed",
+                    device="cuda")
+    assert max(p.total_bytes for p in e.timeline(max_points=10**7)) == e.peak_allocated_bytes
+
+
 @pytest.mark.parametrize("layout", [dict(engine="fsdp", zero=3, offload="optimizer+params"),
                                     dict(engine="deepspeed", zero=3, offload="optimizer+params")])
 def test_offload_keeps_the_parameter_shards_out_of_the_rank_program(layout: dict) -> None:

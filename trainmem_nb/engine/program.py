@@ -210,14 +210,17 @@ def timeline(prog: Program, micro_batch: int, seq_len: int, max_points: int = 15
     as their start and peak in between, so a 126-layer model costs about as much as a 2-layer one;
     the result is thinned to `max_points`, keeping each bucket's highest point (the peak survives)."""
     b, s = micro_batch, seq_len
+    mono = (1, b, s, b * s, s * s, b * s * s)
     top_of = [TOP_KEYS.index(k.split("/")[0]) for k in DETAIL_KEYS]
     cats = [0] * len(TOP_KEYS)
-    for cat, sz, count in prog.init:
-        cats[top_of[cat]] += _round(sz.at(b, s)) * count
+    for cat, nbytes in enumerate(_init_bytes(prog, b, s)):
+        cats[top_of[cat]] += nbytes
     points = [TimelinePoint(0, "forward", "start of step", sum(cats), tuple(cats))]
     step = 0
     for seg in prog.segments:
-        deltas = [(top_of[cat], sign * _round(sz.at(b, s)), label) for cat, sign, sz, label in seg.events]
+        # each event's bytes exactly as `evaluate` rounds them, so the highest point is its peak
+        deltas = [(top_of[cat], int(d), label)
+                  for (cat, _, _, label), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True)]
         n = seg.repeat
         # every repetition of a repeated layer changes memory the same way: its highest point is at the
         # same event, offset by what the earlier repetitions left (found once, not per repetition)
