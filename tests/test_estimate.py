@@ -150,3 +150,16 @@ def test_grad_scaler_runs_with_ddp_and_fsdp_after_backwards_last_collective_not_
     assert all(not lab.startswith("reduce-scatter after the last micro-batch") for lab in pipelined[unscale:])
     assert pipelined[unscale + 1] == "optimizer step"
     assert "GradScaler.unscale_" not in labels(optimizer="none")  # no optimizer: no unscale_/update
+
+
+def test_untied_bert_head_bias_gets_no_gradient_nor_optimizer_state() -> None:
+    """Untied, BERT's decoder has its own bias and ``cls.predictions.bias`` takes no part in the loss:
+    no ``.grad`` (zero_grad freed one below zero) and no AdamW state (``_init_group`` skips it)."""
+    from trainmem_nb.model.spec import ModelSpec
+
+    shape = dict(family="bert", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512)
+    tied, untied = (tm.estimate(ModelSpec.model_validate({**shape, "tie_embeddings": tie}), micro_batch=1, seq_len=16,
+                                precision="fp32", device="cpu") for tie in (True, False))
+    assert untied.n_params - tied.n_params == 512 * 64 + 512  # decoder weight and its own bias
+    assert untied.n_trainable_params - tied.n_trainable_params == 512 * 64  # cls.predictions.bias untrained
+    assert min(min(p.by_category) for p in untied.timeline(max_points=10**6)) >= 0

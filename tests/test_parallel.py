@@ -118,8 +118,14 @@ def test_pipeline_first_stage_holds_embeddings_last_holds_head_and_first_keeps_m
     assert [r.stage for r in rows] == [0, 1, 2, 3] and sum(r.n_layers for r in rows) == 32
     params = [r.detail_bytes["weights/params"] for r in rows]
     assert params[0] > params[1] == params[2] < params[3]  # embeddings on the first, head on the last
-    held = [r.detail_bytes["activations/layers"] for r in rows[:3]]
-    assert held[0] > held[1] > held[2]  # 1F1B: stage i keeps pp - i micro-batches
+    # 1F1B: stage i keeps pp - i micro-batches' saved activations (the same layers on stages 1 and 2)
+    from trainmem_nb.engine.program import activations_at_forward_end
+
+    held = [activations_at_forward_end(prog, *e.rank_shape) for prog in e.rank_programs]
+    assert held[0] > held[1] > held[2] and held[1] == pytest.approx(held[2] * 3 / 2, rel=1e-3)
+    assert e.saved_activations_bytes == max(held)
+    # every stage peaks in the optimizer step here, when no micro-batch is in flight any more
+    assert all(r.peak_phase == "optimizer" and r.detail_bytes.get("activations/layers", 0) == 0 for r in rows)
     assert e.peak_allocated_bytes == max(r.peak_allocated_bytes for r in rows)
     assert "activations/head" not in {k for k, v in rows[1].detail_bytes.items() if v}
 
@@ -137,8 +143,9 @@ def test_1f1b_with_one_micro_batch_holds_one_micro_batch_on_every_stage() -> Non
     one, two = (tm.estimate(m, grad_accum=ga, gpus=2, pp=2, **kw).per_rank for ga in (1, 2))
     assert [r.peak_phase for r in one] == ["backward", "backward"]
 
-    def held(rows: list, stage: int) -> int:
-        return rows[stage].detail_bytes["activations/layers"]
+    def held(rows: list, stage: int) -> int:  # the layers' saved tensors and autocast weight copies
+        d = rows[stage].detail_bytes
+        return d["activations/layers"] + d.get("activations/weight_copies", 0)
 
     # the last stage holds one micro-batch however many there are
     assert held(one, 1) == held(two, 1)
@@ -431,3 +438,181 @@ def test_pipeline_stage_buffers_follow_torch_pipelining() -> None:
     dropped = tm.estimate("llama-2-7b", pp_return_outputs=False, **kw).per_rank
     assert kept[0] == dropped[0]
     assert kept[1].peak_allocated_bytes - dropped[1].peak_allocated_bytes >= 4 * m.vocab * 2 * 2048 * 0.99
+
+
+# --- one accounting: the peak, the timeline and the saved activations read the same program ------------
+
+
+def _lowest_category(e: tm.MemoryEstimate) -> int:
+    """The lowest bytes any category holds at any point of the headline rank's step."""
+    return min(min(p.by_category) for p in e.timeline(max_points=10**7))
+
+
+def _timeline_max(e: tm.MemoryEstimate) -> int:
+    return max(p.total_bytes for p in e.timeline())
+
+
+def test_context_parallel_timeline_peaks_at_the_reported_peak_and_saves_at_the_rank_sequence() -> None:
+    """cp=8 gives each rank 8192 / 8 tokens of the sequence: the peak, the timeline and the saved
+    activations are all evaluated there (at the full 8192 the saved activations alone were 2.2x the peak)."""
+    kw = dict(micro_batch=1, seq_len=8192, gpus=8, zero=3, device="cuda")
+    e = tm.estimate("llama-3-8b", cp=8, **kw)
+    assert e.rank_shape == (1, 1024)
+    assert _timeline_max(e) == e.peak_allocated_bytes
+    assert e.saved_activations_bytes <= e.peak_allocated_bytes
+    # a rank's share of the sequence keeps what a 1024-token sequence keeps on one rank of the same layout
+    short = tm.estimate("llama-3-8b", **{**kw, "seq_len": 1024})
+    assert e.saved_activations_bytes == short.saved_activations_bytes
+
+
+@pytest.mark.parametrize(("seq_len", "gpus", "cp", "message"), [
+    (512, 1024, 1024, r"cp=1024 needs seq_len divisible by 2\*cp = 2048 .*seq_len=512 is not: use a seq_len that is "
+                      r"a multiple of 2048, or cp in \[32, 64, 128, 256\]"),
+    (512, 3, 3, r"cp=3 needs seq_len divisible by 2\*cp = 6 .*seq_len=512 is not.*or cp in \[1\]"),
+    (1022, 8, 2, r"cp=2 needs seq_len divisible by 2\*cp = 4 .*seq_len=1022 is not"),
+])
+def test_context_parallel_needs_a_sequence_its_2cp_chunks_divide(seq_len: int, gpus: int, cp: int,
+                                                                  message: str) -> None:
+    """PyTorch's context_parallel and Megatron-LM cut each sequence into 2 * cp equal chunks: fewer
+    tokens than chunks, or a sequence they do not divide, is refused naming cp, seq_len and what fits."""
+    with pytest.raises(SpecError, match=message) as info:
+        tm.estimate("gpt2", micro_batch=1, seq_len=seq_len, gpus=gpus, nodes=max(1, gpus // 8), cp=cp)
+    assert "\n" not in str(info.value)
+    assert tm.estimate("gpt2", micro_batch=1, seq_len=512, gpus=4, cp=4).rank_shape == (1, 128)
+
+
+def test_sequence_parallel_saving_is_part_of_the_program_so_the_peak_grows_with_the_batch() -> None:
+    """sp=True splits the hidden-sized saved tensors tp ways inside the rank's program: the peak is chosen
+    with the saving in it (it used to be subtracted afterwards, and fell from b=1 to b=2), the timeline
+    peaks there, and the saved activations at the end of the forward pass shrink by the paper's saving."""
+    from trainmem_nb.model.presets import resolve_model
+    from trainmem_nb.parallel.layout import _sequence_parallel_saving_per_token, _tp_model
+
+    kw = dict(seq_len=512, gpus=4, tp=4, engine="fsdp", zero=3, device="cuda")
+    peaks = []
+    for b in (1, 2):
+        sp, tp = tm.estimate("gpt2", micro_batch=b, sp=True, **kw), tm.estimate("gpt2", micro_batch=b, **kw)
+        assert _timeline_max(sp) == sp.peak_allocated_bytes and _lowest_category(sp) >= 0
+        p, t = sp.parallel, sp.training
+        saving = _sequence_parallel_saving_per_token(_tp_model(resolve_model("gpt2"), p), t, p) * b * 512
+        assert tp.saved_activations_bytes - sp.saved_activations_bytes == pytest.approx(saving, rel=1e-3)
+        peaks.append(sp.peak_allocated_bytes)
+    assert peaks[1] >= peaks[0]
+
+
+def test_timeline_rounds_each_tensor_as_the_peak_does() -> None:
+    """Sequence parallelism's scaled tensors have fractional byte forms: the timeline rounds each to the
+    allocator's 512-B blocks exactly as `evaluate` does, so its highest point is the peak to the byte
+    (it rounded to the nearest byte first and drew this step 6,144 B below its peak)."""
+    e = tm.estimate("gpt2", micro_batch=3, seq_len=64, gpus=2, tp=2, sp=True, grad_accum=2, precision="bf16-mixed",
+                    device="cuda")
+    assert max(p.total_bytes for p in e.timeline(max_points=10**7)) == e.peak_allocated_bytes
+
+
+@pytest.mark.parametrize("layout", [dict(engine="fsdp", zero=3, offload="optimizer+params"),
+                                    dict(engine="deepspeed", zero=3, offload="optimizer+params")])
+def test_offload_keeps_the_parameter_shards_out_of_the_rank_program(layout: dict) -> None:
+    """Offloaded parameter shards are on the host, so the engine leaves them out of the rank's program:
+    its timeline peaks at the reported peak (FSDP's rose to 2.2x it when the shards were dropped from the
+    breakdown after the peak was chosen), and the host holds them."""
+    from trainmem_nb.engine.program import CAT_INDEX
+
+    kw = dict(micro_batch=1, seq_len=512, gpus=4, device="cuda", **layout)
+    off = tm.estimate("llama-2-7b", **kw)
+    assert _timeline_max(off) == off.peak_allocated_bytes
+    assert not [sz for cat, sz, n in off.program.init if cat == CAT_INDEX["weights/params"] and n]
+    assert off.detail_bytes.get("weights/params", 0) == 0
+    opt_only = tm.estimate("llama-2-7b", **{**kw, "offload": "optimizer"}) if layout["engine"] == "deepspeed" else None
+    if opt_only is not None:  # the 16-bit partitions moved from the GPU to the host
+        moved = opt_only.detail_bytes["weights/params"]
+        assert off.host_bytes - opt_only.host_bytes == moved > 0
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_deepspeed_zero01_grad_accumulation_counts_the_accumulated_gradients(zero: int) -> None:
+    """ZeRO-0/1 add every micro-step's gradients into the 16-bit ``.grad`` of each parameter: a later
+    micro-step starts with all of them, which zero_grad frees at the end (they were missing, and the
+    timeline went 249 MB below zero at zero_grad)."""
+    kw = dict(micro_batch=1, seq_len=512, gpus=8, engine="deepspeed", zero=zero, device="cuda")
+    one, two = (tm.estimate("gpt2", grad_accum=ga, **kw) for ga in (1, 2))
+    grads = 2 * one.n_trainable_params  # bf16 model: 2 B per trained parameter
+    assert two.detail_bytes["gradients"] == pytest.approx(grads, rel=1e-3)
+    assert two.peak_allocated_bytes >= one.peak_allocated_bytes
+    assert _lowest_category(two) >= 0 and _timeline_max(two) == two.peak_allocated_bytes
+
+
+def test_tied_head_gradient_on_the_last_pipeline_stage_is_a_gradient() -> None:
+    """A later stage replaces its embedding output with the previous stage's activations, so the lookup
+    never reaches the loss: the tied head's weight gets its gradient from the head alone (the autograd
+    engine waits only for reachable uses). It is a `gradients` tensor zero_grad frees, not a temporary
+    left pending (which put gradients 154 MB below zero at zero_grad)."""
+    e = tm.estimate("gpt2", seq_len=512, gpus=2, engine="ddp", pp=2, device="cuda")
+    assert e.model.tie_embeddings
+    from trainmem_nb.engine.program import timeline
+
+    for prog in e.rank_programs:
+        points = timeline(prog, *e.rank_shape, max_points=10**7)
+        assert min(min(p.by_category) for p in points) >= 0
+        end = dict(zip(tm.engine.breakdown.TOP_KEYS, points[-1].by_category, strict=True))
+        assert end["gradients"] == 0 and end["transient"] == 0
+
+
+def test_opt_project_in_lives_on_the_first_pipeline_stage() -> None:
+    """OPT-350m's ``project_in`` maps the token embeddings to the hidden size: it runs, and trains, on
+    the first stage; on the last it had no gradient for zero_grad to free."""
+    from trainmem_nb.model.params import on_stage, weight_tensors
+    from trainmem_nb.model.presets import resolve_model
+
+    m = resolve_model("opt-350m")
+    proj = {p.name: p for p, _, _ in weight_tensors(m, TrainingSpec())}
+    assert on_stage(proj["project_in.weight"], m, True, False) and not on_stage(proj["project_in.weight"], m, False, True)
+    assert on_stage(proj["project_out.weight"], m, False, True)
+    e = tm.estimate(m, seq_len=128, gpus=4, engine="fsdp", zero=2, pp=2, cp=2, device="cuda")
+    assert _lowest_category(e) >= 0
+
+
+def test_pipeline_headline_figures_are_each_the_worst_stage_and_do_not_fall_as_the_sequence_grows() -> None:
+    """Each headline figure is the maximum over the stages (it was the allocation of the stage with the
+    largest device total, which fell from seq_len 256 to 512 while every stage rose)."""
+    kw = dict(micro_batch=1, gpus=2, engine="fsdp", zero=2, pp=2, optimizer="sgd", device="cuda")
+    short, long = (tm.estimate("qwen2.5-0.5b", seq_len=s, **kw) for s in (256, 512))
+    for e in (short, long):
+        for field in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes"):
+            assert getattr(e, field) == max(getattr(r, field) for r in e.per_rank), field
+        assert _timeline_max(e) == e.peak_allocated_bytes
+        assert sum(e.breakdown_bytes.values()) == e.peak_allocated_bytes
+    for field in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "saved_activations_bytes"):
+        assert getattr(long, field) >= getattr(short, field), field
+
+
+def test_in_flight_micro_batches_are_released_before_the_optimizer_step() -> None:
+    """A 1F1B stage holds the other micro-batches' saved activations through its forward and backward;
+    after the last backward none is in flight, so an optimizer-step peak does not count them, and the
+    stage's saved activations count every micro-batch it holds."""
+    kw = dict(micro_batch=1, seq_len=128, precision="bf16-mixed", gpus=2, pp=2, grad_accum=4, device="cuda")
+    e = tm.estimate("gpt2", **kw)
+    from trainmem_nb.engine.program import activations_at_forward_end, timeline
+
+    prog = e.rank_programs[0]  # stage 0: pp - 0 = 2 micro-batches in flight
+    points = timeline(prog, *e.rank_shape, max_points=10**7)
+    acts = tm.engine.breakdown.TOP_KEYS.index("activations")
+    opt = [p for p in points if p.phase == "optimizer"]
+    assert opt and max(p.by_category[acts] for p in opt) < activations_at_forward_end(prog, *e.rank_shape) / 2
+    alone = tm.estimate("gpt2", **{**kw, "grad_accum": 1}).rank_programs[0]  # 1F1B over one: one in flight
+    assert activations_at_forward_end(prog, *e.rank_shape) == 2 * activations_at_forward_end(alone, *e.rank_shape)
+
+
+def test_reserved_is_the_steps_high_water_mark_so_it_does_not_fall_while_allocated_rises() -> None:
+    """Reserved is the highest ``allocated + fraction * churn`` over the step, not the value at the
+    allocated peak: a larger batch that moves the allocated peak to a point with less churn no longer
+    lowers it (micro_batch 2 -> 3 here: allocated +0.9 MB, reserved was -2 MB)."""
+    from trainmem_nb.device import RESERVED_CHURN_FRACTION
+
+    kw = dict(engine="deepspeed", zero=3, tp=2, gpus=4, offload="optimizer", optimizer="paged-adamw", grad_accum=4,
+              checkpointing="full", seq_len=64, device="cuda")
+    two, three = (tm.estimate("opt-350m", micro_batch=b, **kw) for b in (2, 3))
+    assert three.peak_allocated_bytes > two.peak_allocated_bytes
+    assert three.peak_reserved_bytes >= two.peak_reserved_bytes
+    for e in (two, three):  # never below the value at the allocated peak
+        churn = e.breakdown_bytes["activations"] + e.breakdown_bytes["transient"]
+        assert e.peak_reserved_bytes >= e.peak_allocated_bytes + RESERVED_CHURN_FRACTION * churn

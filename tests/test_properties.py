@@ -1,5 +1,7 @@
 """Invariants over random valid configurations: no errors, no negative or NaN bytes, memory monotone in
-batch and sequence length, checkpointing never raises the activations kept for backward.
+batch and sequence length, checkpointing never raises the activations kept for backward; over random
+parallel layouts, one accounting (every rank's timeline peaks at its peak, no negative category, saved
+activations within the peak) and headline figures monotone in batch and sequence.
 
 Selective checkpointing is left out of the last invariant on purpose: its policy caches every matmul
 output, including a frozen base layer's that plain autograd never keeps (LoRA), so it can keep more
@@ -8,12 +10,18 @@ than no checkpointing on small models; the estimator reproduces this measured be
 
 from __future__ import annotations
 
+import json
 import math
+from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+import pytest
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+import trainmem_nb as tm
 from trainmem_nb import estimate
+from trainmem_nb.engine.program import activations_at_forward_end, timeline
+from trainmem_nb.errors import SpecError
 from trainmem_nb.model.families import DESCRIPTIONS
 from trainmem_nb.model.spec import ModelSpec
 from trainmem_nb.spec.training import TrainingSpec
@@ -98,30 +106,122 @@ def test_checkpointing_policies_keep_nested_sets_full_then_op_then_selective(m: 
 
 @st.composite
 def layouts(draw: st.DrawFn, m: ModelSpec) -> dict:
-    """A valid parallel layout for `m`: tp divides the heads, pp at most the layers."""
+    """A parallel layout for `m` with every kind of parallelism: tensor (and sequence) parallel over
+    degrees that divide the heads, pipeline stages (1F1B, GPipe, interleaved), context parallel, expert
+    parallel on mixture-of-experts models, data parallel, each engine with its ZeRO stages and offload.
+    Mostly valid; what the layout checks refuse must be refused with a SpecError, never another error."""
     tp = draw(st.sampled_from([d for d in (1, 2, 4) if m.n_heads % d == 0 and m.n_kv_heads % d == 0]))
     pp = draw(st.sampled_from([d for d in (1, 2, 3) if d <= m.n_layers]))
     cp, dp = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
     engine = draw(st.sampled_from(["ddp", "fsdp", "deepspeed", "megatron"]))
     zero = draw(st.sampled_from({"ddp": [0, 1], "fsdp": [0, 2, 3], "deepspeed": [0, 1, 2, 3], "megatron": [0, 1]}[engine]))
-    offload = draw(st.sampled_from(["none", "optimizer"])) if engine == "deepspeed" and zero else "none"
-    return dict(gpus=tp * pp * cp * dp, tp=tp, pp=pp, cp=cp, engine=engine, zero=zero, offload=offload,
-                sp=tp > 1 and draw(st.booleans()))
+    offload = "none"
+    if engine == "deepspeed" and zero:
+        offload = draw(st.sampled_from(["none", "optimizer", *(["optimizer+params"] if zero == 3 else [])]))
+    elif engine == "fsdp" and zero == 3:
+        offload = draw(st.sampled_from(["none", "optimizer+params"]))
+    layout = dict(gpus=tp * pp * cp * dp, tp=tp, pp=pp, cp=cp, engine=engine, zero=zero, offload=offload,
+                  sp=tp > 1 and draw(st.booleans()))
+    if pp > 1:
+        schedule = draw(st.sampled_from(["1f1b", "gpipe", "interleaved"]))
+        if schedule == "interleaved" and m.n_layers % (2 * pp) == 0:
+            layout.update(pp_schedule=schedule, virtual_stages=2)
+        elif schedule == "gpipe":
+            layout.update(pp_schedule=schedule)
+    if m.is_moe:
+        layout["ep"] = draw(st.sampled_from([e for e in (1, 2) if m.n_experts % e == 0 and dp % e == 0]))
+    return layout
 
 
-@SETTINGS
-@given(st.data(), models(), trainings, st.integers(1, 3), st.integers(8, 200))
-def test_every_parallel_layout_gives_sane_per_rank_numbers_and_the_worst_rank_leads(
-        data: st.DataObject, m: ModelSpec, opts: dict, b: int, s: int) -> None:
+parallel_trainings = st.fixed_dictionaries({
+    "precision": st.sampled_from(["fp32", "bf16-mixed", "fp16-mixed", "bf16-true"]),
+    "optimizer": st.sampled_from(["adamw", "sgd", "adafactor", "paged-adamw", "none"]),
+    "checkpointing": st.sampled_from(["none", "selective", "full"]),
+    "dropout": st.sampled_from([0.0, 0.1]),
+    "device": st.sampled_from(["cuda", "cpu"]),
+    "method": st.sampled_from(["full", "full", "lora"]),
+    "grad_accum": st.sampled_from([1, 2, 3, 4]),
+})
+
+#: Parallel estimates compile one program per pipeline stage; 300 examples of each test take ~10 s on 2 cores.
+PARALLEL_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def _or_refused(m: ModelSpec, opts: dict) -> tm.MemoryEstimate | None:
+    """The estimate, or None when the layout checks refuse the combination (with a SpecError: any
+    other exception fails the test)."""
+    try:
+        e = estimate(m, **opts)
+    except SpecError as exc:
+        event(f"refused: {str(exc)[:40]}")
+        return None
+    event("estimated")
+    return e
+
+
+def _program_is_consistent(prog: Any, shape: tuple[int, int], peak: int) -> None:
+    """One accounting: the timeline of a rank's program peaks at the rank's reported peak, no category
+    is ever negative, and what it keeps for backward at the end of the forward pass is within the peak."""
+    points = timeline(prog, *shape, max_points=10**7)
+    assert max(p.total_bytes for p in points) == peak
+    assert min(min(p.by_category) for p in points) >= 0, min(points, key=lambda p: min(p.by_category))
+    assert all(p.total_bytes == sum(p.by_category) for p in points)
+    assert activations_at_forward_end(prog, *shape) <= peak
+
+
+@PARALLEL_SETTINGS
+@given(st.data(), models(), parallel_trainings, st.integers(1, 3), st.integers(1, 48))
+def test_every_parallel_layout_gives_self_consistent_per_rank_numbers(data: st.DataObject, m: ModelSpec, opts: dict,
+                                                                     b: int, k: int) -> None:
+    """Over random TP/SP/PP/CP/EP layouts, engines, ZeRO stages and offload: valid input gives sane
+    integer bytes whose breakdown sums to the peak; every rank's timeline peaks at its reported peak
+    and never shows a negative category; the saved activations stay within the peak; reserved covers
+    allocated and the device total covers reserved; each headline figure is the worst rank's; and the
+    JSON contract is deterministic."""
     layout = data.draw(layouts(m))
-    e = estimate(m, micro_batch=b, seq_len=s, **{**opts, "method": "full"}, **layout)
+    s = 2 * layout["cp"] * k  # context parallelism needs 2 * cp equal chunks of each sequence
+    if layout["cp"] > 1 and data.draw(st.booleans()):  # one that does not divide is refused, clearly
+        with pytest.raises(SpecError, match=r"cp=\d+ needs seq_len divisible by 2\*cp"):
+            estimate(m, micro_batch=b, seq_len=s + 1, **opts, **layout)
+    e = _or_refused(m, dict(micro_batch=b, seq_len=s, **opts, **layout))
+    if e is None:
+        return
     d = e.to_dict()
     _valid_numbers(d)
-    assert len(e.per_rank) == layout["pp"]
+    assert json.dumps(d, sort_keys=True) == json.dumps(estimate(m, micro_batch=b, seq_len=s, **opts, **layout).to_dict(),
+                                                       sort_keys=True)
+    assert len(e.per_rank) == layout["pp"] == len(e.rank_programs)
+    assert e.peak_allocated_bytes == max(r.peak_allocated_bytes for r in e.per_rank)
+    assert e.peak_reserved_bytes == max(r.peak_reserved_bytes for r in e.per_rank)
     assert e.device_total_bytes == max(r.device_total_bytes for r in e.per_rank)
-    for r in e.per_rank:
+    assert e.rank_shape == (b, s // layout["cp"])
+    assert e.saved_activations_bytes <= e.peak_allocated_bytes
+    for r, prog in zip(e.per_rank, e.rank_programs, strict=True):
         assert r.peak_allocated_bytes == sum(r.detail_bytes.values()) > 0
+        assert r.peak_allocated_bytes <= r.peak_reserved_bytes <= r.device_total_bytes
         assert r.host_bytes >= 0
+        _program_is_consistent(prog, e.rank_shape, r.peak_allocated_bytes)
+
+
+@PARALLEL_SETTINGS
+@given(st.data(), models(), parallel_trainings, st.integers(1, 3), st.integers(1, 32), st.integers(1, 2),
+       st.integers(1, 32))
+def test_every_parallel_layouts_headline_is_monotone_in_batch_and_sequence(data: st.DataObject, m: ModelSpec,
+                                                                           opts: dict, b: int, k: int, db: int,
+                                                                           dk: int) -> None:
+    """A larger micro-batch or a longer sequence never lowers any headline figure of a parallel layout:
+    allocated, reserved (the step's high-water mark, `trainmem_nb.step.reserved`), device total and
+    the saved activations."""
+    layout = data.draw(layouts(m))
+    chunk = 2 * layout["cp"]
+    base = _or_refused(m, dict(micro_batch=b, seq_len=chunk * k, **opts, **layout))
+    if base is None:
+        return
+    more_batch = estimate(m, micro_batch=b + db, seq_len=chunk * k, **opts, **layout)
+    more_seq = estimate(m, micro_batch=b, seq_len=chunk * (k + dk), **opts, **layout)
+    for field in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "saved_activations_bytes"):
+        assert getattr(more_batch, field) >= getattr(base, field), field
+        assert getattr(more_seq, field) >= getattr(base, field), field
 
 
 def test_training_spec_round_trips_through_json() -> None:

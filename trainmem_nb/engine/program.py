@@ -18,7 +18,8 @@ from ..device import CUDA_BLOCK_BYTES
 from .breakdown import DETAIL_KEYS, TOP_KEYS
 from .tape import Sz
 
-__all__ = ['Program', 'Segment', 'TimelinePoint', 'evaluate', 'timeline']
+__all__ = ['Program', 'Segment', 'TimelinePoint', 'activations_at_forward_end', 'evaluate',
+           'forward_activation_events', 'peak_with_churn', 'timeline']
 
 CAT_INDEX = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -122,8 +123,7 @@ def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> tuple[float, 
     table = [k * vals[u] for u, k in seg.pairs]
     for j in seg.general:
         table.append(seg.fast[j][2] * _round(seg.events[j][2].at(b, s)))
-    assert seg.gather is not None
-    return seg.gather(table)
+    return seg.gather(table) if seg.gather is not None else ()
 
 
 def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
@@ -160,6 +160,30 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
         rep = "" if seg.repeat == 1 else f" ({'last' if reps else 'first'} of {seg.repeat})"
         phase, where = seg.phase, f"{seg.label}{rep}: {seg.events[ei][3]}"
     return Evaluation(int(best), phase, where, detail, {k: int(v) for k, v in phase_peaks.items()})
+
+
+def peak_with_churn(prog: Program, micro_batch: int, seq_len: int, fraction: float) -> float:
+    """The highest point over the step of allocated bytes plus `fraction` of the activation and
+    temporary bytes alive there (the churn that leaves cached, fragmented blocks behind): what the
+    caching allocator is modelled to reserve (`trainmem_nb.step.reserved`). Taken over every point, not
+    only at the allocated peak, so it never falls when the batch or the sequence grows (every point's
+    live tensors grow with them) and never lies below ``peak + fraction * churn at the peak``.
+    Repeated segments are handled as in `evaluate`."""
+    b, s = micro_batch, seq_len
+    mono = (1, b, s, b * s, s * s, b * s * s)
+    weight = [1 + fraction if k.startswith(("activations/", "transient/")) else 1.0 for k in DETAIL_KEYS]
+    total = float(sum(w * v for w, v in zip(weight, _init_bytes(prog, b, s), strict=True)))
+    best = total
+    for seg in prog.segments:
+        n = seg.repeat
+        if n <= 0 or not seg.events:
+            continue
+        sizes = [weight[cat] * d for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True)]
+        run = list(accumulate(sizes))
+        net, pmax = run[-1], max(run)
+        best = max(best, total + ((n - 1) * net if net > 0 else 0) + pmax)
+        total += net * n
+    return best
 
 
 def _init_bytes(prog: Program, b: int, s: int) -> list[int]:
@@ -205,14 +229,17 @@ def timeline(prog: Program, micro_batch: int, seq_len: int, max_points: int = 15
     as their start and peak in between, so a 126-layer model costs about as much as a 2-layer one;
     the result is thinned to `max_points`, keeping each bucket's highest point (the peak survives)."""
     b, s = micro_batch, seq_len
+    mono = (1, b, s, b * s, s * s, b * s * s)
     top_of = [TOP_KEYS.index(k.split("/")[0]) for k in DETAIL_KEYS]
     cats = [0] * len(TOP_KEYS)
-    for cat, sz, count in prog.init:
-        cats[top_of[cat]] += _round(sz.at(b, s)) * count
+    for cat, nbytes in enumerate(_init_bytes(prog, b, s)):
+        cats[top_of[cat]] += nbytes
     points = [TimelinePoint(0, "forward", "start of step", sum(cats), tuple(cats))]
     step = 0
     for seg in prog.segments:
-        deltas = [(top_of[cat], sign * _round(sz.at(b, s)), label) for cat, sign, sz, label in seg.events]
+        # each event's bytes exactly as `evaluate` rounds them, so the highest point is its peak
+        deltas = [(top_of[cat], int(d), label)
+                  for (cat, _, _, label), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True)]
         n = seg.repeat
         # every repetition of a repeated layer changes memory the same way: its highest point is at the
         # same event, offset by what the earlier repetitions left (found once, not per repetition)
@@ -247,17 +274,34 @@ def timeline(prog: Program, micro_batch: int, seq_len: int, max_points: int = 15
     return [max(points[i:i + size], key=lambda p: p.total_bytes) for i in range(0, len(points), size)]
 
 
+_ACTIVATIONS = frozenset(i for i, k in enumerate(DETAIL_KEYS) if k.startswith("activations/"))
+
+
 def activations_at_forward_end(prog: Program, micro_batch: int, seq_len: int) -> int:
     """Bytes of activations alive when the forward pass ends: what is kept for backward (saved
     tensors, autocast weight copies, the loss path) plus the inputs."""
     b, s = micro_batch, seq_len
     mono = (1, b, s, b * s, s * s, b * s * s)
-    acts = {i for i, k in enumerate(DETAIL_KEYS) if k.startswith("activations/")}
-    total: float = sum(_round(sz.at(b, s)) * count for cat, sz, count in prog.init if cat in acts)
+    total: float = sum(_round(sz.at(b, s)) * count for cat, sz, count in prog.init if cat in _ACTIVATIONS)
     for seg in prog.segments:
         if seg.phase != "forward":
             break
         for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True):
-            if cat in acts:
+            if cat in _ACTIVATIONS:
                 total += d * seg.repeat
     return int(total)
+
+
+def forward_activation_events(prog: Program) -> list[tuple[int, int, Sz, str]]:
+    """The tensors `activations_at_forward_end` counts, as events (category, +count, bytes, label): the
+    activations alive before the step and every activation event of the forward pass, times its
+    segment's repetitions. Summed at a batch shape they give exactly `activations_at_forward_end` (each
+    event is rounded to the allocator's block on its own, as in `evaluate`): what one more micro-batch
+    in flight keeps (`trainmem_nb.parallel.pipeline`)."""
+    out = [(cat, count, sz, "inputs") for cat, sz, count in prog.init if cat in _ACTIVATIONS and count]
+    for seg in prog.segments:
+        if seg.phase != "forward":
+            break
+        out += [(cat, k * seg.repeat, sz, f"{seg.label}: {label}")
+                for cat, k, sz, label in seg.events if cat in _ACTIVATIONS and k * seg.repeat]
+    return out

@@ -294,6 +294,7 @@ class Graph:
         # torch.autograd.backward makes the seed (ones_like(loss)) and holds it until it returns
         seed = self.alloc(const(1), seed_dt, "ones_like")
         loss.grad = self.hold(seed)
+        self._count_reachable_uses(loss)
         for index in range(len(self.nodes) - 1, -1, -1):
             if on_node is not None:
                 on_node(index)
@@ -336,6 +337,21 @@ class Graph:
                 self.drop(leaf.grad)
                 leaf.grad = None
         self.drop(seed)
+
+    def _count_reachable_uses(self, loss: T) -> None:
+        """Keep only the parameter uses the loss depends on. The autograd engine runs the nodes
+        reachable from the root and a parameter's AccumulateGrad waits for those inputs alone
+        (torch/csrc/autograd/engine.cpp, ``compute_dependencies``); a use whose output never reaches
+        the loss (a later pipeline stage's embedding lookup, replaced by the previous stage's
+        activations while the tied head still trains the same weight) gives no gradient to wait for."""
+        reached = {id(loss)}
+        for node in reversed(self.nodes):
+            if any(id(o) in reached for o in node.outs):
+                reached.update(id(t) for t in node.ins if t.rg)
+                continue
+            for t in node.ins:
+                if t.is_param and t.rg:
+                    t.uses -= 1
 
     def _accumulate(self, inp: T, g: T) -> None:
         """Add `g` into `inp`'s input buffer (out of place, as InputBuffer::add does); a parameter's

@@ -41,8 +41,9 @@ def estimate(
     count (or pass ``hf_config=`` a path/dict, or ``params=`` a count); `options` are `TrainingSpec`
     fields (micro_batch, seq_len, grad_accum, precision, optimizer, optimizer_impl, checkpointing,
     attention, dropout, device, method, lora_*) and `ParallelSpec` fields (gpus, nodes, engine, zero,
-    tp, sp, pp, pp_schedule, virtual_stages, cp, ep, offload). With a parallel layout the headline
-    numbers are the worst rank's and ``per_rank`` holds every distinct rank. `calibration` (from
+    tp, sp, pp, pp_schedule, virtual_stages, cp, ep, offload). With a parallel layout each headline
+    figure is the maximum over the ranks (the breakdown and `timeline` are those of the rank with the
+    largest allocated peak) and ``per_rank`` holds every distinct rank. `calibration` (from
     ``trainmem measure --device cuda``) replaces the modelled CUDA context and allocator constants.
     """
     m = _resolve(model, hf_config, params)
@@ -50,7 +51,7 @@ def estimate(
     t = build_training(training, **options)
     p = build_parallel(parallel, **par_opts)
     check_model_options(m, t)
-    check_layout(m, p)
+    check_layout(m, p, t)
     cal = load_calibration(calibration)
     return simulate(m, t, cal, p)
 

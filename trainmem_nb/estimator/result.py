@@ -35,7 +35,10 @@ class MemoryEstimate:
     activations, transient, overhead) sums exactly to ``peak_allocated_bytes`` (what
     ``torch.cuda.max_memory_allocated()`` reports); ``detail_bytes`` splits it further with slash
     keys (``activations/layers``). ``peak_reserved_bytes`` adds the caching allocator's unused
-    cache, ``device_total_bytes`` the CUDA context (what nvidia-smi shows).
+    cache (the step's high-water mark, `trainmem_nb.step.reserved`), ``device_total_bytes`` the CUDA
+    context (what nvidia-smi shows). With a parallel layout each of these figures is the maximum over
+    the ranks, and the breakdown, phase and `timeline` are those of the rank with the largest allocated
+    peak, evaluated at the sequence length a rank holds (`rank_shape`).
     """
 
     model: ModelSpec
@@ -55,6 +58,15 @@ class MemoryEstimate:
     parallel: ParallelSpec = field(default_factory=ParallelSpec)
     per_rank: tuple[Any, ...] = ()
     host_bytes: int = 0
+    #: every rank row's program (`per_rank` order; empty: `program` is the only one)
+    rank_programs: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    #: (micro_batch, seq_len) each rank's program is evaluated at: context parallelism gives every rank
+    #: ``seq_len / cp`` tokens of each sequence (None: the training's own shape, one device)
+    rank_shape: tuple[int, int] | None = None
+
+    @property
+    def _shape(self) -> tuple[int, int]:
+        return self.rank_shape or (self.training.micro_batch, self.training.seq_len)
 
     @property
     def breakdown_bytes(self) -> dict[str, int]:
@@ -63,10 +75,12 @@ class MemoryEstimate:
 
     @property
     def saved_activations_bytes(self) -> int:
-        """Activations alive at the end of the forward pass (kept for backward), in bytes."""
+        """Activations alive at the end of the forward pass (kept for backward), in bytes: on the rank
+        that keeps the most (a pipeline stage counts every micro-batch it holds in flight), at the
+        sequence length a rank holds (`rank_shape`)."""
         from ..engine.program import activations_at_forward_end
 
-        return activations_at_forward_end(self.program, self.training.micro_batch, self.training.seq_len)
+        return max(activations_at_forward_end(prog, *self._shape) for prog in (self.rank_programs or (self.program,)))
 
     @property
     def host_load_bytes(self) -> int:
@@ -84,12 +98,13 @@ class MemoryEstimate:
         return int(total)
 
     def timeline(self, max_points: int = 1500) -> list[Any]:
-        """Live bytes after each operation of the step (`trainmem_nb.engine.program.TimelinePoint`s), of the
-        worst rank's program. Under pipeline parallelism that program runs one micro-batch: the other
-        micro-batches' activations a stage keeps are in the peak but not drawn."""
+        """Live bytes after each operation of the step (`trainmem_nb.engine.program.TimelinePoint`s) of
+        the rank with the largest allocated peak, at the sequence length a rank holds: its highest point
+        is ``peak_allocated_bytes``. A pipeline stage's program runs its costliest micro-batch, with the
+        other micro-batches it keeps in flight alive until that micro-batch's backward is done."""
         from ..engine.program import timeline
 
-        return timeline(self.program, self.training.micro_batch, self.training.seq_len, max_points)
+        return timeline(self.program, *self._shape, max_points)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (``trainmem estimate --json``)."""

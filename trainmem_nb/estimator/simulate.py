@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from ..engine.breakdown import TOP_KEYS
-from ..engine.program import evaluate
+from ..engine.program import evaluate, peak_with_churn
 from ..model.spec import ModelSpec
 from ..parallel.ranks import RankMemory
 from ..parallel.simulate import LayoutMemory, simulate_parallel
@@ -14,7 +14,7 @@ from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import _SINGLE, compile_step, program_key
 from ..step.optimizers import paged_state_bytes
-from ..step.reserved import reserved_and_total
+from ..step.reserved import churn_fraction, reserved_and_total_over_step
 from .result import MemoryEstimate
 
 __all__ = ['simulate']
@@ -34,7 +34,8 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
     for k, v in ev.detail.items():
         tops[k.split("/")[0]] += v
     paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0
-    reserved, total = reserved_and_total(t, ev.peak, tops["activations"] + tops["transient"], calibration, paged)
+    high_water = peak_with_churn(prog, t.micro_batch, t.seq_len, churn_fraction(calibration))
+    reserved, total = reserved_and_total_over_step(t, ev.peak, high_water, calibration, paged)
     overhead = {}
     if t.device is Device.CUDA:
         overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved - paged}
@@ -47,7 +48,8 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         peak_allocated_bytes=ev.peak, peak_reserved_bytes=reserved, device_total_bytes=total,
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
         phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
-        parallel=parallel or ParallelSpec(), per_rank=(only,),
+        parallel=parallel or ParallelSpec(), per_rank=(only,), rank_programs=(prog,),
+        rank_shape=(t.micro_batch, t.seq_len),
     )
 
 
@@ -60,4 +62,5 @@ def _layout_estimate(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration
         device_total_bytes=row.device_total_bytes, peak_phase=row.peak_phase, peak_at=row.peak_at,
         detail_bytes=row.detail_bytes, phase_peaks_bytes={}, overhead_bytes=layout.overhead, calibration=calibration,
         program=layout.program, parallel=p, per_rank=layout.rows, host_bytes=max(r.host_bytes for r in layout.rows),
+        rank_programs=layout.programs, rank_shape=layout.shape,
     )

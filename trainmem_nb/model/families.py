@@ -152,7 +152,7 @@ DESCRIPTIONS: dict[Family, Description] = {
         {"norm": "layernorm", "mlp": "dense", "activation": "relu", "positions": "learned", "qkv_bias": True,
          "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("dropout", "attention_dropout"),
-        input_side=("embed_tokens.", "embed_positions.")),
+        input_side=("embed_tokens.", "embed_positions.", "project_in.")),
     Family.BERT: Description(
         Family.BERT, ("bert",), "BertForMaskedLM", "BertLayer", "bert",
         {"norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "learned", "qkv_bias": True,

@@ -418,10 +418,17 @@ def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int
         qout += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
         # NF4 weights' bytes per element are fractional: the tape's `dt` is typed int (a float works at run time)
         return qout  # type: ignore[return-value]
-    out = [(p, t.param_bytes, full) for p in param_inventory(m)]
+    out = [(p, t.param_bytes, full and _gets_gradient(p, m)) for p in param_inventory(m)]
     if not full:
         out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
     return out
+
+
+def _gets_gradient(p: ParamTensor, m: ModelSpec) -> bool:
+    """Does full fine-tuning give `p` a gradient? An untied BERT head's decoder has its own bias, so
+    ``cls.predictions.bias`` takes no part in the loss: it gets no ``.grad``, hence no optimizer state
+    (torch.optim's ``_init_group`` skips parameters whose grad is None) and nothing for zero_grad to free."""
+    return not (m.family is Family.BERT and not m.tie_embeddings and p.name == "cls.predictions.bias")
 
 
 def trainable_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int]]:

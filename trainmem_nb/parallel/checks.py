@@ -6,12 +6,23 @@ from __future__ import annotations
 from ..errors import SpecError
 from ..model.spec import ModelSpec
 from ..spec.parallel import ParallelSpec, PipelineSchedule
+from ..spec.training import TrainingSpec
 
-__all__ = ['check_layout']
+__all__ = ['CP_CHUNKS_PER_RANK', 'check_layout']
+
+#: Context parallelism cuts each sequence into ``2 * cp`` equal chunks and gives rank r chunks r and
+#: ``2 * cp - 1 - r`` (a causal mask then costs every rank the same): PyTorch's ``context_parallel``
+#: (torch/distributed/tensor/experimental/_context_parallel/_load_balancer.py, _HeadTailLoadBalancer:
+#: raises unless ``seq_length % (world_size * 2) == 0``) and Megatron-LM (megatron/training/utils.py,
+#: get_batch_on_this_cp_rank: ``val.view(..., 2 * cp_size, val.shape[seq_dim] // (2 * cp_size), ...)``).
+CP_CHUNKS_PER_RANK = 2
 
 
-def check_layout(m: ModelSpec, p: ParallelSpec) -> None:
-    """Layout constraints that depend on the model, with what would work instead."""
+def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -> None:
+    """Layout constraints that depend on the model (and, given `t`, on the batch shape), with what
+    would work instead."""
+    if t is not None:
+        _check_context_parallel(t, p)
     if m.n_heads % p.tp:
         ok = [d for d in range(1, min(m.n_heads, p.gpus_per_node) + 1) if m.n_heads % d == 0 and m.n_kv_heads % d == 0]
         raise SpecError(f"tp={p.tp} does not divide {m.name}'s n_heads={m.n_heads}; use tp in {ok}")
@@ -37,3 +48,16 @@ def check_layout(m: ModelSpec, p: ParallelSpec) -> None:
             raise SpecError(f"ep={p.ep} does not divide n_experts={m.n_experts}")
         if p.dp % p.ep:
             raise SpecError(f"ep={p.ep} must divide the data-parallel degree dp={p.dp}")
+
+
+def _check_context_parallel(t: TrainingSpec, p: ParallelSpec) -> None:
+    """Context parallelism needs a sequence its ``2 * cp`` chunks divide (`CP_CHUNKS_PER_RANK`): at
+    least two tokens per rank, and none left over."""
+    chunks = CP_CHUNKS_PER_RANK * p.cp
+    if p.cp == 1 or t.seq_len % chunks == 0:
+        return
+    ok = [c for c in range(1, min(p.cp, t.seq_len // CP_CHUNKS_PER_RANK) + 1)
+          if t.seq_len % (CP_CHUNKS_PER_RANK * c) == 0 and p.gpus % c == 0][-4:] or [1]
+    raise SpecError(f"cp={p.cp} needs seq_len divisible by 2*cp = {chunks} (context parallelism cuts each sequence "
+                    f"into 2*cp equal chunks); seq_len={t.seq_len} is not: use a seq_len that is a multiple of "
+                    f"{chunks}, or cp in {ok}")

@@ -54,13 +54,23 @@ class DeepSpeedHooks(EngineHooks):
                 grad.is_grad = False
             g.drop(*grads)
 
+    def param_partitions(self, weights: list[Any]) -> list[tuple[int, int]]:
+        """(bytes, count) of the rank's 16-bit parameters: ZeRO-3 partitions those of at least
+        ``stage3_param_persistence_threshold`` elements, the others stay whole; below ZeRO-3, all whole."""
+        shard_p = self.world if self.zero >= 3 else 1
+        return [((-(-p.numel // shard_p) if p.numel >= DS_STAGE3_PERSISTENCE or shard_p == 1 else p.numel)
+                 * self.model_dt, p.count) for p, _dt, _train in weights]
+
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
         out: list[tuple[str, Sz, int]] = []
         world = self.world
-        shard_p = world if self.zero >= 3 else 1
-        for p, _dt, _train in weights:
-            n = -(-p.numel // shard_p) if p.numel >= DS_STAGE3_PERSISTENCE or shard_p == 1 else p.numel
-            out.append(("weights/params", const(n * self.model_dt), p.count))
+        if self.offload != "optimizer+params":  # ZeRO-Infinity's offload_param: partitions on the host
+            out += [("weights/params", const(n), c) for n, c in self.param_partitions(weights)]
+        if self.zero < 2 and t.grad_accum > 1:
+            # ZeRO-0/1 accumulate into the 16-bit ``.grad`` of every trained parameter over the
+            # micro-steps (`local_grads_accumulate`): a later micro-step starts with all of them, which
+            # zero_grad frees after the optimizer step (`optimizer`)
+            out += [("gradients", const(p.numel * self.model_dt), p.count) for p, _dt in _trainable(self, m, t)]
         if self.offload == "none" and not t.first_step:
             shard_s = world if self.zero >= 1 else 1
             n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))

@@ -224,14 +224,17 @@ class FSDP2Hooks(EngineHooks):
         return [(n, c) for n, c in ((self._grad_shard_bytes("root"), 1), (self._grad_shard_bytes("layer"), m.n_layers))
                 if n]
 
+    def param_shards(self, weights: list[Any]) -> list[tuple[int, int]]:
+        """(bytes, count) of the rank's parameter shards: rank 0's padded dim-0 chunk of each parameter."""
+        return [(_padded_shard(p, self.world) * dt, p.count) for p, dt, _trainable in weights]
+
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
-        out: list[tuple[str, Sz, int]] = []
-        for p, dt, _trainable in weights:
-            out.append(("weights/params", const(_padded_shard(p, self.world) * dt), p.count))
         if self.offload:
-            # the parameter shards are listed so the caller moves them to host memory (`_host_bytes`);
-            # the gradient shards and the optimizer states never reach the GPU
-            return out
+            # CPUOffloadPolicy: the parameter shards, their gradients and the optimizer states live in
+            # host memory (`trainmem_nb.parallel.layout._host_bytes`); nothing of them is on the GPU
+            # before the step
+            return []
+        out: list[tuple[str, Sz, int]] = [("weights/params", const(n), c) for n, c in self.param_shards(weights)]
         if self.pipelined:
             # every parameter of the stage stays gathered from the first micro-batch's forward to
             # perform_reduce_grad: torchtitan does not reshard after forward under PP (parallelize.py,

@@ -4,8 +4,11 @@ parallelism's saving, host memory for offload.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from ..engine.program import CAT_INDEX, Program, Segment, _round, _segment
+from ..engine.tape import Sz
 from ..model.params import on_stage, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.choices import Checkpointing, Device, Precision
@@ -34,24 +37,68 @@ def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
     return ModelSpec.model_validate(data)
 
 
+def rank_seq_len(t: TrainingSpec, p: ParallelSpec) -> int:
+    """Tokens of each sequence one rank holds: context parallelism splits the sequence `cp` ways
+    (`trainmem_nb.parallel.checks.check_layout` requires a sequence that `2 * cp` divides; a sequence
+    that does not divide is rounded up here, the largest rank's share)."""
+    return -(-t.seq_len // p.cp)
+
+
 def _stages(m: ModelSpec, p: ParallelSpec) -> list[tuple[int, int]]:
     """(stage, layers) for each pipeline stage: layers split as evenly as possible, extra to the first."""
     base, extra = divmod(m.n_layers, p.pp)
     return [(s, base + (1 if s < extra else 0)) for s in range(p.pp)]
 
 
-def _sequence_parallel_saving(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, seq: int) -> int:
-    """Saved activation bytes sequence parallelism removes from a tensor-parallel rank: the
-    hidden-sized tensors TP leaves replicated (norm inputs and outputs, dropout masks; the layer input
-    alone under full checkpointing) are split `tp` ways instead (Korthikanti et al. 2022, sec. 4.2.2:
-    ``10 sbh`` becomes ``10 sbh / t``). Modelled from the paper, not measured here."""
+def _sequence_parallel_saving_per_token(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> float:
+    """Saved activation bytes per token (of b x s) that sequence parallelism removes from a
+    tensor-parallel rank: the hidden-sized tensors TP leaves replicated (norm inputs and outputs,
+    dropout masks; the layer input alone under full checkpointing) are split `tp` ways instead
+    (Korthikanti et al. 2022, sec. 4.2.2: ``10 sbh`` becomes ``10 sbh / t``). Modelled from the paper,
+    not measured here."""
     if t.checkpointing is Checkpointing.FULL:
         per_layer = 1
     else:
         dropout = (t.dropout if t.dropout is not None else m.hidden_dropout) > 0
         per_layer = 4 + (2 if dropout else 0)
     act_dt = 4 if t.precision is Precision.FP32 else 2
-    return int(m.n_layers * per_layer * t.micro_batch * seq * m.hidden * act_dt * (1 - 1 / p.tp))
+    return m.n_layers * per_layer * m.hidden * act_dt * (1 - 1 / p.tp)
+
+
+def _per_token(sz: Sz) -> bool:
+    """A size form with only a b x s term (a tensor of some features per token)."""
+    return bool(sz.bs) and not (sz.c0 or sz.s_ or sz.bss or sz.b_ or sz.ss)
+
+
+def _sequence_parallel(prog: Program, m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> Program:
+    """A tensor-parallel rank's program under sequence parallelism: the layers' saved per-token tensors
+    shrink so that, at the end of the forward pass, they hold `_sequence_parallel_saving_per_token`
+    fewer bytes per token.
+
+    The symbolic step does not know which of its tensors SP shards (the recipes build full-sequence
+    norms, dropouts and residuals), so the saving is spread over the layers' saved per-token tensors in
+    proportion to their size: every ``activations/layers`` tensor of the form ``c * b * s`` is scaled by
+    one factor, its allocation and its free alike, so the program stays balanced, the peak is chosen
+    with the saving in it, and `timeline` and the saved activations read the same numbers. Every
+    pipeline micro-batch in flight is a copy of this program's forward, so it saves as much."""
+    if not (p.sp and p.tp > 1):
+        return prog
+    layers = CAT_INDEX["activations/layers"]
+    kept = 0.0  # bytes per token of the layers' per-token saved tensors at the end of the forward pass
+    for seg in prog.segments:
+        if seg.phase != "forward":
+            break
+        kept += sum(k * seg.repeat * sz.bs for cat, k, sz, _ in seg.events if cat == layers and _per_token(sz))
+    if kept <= 0:
+        return prog
+    factor = max(0.0, 1 - _sequence_parallel_saving_per_token(m, t, p) / kept)
+
+    def scaled(seg: Segment) -> Segment:
+        events = tuple((cat, k, sz * factor if cat == layers and _per_token(sz) else sz, label)
+                       for cat, k, sz, label in seg.events)
+        return seg if events == seg.events else _segment(seg.phase, seg.label, seg.repeat, events)
+
+    return dataclasses.replace(prog, segments=tuple(scaled(seg) for seg in prog.segments))
 
 
 def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None = None,
@@ -85,12 +132,17 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, **stage)
 
 
-def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSpec, detail: dict[str, int]) -> int:
-    """Host (CPU) memory of one process for what the layout offloads; moves the offloaded parameter
-    shards out of the GPU's `detail`."""
+def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> int:
+    """Host (CPU) memory of one process for what the layout offloads (the engines' `init` leaves the
+    same tensors out of the device's program: `FSDP2Hooks.param_shards`, `DeepSpeedHooks.param_partitions`)."""
     if p.offload is Offload.NONE:
         return 0
-    host = detail.pop("weights/params", 0) if p.offload is Offload.OPTIMIZER_PARAMS else 0
+    host = 0
+    if p.offload is Offload.OPTIMIZER_PARAMS:
+        weights = [w for w in weight_tensors(m, t) if _held(hooks, w[0], m)]
+        assert isinstance(hooks, (FSDP2Hooks, DeepSpeedHooks))
+        shards = hooks.param_shards(weights) if isinstance(hooks, FSDP2Hooks) else hooks.param_partitions(weights)
+        host = sum(_round(n) * c for n, c in shards)
     if isinstance(hooks, FSDP2Hooks):
         # CPUOffloadPolicy: parameter shards, gradient shards (in the parameters' dtype) and the
         # optimizer states of the shards, all on the CPU

@@ -4,10 +4,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
 
-from ..engine.program import Segment, _segment, evaluate
+from ..engine.program import Program, Segment, _segment, evaluate, forward_activation_events
 from ..engine.tape import Sz, per_token
 from ..model.spec import ModelSpec
 from ..spec.parallel import ParallelSpec, PipelineSchedule
@@ -123,13 +124,74 @@ def _merge_outputs_segment(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> Se
                      (_CAT["activations/head"], -1, merged, "merged output dropped")))
 
 
-def _fsdp_pipeline_peak(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: FSDP2Hooks, prog: Any, stage: int,
-                        seq: int, workspace: int | None) -> tuple[Any, Any, dict[str, int], Fraction]:
-    """The peak of an FSDP2 pipeline stage: the program (`prog`, a later micro-batch: the unsharded
-    gradients exist) and the other micro-batches' saved activations alive during its forward and backward,
-    not during the deferred reduce-scatter and the optimizer step, which follow the last backward; with
-    the micro-batches whose activations the peak holds (for sequence parallelism's saving). Each
-    candidate adds pipelining's own buffers for its point in the schedule (`_pipeline_buffers`).
+def _release_point(prog: Program) -> int:
+    """Index of the first segment after the micro-batch's own backward: the deferred reduce-scatter of
+    an FSDP stage, else the optimizer step or zero_grad (the end of the program if neither)."""
+    return next((i for i, sg in enumerate(prog.segments)
+                 if sg.phase not in ("forward", "backward") or sg.label.startswith(PIPELINE_REDUCE)),
+                len(prog.segments))
+
+
+def _in_flight_segments(prog: Program, others: Fraction) -> tuple[Segment, Segment] | None:
+    """The saved activations of `others` more micro-batches (a fraction under the interleaved schedule:
+    model chunks of 1/virtual_stages of the stage), as one segment that allocates them and one that
+    frees them. Each is a copy of the program's own micro-batch at the end of its forward
+    (`forward_activation_events`): whole micro-batches as whole copies of every tensor, a fraction as
+    tensors of that fraction of the size. None when nothing else is in flight."""
+    if others <= 0:
+        return None
+    whole, part = divmod(others.numerator, others.denominator)
+    frac = float(Fraction(part, others.denominator))
+    held: list[tuple[int, int, Sz, str]] = []
+    for cat, k, sz, label in forward_activation_events(prog):
+        if whole:
+            held.append((cat, k * whole, sz, label))
+        if frac:
+            held.append((cat, k, sz * frac, f"{label} (part of a micro-batch: one model chunk)"))
+    n = f"{float(others):g}"
+    alloc = _segment("forward", f"{n} other micro-batch(es) in flight: their saved activations", 1, tuple(held))
+    free = _segment("backward", f"{n} other micro-batch(es) in flight: their backward done", 1,
+                    tuple((cat, -k, sz, label) for cat, k, sz, label in held))
+    return alloc, free
+
+
+def _with_micro_batches_in_flight(prog: Program, others: Fraction) -> Program:
+    """A pipeline stage's step as its program sees it: `others` more micro-batches' saved activations
+    (`_in_flight_segments`) alive from the step's start until the program's micro-batch has run its
+    backward (the stage's peak is in its forward or backward; no micro-batch is in flight during the
+    optimizer step)."""
+    held = _in_flight_segments(prog, others)
+    if held is None:
+        return prog
+    i = _release_point(prog)
+    segs = prog.segments
+    return dataclasses.replace(prog, segments=(held[0], *segs[:i], held[1], *segs[i:]))
+
+
+def _buffer_change(before: tuple[tuple[int, Sz, int], ...], after: tuple[tuple[int, Sz, int], ...],
+                   label: str) -> Segment:
+    """A segment taking pipelining's buffers from `before` to `after` (`_pipeline_buffers` entries):
+    buffers released first, then the new ones allocated."""
+    counts: dict[tuple[int, Sz], int] = {}
+    for cat, sz, n in before:
+        counts[(cat, sz)] = counts.get((cat, sz), 0) - n
+    for cat, sz, n in after:
+        counts[(cat, sz)] = counts.get((cat, sz), 0) + n
+    events = [(cat, n, sz, "pipeline buffers") for (cat, sz), n in counts.items() if n < 0]
+    events += [(cat, n, sz, "pipeline buffers") for (cat, sz), n in counts.items() if n > 0]
+    return _segment("backward", label, 1, tuple(events))
+
+
+def _fsdp_pipeline_program(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: FSDP2Hooks, prog: Program,
+                           stage: int, shape: tuple[int, int], workspace: int | None,
+                           prepare: Callable[[Program], Program]) -> Program:
+    """The step of an FSDP2 pipeline stage around its costliest micro-batch, as one program: that
+    micro-batch's forward and backward with the other micro-batches' saved activations alive
+    (`_in_flight_segments`) and pipelining's own buffers for its point in the schedule
+    (`_pipeline_buffers`), then the deferred reduce-scatter, the last stage's output merge and the
+    optimizer step with no micro-batch in flight and every buffer alive. `prog` is a later micro-batch
+    (the unsharded gradients exist); `prepare` turns a compiled program into the rank's (sequence
+    parallelism); `shape` is the (micro_batch, seq_len) a rank evaluates.
 
     1F1B (torch.distributed.pipelining, schedules.py, Schedule1F1B: ``warmup_chunks = min(n_microbatches,
     num_stages - stage_index)`` forwards, then a backward before each further forward) runs micro-batch
@@ -137,52 +199,33 @@ def _fsdp_pipeline_peak(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: F
     gradient yet, and a later one's with ``L = min(k, grad_accum - 1)`` and every accumulated gradient:
     micro-batch ``grad_accum - L`` (the last with L in flight; later ones hold fewer activations but more
     input gradients and outputs, so the last micro-batch, one in flight, is a candidate too). GPipe has
-    every micro-batch in flight. The candidates are evaluated; the largest is the peak. The returned
-    program is the whole step with every buffer added before the deferred reduce-scatter (no micro-batch
-    in flight) and the last stage's output merge after it."""
-    import dataclasses
+    every micro-batch in flight. Each candidate is a whole step; the one with the highest peak is the
+    stage's program (on a tie, the first: a later micro-batch)."""
+    n = max(1, t.grad_accum)
+    final = _pipeline_buffers(m, t, p, stage, Fraction(0), n)
+    merge = (_merge_outputs_segment(m, t, p),) if p.pp_return_outputs and stage == p.pp - 1 else ()
 
-    from ..engine.program import activations_at_forward_end
-
-    b, n = t.micro_batch, max(1, t.grad_accum)
-
-    def with_buffers(program: Any, held: Fraction, done: int) -> Any:
-        return dataclasses.replace(program, init=program.init + _pipeline_buffers(m, t, p, stage, held, done))
-
-    def candidate(program: Any, others: Fraction, done: int) -> tuple[int, Any, dict[str, int], Fraction]:
-        i = next((i for i, sg in enumerate(program.segments) if sg.label.startswith(PIPELINE_REDUCE)),
-                 len(program.segments))
-        ev = evaluate(with_buffers(dataclasses.replace(program, segments=program.segments[:i]), others + 1, done),
-                      b, seq)
-        detail = dict(ev.detail)
-        held = int(activations_at_forward_end(program, b, seq) * others) if others > 0 else 0
-        if held:
-            detail["activations/layers"] = detail.get("activations/layers", 0) + held
-        return ev.peak + held, ev, detail, others + 1
+    def candidate(program: Program, others: Fraction, done: int) -> Program:
+        segs = program.segments
+        i = next((i for i, sg in enumerate(segs) if sg.label.startswith(PIPELINE_REDUCE)), len(segs))
+        j = next((j for j in range(i, len(segs)) if not segs[j].label.startswith(PIPELINE_REDUCE)), len(segs))
+        buffers = _pipeline_buffers(m, t, p, stage, others + 1, done)
+        held = _in_flight_segments(program, others)
+        # the deferred reduce-scatter starts with no micro-batch in flight and every buffer alive
+        change = _buffer_change(buffers, final, "pipelining's buffers after the last micro-batch (kept all step)")
+        body = (*segs[:i], change) if held is None else (held[0], *segs[:i], held[1], change)
+        return dataclasses.replace(program, init=program.init + buffers,
+                                   segments=(*body, *segs[i:j], *merge, *segs[j:]))
 
     k = _in_flight(p, stage, t.grad_accum)
     later = min(k, Fraction(max(1, t.grad_accum - 1))) if t.grad_accum > 1 else k
-    best = candidate(prog, later - 1, int(n - later) if t.grad_accum > 1 else 0)
+    options = [candidate(prog, later - 1, int(n - later) if t.grad_accum > 1 else 0)]
     if t.grad_accum > 1:
         if later > 1:  # the last micro-batch: one in flight, every other input gradient and output kept
-            best = max(best, candidate(prog, Fraction(0), n - 1), key=lambda c: c[0])
+            options.append(candidate(prog, Fraction(0), n - 1))
         # micro-batch 0: the unsharded gradients are created during its backward
         t1 = TrainingSpec.model_validate({**t.model_dump(), "grad_accum": 1})
         first = dataclasses.replace(hooks, accumulate=False, state={})
-        best = max(best, candidate(compile_step(m, program_key(t1, m), first, workspace), k - 1, 0),
-                   key=lambda c: c[0])
-    # the reduce-scatter, the output merge and the optimizer step: no micro-batch in flight, all of
-    # pipelining's buffers alive (allocated where the reduce-scatter begins, to count them once)
-    i = next((i for i, sg in enumerate(prog.segments) if sg.label.startswith(PIPELINE_REDUCE)), len(prog.segments))
-    j = next((j for j in range(i, len(prog.segments)) if not prog.segments[j].label.startswith(PIPELINE_REDUCE)),
-             len(prog.segments))
-    buffers = _segment("backward", "pipelining's buffers (kept all step; counted from here, no micro-batch in flight)",
-                       1, tuple((cat, count, sz, "pipeline buffers") for cat, sz, count in
-                                _pipeline_buffers(m, t, p, stage, Fraction(0), n)))
-    merge = (_merge_outputs_segment(m, t, p),) if p.pp_return_outputs and stage == p.pp - 1 else ()
-    whole = dataclasses.replace(prog, segments=(*prog.segments[:i], buffers, *prog.segments[i:j], *merge,
-                                                *prog.segments[j:]))
-    full = evaluate(whole, b, seq)
-    if full.peak > best[0]:
-        return whole, full, dict(full.detail), Fraction(0)
-    return whole, best[1], best[2], best[3]
+        options.append(candidate(prepare(compile_step(m, program_key(t1, m), first, workspace)), k - 1, 0))
+    peaks = [evaluate(option, *shape).peak for option in options]
+    return options[peaks.index(max(peaks))]

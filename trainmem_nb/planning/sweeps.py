@@ -56,9 +56,10 @@ def _as_list(value: Any, key: str) -> list[Any]:
     return values
 
 
-def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int]) -> dict[str, Any]:
+def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int], churn_fraction: float = 0.0) -> dict[str, Any]:
     """Peak, phase, top-level breakdown and saved activations of `prog` for many (b, s) at once,
-    equal to `evaluate` (and `activations_at_forward_end`) for each pair."""
+    equal to `evaluate` (and `activations_at_forward_end`) for each pair; and the reserved memory's
+    high-water mark for `churn_fraction` (`peak_with_churn`)."""
     import numpy as np
 
     b = np.asarray(batch, dtype=np.int64)
@@ -81,6 +82,10 @@ def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int]) -> di
             acts += v
     total = init.sum(axis=0)
     best = total.copy()
+    # the high-water mark of allocated + churn_fraction * (activations + transient), as peak_with_churn
+    weight = np.array([1 + churn_fraction if k in ("activations", "transient") else 1.0 for k in TOP_KEYS])
+    total_w = (weight[:, None] * init).sum(axis=0)
+    high = total_w.copy()
     best_seg = np.full(n, -1)
     best_ev = np.zeros(n, dtype=np.int64)
     best_reps = np.zeros(n, dtype=np.int64)
@@ -118,6 +123,11 @@ def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int]) -> di
             acts += (sizes[np.array([DETAIL_KEYS[c].startswith("activations/") for c in cats])].sum(axis=0)
                      * seg.repeat)
         total = total + net * seg.repeat
+        sizes_w = weight[top_of[np.array([c for c, _, _, _ in seg.events])]][:, None] * sizes
+        run_w = np.cumsum(sizes_w, axis=0)
+        net_w = run_w[-1]
+        high = np.maximum(high, total_w + np.where(net_w > 0, (seg.repeat - 1) * net_w, 0) + run_w.max(axis=0))
+        total_w = total_w + net_w * seg.repeat
     # breakdown at each combination's peak: whole segments before it, then the winning prefix
     breakdown = init.copy()
     for si, seg in enumerate(prog.segments):
@@ -141,7 +151,8 @@ def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int]) -> di
             np.add.at(part, tops, sizes[:, idx] * mask)
             breakdown[:, idx] += part
     phases = np.array([seg.phase for seg in prog.segments] + ["forward"])
-    return {"peak": best, "phase": phases[best_seg], "breakdown": breakdown, "saved_activations": acts}
+    return {"peak": best, "phase": phases[best_seg], "breakdown": breakdown, "saved_activations": acts,
+            "high_water": high}
 
 
 def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, **options: Any) -> Any:
@@ -154,7 +165,7 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
     """
     import pandas as pd
 
-    from ..step.reserved import reserved_and_total
+    from ..step.reserved import churn_fraction, reserved_and_total_over_step
 
     models = [resolve_model(m) for m in _as_list(model, "model")]
     axes = {k: _as_list(v, k) for k, v in options.items()}
@@ -190,13 +201,12 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
     for (m, key), (t, members) in groups.items():
         check_model_options(m, t.model_copy(update={"seq_len": min(s for _, _, s in members)}))
         prog = compile_step(m, key)
-        res = evaluate_many(prog, [b for _, b, _ in members], [s for _, _, s in members])
+        res = evaluate_many(prog, [b for _, b, _ in members], [s for _, _, s in members], churn_fraction(None))
         paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0  # as `simulate` adds them
         for j, (r, _, _) in enumerate(members):
             peak = int(res["peak"][j])
             tops = {f"{k}_bytes": int(res["breakdown"][i][j]) for i, k in enumerate(TOP_KEYS)}
-            reserved, total = reserved_and_total(t, peak, tops["activations_bytes"] + tops["transient_bytes"], None,
-                                                 paged)
+            reserved, total = reserved_and_total_over_step(t, peak, float(res["high_water"][j]), None, paged)
             rows[r].update(peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
                            peak_phase=str(res["phase"][j]), **tops,
                            saved_activations_bytes=int(res["saved_activations"][j]),
