@@ -7,16 +7,24 @@ from __future__ import annotations
 
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
+from ..spec.parallel import Engine, ParallelSpec
 from ..spec.training import TrainingSpec
 from ..units import format_bytes
 
 __all__ = ["estimate_notes"]
 
 
-def estimate_notes(m: ModelSpec, t: TrainingSpec) -> tuple[str, ...]:
-    """Notes on a step of `m` trained as `t`: a LoRA base counted in fp32 under a mixed recipe, QLoRA
-    leaving an MoE model's fused expert tensors unquantized."""
+def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None) -> tuple[str, ...]:
+    """Notes on a step of `m` trained as `t` on layout `p`: a LoRA base counted in fp32 under a mixed
+    recipe, QLoRA leaving an MoE model's fused expert tensors unquantized, FSDP ranks outnumbering the
+    experts."""
     notes = []
+    if p is not None and p.engine is Engine.FSDP and m.is_moe and p.shard_degree > m.n_experts // p.ep:
+        notes.append(
+            f"FSDP over {p.shard_degree} ranks with {m.n_experts // p.ep} experts per expert-parallel group: the "
+            "expert stacks are counted sharded along their second dim (torchtitan's shard_placement_fn); plain "
+            "fully_shard shards dim 0, pads each rank to a whole expert and all-gathers the padding, so its memory "
+            "grows with the GPU count")
     if t.method is not Method.FULL and t.mixed:
         notes.append(
             f"{t.method.value} with precision={t.precision.value!r}: the frozen base is counted in fp32 (autocast "

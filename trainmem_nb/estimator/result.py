@@ -171,7 +171,7 @@ class MemoryEstimate:
         lines.append(f"host RAM to load   {format_bytes(self.host_load_bytes):>10}  per process (full state dict)")
         from .notes import estimate_notes
 
-        lines.extend(f"note: {n}" for n in estimate_notes(self.model, self.training))
+        lines.extend(f"note: {n}" for n in estimate_notes(self.model, self.training, self.parallel))
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -30,7 +30,8 @@ def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
     data = m.model_dump()
     tp = p.tp
     data.update(n_heads=m.n_heads // tp, n_kv_heads=max(1, m.n_kv_heads // tp), head_dim=m.head_dim,
-                ffn=max(1, m.ffn // tp), vocab=-(-m.vocab // tp), name=f"{m.name} (tp rank)")
+                ffn=max(1, m.ffn // tp), vocab=-(-m.vocab // tp), name=f"{m.name} (tp rank)",
+                expert_ffn=max(1, m.expert_ffn // tp) if m.expert_ffn else 0)
     if m.is_moe and p.ep > 1:
         data["n_experts"] = m.n_experts // p.ep
         data["experts_top_k"] = min(m.experts_top_k, data["n_experts"])
@@ -44,10 +45,19 @@ def rank_seq_len(t: TrainingSpec, p: ParallelSpec) -> int:
     return -(-t.seq_len // p.cp)
 
 
-def _stages(m: ModelSpec, p: ParallelSpec) -> list[tuple[int, int]]:
-    """(stage, layers) for each pipeline stage: layers split as evenly as possible, extra to the first."""
+def _stages(m: ModelSpec, p: ParallelSpec) -> list[tuple[int, ModelSpec]]:
+    """(stage, its model) for each pipeline stage: the real layer list split as evenly as possible, the
+    extra layers to the first stages; each stage's model is its slice of the layers (`ModelSpec.layer_slice`:
+    a Gemma-3 or DeepSeek-V3 stage keeps the kinds of the layers it holds)."""
+    if p.pp == 1:
+        return [(0, m)]
     base, extra = divmod(m.n_layers, p.pp)
-    return [(s, base + (1 if s < extra else 0)) for s in range(p.pp)]
+    out, start = [], 0
+    for s in range(p.pp):
+        stop = start + base + (1 if s < extra else 0)
+        out.append((s, m.layer_slice(start, stop)))
+        start = stop
+    return out
 
 
 def _sequence_parallel_saving_per_token(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> float:

@@ -56,7 +56,15 @@ def _padded_shard(p: ParamTensor, world: int) -> int:
 
 
 def _row_shard(p: ParamTensor, world: int) -> ParamTensor:
-    """Rank 0's part of a parameter split along dim 0 into `world` chunks (torch.chunk's rule)."""
+    """Rank 0's part of a parameter split along dim 0 into `world` chunks (torch.chunk's rule).
+
+    A stack of experts (a 3-D MoE parameter, experts first) with fewer experts than ranks is split along
+    its second dim instead, as torchtitan's FSDP2 wrapping of MoE blocks does (``apply_fsdp``: its
+    ``_experts_shard_placement_fn`` returns ``Shard(1)`` when ``efsdp_degree * ep_degree > num_experts``):
+    along dim 0 each rank would hold a padded whole expert and every all-gather would fetch ``world`` of
+    them, so memory would grow with the GPU count (`trainmem_nb.estimator.notes` says so)."""
+    if len(p.shape) == 3 and p.shape[0] < world:
+        return p._replace(shape=(p.shape[0], -(-p.shape[1] // world), p.shape[2]))
     return p._replace(shape=(-(-p.shape[0] // world), *p.shape[1:]))
 
 

@@ -49,9 +49,8 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     shape = (t.micro_batch, rank_seq_len(t, p))
     rows: list[RankMemory] = []
     programs: list[Program] = []
-    for stage, n_layers in _stages(rank_model, p) if p.pp > 1 else [(0, rank_model.n_layers)]:
-        stage_model = rank_model if n_layers == rank_model.n_layers else ModelSpec.model_validate(
-            {**rank_model.model_dump(), "n_layers": n_layers})
+    for stage, stage_model in _stages(rank_model, p):
+        n_layers = stage_model.n_layers
         hooks = _hooks(stage_model, t, p, backend, first=stage == 0, last=stage == p.pp - 1)
         workspace = calibration.workspace_bytes if calibration else None
 

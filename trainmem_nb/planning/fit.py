@@ -98,7 +98,7 @@ def _fit_notes(est: MemoryEstimate, g: GPU, headroom: float = DEFAULT_HEADROOM) 
     from ..estimator.notes import estimate_notes
 
     t = est.training
-    notes = list(estimate_notes(est.model, t))
+    notes = list(estimate_notes(est.model, t, est.parallel))
     if t.precision.value.startswith("bf16") and not g.supports_bf16:
         swap = t.precision.value.replace("bf16", "fp16")
         notes.append(f"{g.name} has no bf16: train with precision='{swap}' (same memory, loss scaling)")
