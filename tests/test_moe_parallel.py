@@ -3,6 +3,8 @@ memory falls, not grows, as GPUs are added."""
 
 from __future__ import annotations
 
+import itertools
+
 import trainmem_nb as tm
 
 
@@ -13,7 +15,7 @@ def _peak(gpus: int) -> int:
 
 def test_mixtral_fsdp_zero3_peak_per_gpu_never_grows_with_the_gpu_count() -> None:
     peaks = [_peak(g) for g in (8, 16, 32, 64, 128)]
-    assert all(later <= earlier for earlier, later in zip(peaks, peaks[1:], strict=False)), peaks
+    assert all(later <= earlier for earlier, later in itertools.pairwise(peaks)), peaks
     assert peaks[-1] < 0.5 * peaks[0]
 
 
