@@ -88,6 +88,9 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                    help="QLoRA without double quantization of the NF4 block scales")
     parser.add_argument("--first-step", action="store_true",
                         help="the very first step: the optimizer creates its state inside step()")
+    parser.add_argument("--alloc-conf", default="", metavar="CONF",
+                        help="PYTORCH_CUDA_ALLOC_CONF for the caching allocator's replay, e.g. "
+                             "'expandable_segments:True' or 'max_split_size_mb:128'")
 
 
 def model_from_args(args: argparse.Namespace) -> Any:
@@ -122,6 +125,7 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
         "lora_dtype": args.lora_dtype, "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
+        "alloc_conf": args.alloc_conf,
     }
 
 

@@ -42,10 +42,15 @@ class Segment(NamedTuple):
     #: several-term event; `gather` picks every event's signed bytes from a table of them (in C)
     pairs: tuple[tuple[int, int], ...] = ()
     gather: Callable[[list[float]], tuple[float, ...]] | None = None
+    #: per event, the tensor it allocates or frees (a token unique in the program; 0: unnamed, as the
+    #: optimizer's and engines' grouped events are), for replaying the step through the caching allocator
+    tokens: tuple[int, ...] = ()
 
 
-def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...]) -> Segment:
-    """A segment with its events' sizes precompiled for `evaluate`."""
+def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...],
+             tokens: tuple[int, ...] = ()) -> Segment:
+    """A segment with its events' sizes precompiled for `evaluate` (and, optionally, its events'
+    tensors named by `tokens`)."""
     fast = tuple((*_terms(sz), sign) for _c, sign, sz, _l in events)
     net: dict[tuple[int, int, float], int] = {}
     for (cat, _sign, _sz, _l), (i, c, k) in zip(events, fast, strict=True):
@@ -66,7 +71,7 @@ def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, 
         gather = itemgetter(*index)
     return Segment(phase, label, repeat, events, fast, general,
                    tuple((cat, i, c, k) for (cat, i, c), k in net.items() if k), tuple(distinct), which,
-                   tuple(slot), gather)
+                   tuple(slot), gather, tokens)
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,10 @@ class Program:
     segments: tuple[Segment, ...]
     n_params: int
     n_trainable: int
+    #: the tokens of the tensors passed from one layer to the next (outputs, input gradients, an engine's
+    #: lingering buffers): a repeated segment's first repetition frees its predecessor's, a later one the
+    #: previous repetition's (`trainmem_nb.engine.trace`)
+    chain_tokens: frozenset[int] = frozenset()
 
 
 def _round(nbytes: float) -> int:
@@ -227,7 +236,8 @@ class TimelinePoint(NamedTuple):
 def timeline(prog: Program, micro_batch: int, seq_len: int, max_points: int = 1500) -> list[TimelinePoint]:
     """Live bytes through the step. Repeated layers are drawn in full for the first and last one and
     as their start and peak in between, so a 126-layer model costs about as much as a 2-layer one;
-    the result is thinned to `max_points`, keeping each bucket's highest point (the peak survives)."""
+    the result is thinned to `max_points`, keeping each bucket's highest point (the peak survives) and the
+    last point (the state the step ends in)."""
     b, s = micro_batch, seq_len
     mono = (1, b, s, b * s, s * s, b * s * s)
     top_of = [TOP_KEYS.index(k.split("/")[0]) for k in DETAIL_KEYS]
@@ -270,8 +280,10 @@ def timeline(prog: Program, micro_batch: int, seq_len: int, max_points: int = 15
             points.append(TimelinePoint(step, seg.phase, f"{seg.label} ({rep + 1} of {n}) done", sum(cats), tuple(cats)))
     if len(points) <= max_points:
         return points
-    size = -(-len(points) // max_points)
-    return [max(points[i:i + size], key=lambda p: p.total_bytes) for i in range(0, len(points), size)]
+    # the last point stays (the state the step ends in), the others are thinned
+    body = points[:-1]
+    size = -(-len(body) // max(1, max_points - 1))
+    return [*(max(body[i:i + size], key=lambda p: p.total_bytes) for i in range(0, len(body), size)), points[-1]]
 
 
 _ACTIVATIONS = frozenset(i for i, k in enumerate(DETAIL_KEYS) if k.startswith("activations/"))

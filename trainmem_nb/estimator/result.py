@@ -34,8 +34,8 @@ class MemoryEstimate:
     All memory fields are ``int`` bytes. ``breakdown_bytes`` (weights, gradients, optimizer_states,
     activations, transient, overhead) sums exactly to ``peak_allocated_bytes`` (what
     ``torch.cuda.max_memory_allocated()`` reports); ``detail_bytes`` splits it further with slash
-    keys (``activations/layers``). ``peak_reserved_bytes`` adds the caching allocator's unused
-    cache (the step's high-water mark, `trainmem_nb.step.reserved`), ``device_total_bytes`` the CUDA
+    keys (``activations/layers``). ``peak_reserved_bytes`` is what PyTorch's caching allocator reserves
+    (two steps replayed through a model of it, `trainmem_nb.step.reserved`), ``device_total_bytes`` the CUDA
     context (what nvidia-smi shows). With a parallel layout each of these figures is the maximum over
     the ranks, and the breakdown, phase and `timeline` are those of the rank with the largest allocated
     peak, evaluated at the sequence length a rank holds (`rank_shape`).
@@ -63,6 +63,14 @@ class MemoryEstimate:
     #: (micro_batch, seq_len) each rank's program is evaluated at: context parallelism gives every rank
     #: ``seq_len / cp`` tokens of each sequence (None: the training's own shape, one device)
     rank_shape: tuple[int, int] | None = None
+    #: the caching allocator's replay of two steps (`trainmem_nb.step.reserved.replay_step`) at the reserved
+    #: peak of the second: reserved minus allocated (cached blocks no tensor uses) and the largest cached
+    #: free block; 0 on CPU
+    fragmentation_bytes: int = 0
+    largest_free_block_bytes: int = 0
+    #: the most bytes allocated on a device while the model loads (`trainmem_nb.step.load`: QLoRA's
+    #: quantize-on-load holds a 16-bit weight beside the 4-bit ones); its cache stays for the step
+    load_peak_bytes: int = 0
 
     @property
     def _shape(self) -> tuple[int, int]:
@@ -116,6 +124,9 @@ class MemoryEstimate:
             "n_trainable_params": self.n_trainable_params,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
+            "fragmentation_bytes": self.fragmentation_bytes,
+            "largest_free_block_bytes": self.largest_free_block_bytes,
+            "load_peak_bytes": self.load_peak_bytes,
             "device_total_bytes": self.device_total_bytes,
             "peak_phase": self.peak_phase,
             "peak_at": self.peak_at,
@@ -154,7 +165,12 @@ class MemoryEstimate:
         for key, value in self.breakdown_bytes.items():
             lines.append(f"  {key:<17} {format_bytes(value):>12}  {100 * value / total:5.1f} %")
         lines.append(f"peak reserved    {format_bytes(self.peak_reserved_bytes):>12}  (PyTorch's caching allocator)")
+        if self.training.device.value == "cuda":
+            conf = self.training.alloc_conf or "default PYTORCH_CUDA_ALLOC_CONF"
+            lines.append(f"  replayed ({conf}): {format_bytes(self.fragmentation_bytes)} cached but unused at the "
+                         f"reserved peak, largest free block {format_bytes(self.largest_free_block_bytes)}")
         lines.append(f"device total     {format_bytes(self.device_total_bytes):>12}  (what nvidia-smi shows)")
+        lines.append(f"loading peak     {format_bytes(self.load_peak_bytes):>12}  (allocated while the model loads)")
         paged = self.overhead_bytes.get("paged_optimizer_states", 0)
         if paged:
             lines.append(f"  of which {format_bytes(paged)} paged optimizer states (CUDA unified memory, outside "

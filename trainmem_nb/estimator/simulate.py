@@ -13,8 +13,15 @@ from ..spec.choices import Device
 from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import _SINGLE, compile_step, program_key
+from ..step.load import load_peak_bytes, loading_events
 from ..step.optimizers import paged_state_bytes
-from ..step.reserved import churn_fraction, reserved_and_total_over_step
+from ..step.reserved import (
+    AllocatorReplay,
+    churn_fraction,
+    replay_step,
+    replayed_reserved_and_total,
+    reserved_and_total_over_step,
+)
 from .result import MemoryEstimate
 
 __all__ = ['simulate']
@@ -34,8 +41,16 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
     for k, v in ev.detail.items():
         tops[k.split("/")[0]] += v
     paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0
-    high_water = peak_with_churn(prog, t.micro_batch, t.seq_len, churn_fraction(calibration))
-    reserved, total = reserved_and_total_over_step(t, ev.peak, high_water, calibration, paged)
+    replay = None
+    if t.device is Device.CUDA:
+        unrolled = compile_step(m, program_key(t, m), _SINGLE, calibration.workspace_bytes if calibration else None,
+                                unrolled=True)
+        replay = replay_step(unrolled, t.micro_batch, t.seq_len, t.alloc_conf, loading_events(m, t))
+    if calibration is not None:  # a GPU run's measured cache fraction overrides the replay's reserved bytes
+        high_water = peak_with_churn(prog, t.micro_batch, t.seq_len, churn_fraction(calibration))
+        reserved, total = reserved_and_total_over_step(t, ev.peak, high_water, calibration, paged)
+    else:
+        reserved, total = replayed_reserved_and_total(t, ev.peak, replay, calibration, paged)
     overhead = {}
     if t.device is Device.CUDA:
         overhead = {"allocator_cache": reserved - ev.peak, "cuda_context": total - reserved - paged}
@@ -49,8 +64,15 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
         phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
         parallel=parallel or ParallelSpec(), per_rank=(only,), rank_programs=(prog,),
-        rank_shape=(t.micro_batch, t.seq_len),
+        rank_shape=(t.micro_batch, t.seq_len), load_peak_bytes=load_peak_bytes(m, t), **_allocator_fields(replay),
     )
+
+
+def _allocator_fields(replay: AllocatorReplay | None) -> dict[str, int]:
+    if replay is None:
+        return {}
+    return {"fragmentation_bytes": replay.fragmentation_bytes,
+            "largest_free_block_bytes": replay.largest_free_block_bytes}
 
 
 def _layout_estimate(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
@@ -62,5 +84,6 @@ def _layout_estimate(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration
         device_total_bytes=row.device_total_bytes, peak_phase=row.peak_phase, peak_at=row.peak_at,
         detail_bytes=row.detail_bytes, phase_peaks_bytes={}, overhead_bytes=layout.overhead, calibration=calibration,
         program=layout.program, parallel=p, per_rank=layout.rows, host_bytes=max(r.host_bytes for r in layout.rows),
-        rank_programs=layout.programs, rank_shape=layout.shape,
+        rank_programs=layout.programs, rank_shape=layout.shape, load_peak_bytes=layout.load_peak_bytes,
+        **_allocator_fields(layout.allocator),
     )

@@ -13,8 +13,16 @@ from ..spec.choices import Device
 from ..spec.parallel import Engine, Offload, ParallelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks, compile_step, program_key
+from ..step.load import load_peak_bytes, loading_events
 from ..step.optimizers import paged_state_bytes
-from ..step.reserved import churn_fraction, reserved_and_total, reserved_and_total_over_step
+from ..step.reserved import (
+    AllocatorReplay,
+    churn_fraction,
+    replay_step,
+    replayed_reserved_and_total,
+    reserved_and_total,
+    reserved_and_total_over_step,
+)
 from .ddp import DDPHooks
 from .fsdp import FSDP2Hooks
 from .layout import _hooks, _host_bytes, _sequence_parallel, _stages, _tp_model, rank_seq_len
@@ -39,6 +47,10 @@ class LayoutMemory(NamedTuple):
     n_trainable: int
     programs: tuple[Program, ...]
     shape: tuple[int, int]
+    #: the caching allocator's replay of the rank with the largest reserved peak (None on CPU)
+    allocator: AllocatorReplay | None = None
+    #: the most bytes a rank allocates while loading its share of the model (`trainmem_nb.step.load`)
+    load_peak_bytes: int = 0
 
 
 def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
@@ -49,6 +61,8 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     shape = (t.micro_batch, rank_seq_len(t, p))
     rows: list[RankMemory] = []
     programs: list[Program] = []
+    replays: list[AllocatorReplay | None] = []
+    loads: list[int] = []
     for stage, stage_model in _stages(rank_model, p):
         n_layers = stage_model.n_layers
         hooks = _hooks(stage_model, t, p, backend, first=stage == 0, last=stage == p.pp - 1)
@@ -84,8 +98,27 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
                 return _row_shard(q, d) if _held(h, q, sm) else None
 
             paged = paged_state_bytes(stage_model, t, stage_shard)
-        high_water = peak_with_churn(prog, *shape, churn_fraction(calibration))
-        reserved, total = reserved_and_total_over_step(t, peak, high_water, calibration, paged)
+        # what a rank loads: its stage's layers and tensor-parallel slices, sharded where the engine shards
+        # the parameters it keeps (FSDP at any stage, ZeRO-3)
+        load_share = 1.0 / p.shard_degree if (p.zero >= 3 or (p.engine is Engine.FSDP and p.zero)) else 1.0
+        loads.append(load_peak_bytes(stage_model, t, load_share))
+        replay = None
+        if t.device is Device.CUDA:
+            # the allocator's replay reads every layer's events in order: the unrolled program, adjusted
+            # as the rank's (an FSDP pipeline stage's candidates are built around the folded one)
+            if isinstance(hooks, FSDP2Hooks) and hooks.pipelined:
+                unrolled = prog
+            else:
+                unrolled = _with_micro_batches_in_flight(
+                    prepare(compile_step(stage_model, program_key(t, stage_model), hooks, workspace, unrolled=True)),
+                    _in_flight(p, stage, t.grad_accum) - 1)
+            replay = replay_step(unrolled, *shape, t.alloc_conf, loading_events(stage_model, t, load_share))
+        if calibration is not None:  # a GPU run's measured cache fraction overrides the replay's reserved bytes
+            high_water = peak_with_churn(prog, *shape, churn_fraction(calibration))
+            reserved, total = reserved_and_total_over_step(t, peak, high_water, calibration, paged)
+        else:
+            reserved, total = replayed_reserved_and_total(t, peak, replay, calibration, paged)
+        replays.append(replay)
         per_stage = p.gpus // p.pp
         first, last = stage * per_stage, (stage + 1) * per_stage - 1
         label = f"stage {stage} (ranks {first}-{last})" if p.pp > 1 else f"every rank (0-{p.gpus - 1})"
@@ -110,5 +143,6 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
             overhead["paged_optimizer_states"] = paged
     n_params = sum(q.numel * q.count for q, _, _ in weight_tensors(m, t))
     n_train = sum(q.numel * q.count for q, _ in trainable_tensors(m, t))
+    most = max(range(len(rows)), key=lambda i: rows[i].peak_reserved_bytes)
     return LayoutMemory(tuple(rows), headline, programs[lead], overhead, n_params, n_train, tuple(programs),
-                        shape)
+                        shape, replays[most], max(loads))

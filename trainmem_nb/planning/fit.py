@@ -80,11 +80,13 @@ def _check_estimate(estimate: Any, caller: str) -> MemoryEstimate:
 
 
 def needed_bytes(est: MemoryEstimate) -> int:
-    """What must fit on each GPU: the worst rank's device total (nvidia-smi view)."""
+    """What must fit on each GPU: the worst rank's device total (nvidia-smi view), or what loading the
+    model allocates with the CUDA context, when that is more."""
     worst = est.device_total_bytes
     for rank in est.per_rank or ():
         worst = max(worst, int(getattr(rank, "device_total_bytes", 0) or 0))
-    return int(worst)
+    context = est.device_total_bytes - est.peak_reserved_bytes
+    return int(max(worst, est.load_peak_bytes + context))
 
 
 def _verdict(needed: int, usable: int, headroom: float) -> tuple[Literal["fits", "tight", "oom"], float]:
@@ -140,7 +142,49 @@ def fit(estimate: MemoryEstimate, gpu: str | GPU, headroom: float = DEFAULT_HEAD
     else:
         over = f"{-margin:.0%} over" if -margin < 1 else f"{need / usable:.1f}x the card"
         message = f"OOM on {g.name}: needs {format_bytes(need)} of {format_bytes(usable)} ({over})"
-    return Fit(verdict, g.name, need, usable, headroom, margin, message, _fit_notes(estimate, g, headroom))
+    notes = _fit_notes(estimate, g, headroom)
+    if verdict != "fits" and estimate.training.device.value == "cuda":
+        verdict, margin, message, notes = _on_card(estimate, g, headroom, verdict, margin, message, notes)
+    return Fit(verdict, g.name, need, usable, headroom, margin, message, notes)
+
+
+def _on_card(est: MemoryEstimate, g: GPU, headroom: float, verdict: Literal["fits", "tight", "oom"], margin: float,
+             message: str, notes: tuple[str, ...]) -> tuple[Literal["fits", "tight", "oom"], float, str, tuple[str, ...]]:
+    """The step replayed on the card itself (`replay_on_card`, loading first): reserved beyond the card is
+    cache the allocator frees and retries under pressure, so the step may run; or it fails although the
+    tensors fit, for want of one free block large enough."""
+    from ..step.compile import _SINGLE, compile_step, program_key
+    from ..step.load import loading_events
+    from ..step.reserved import replay_on_card
+
+    if not est.parallel.single_device:
+        return verdict, margin, message, notes  # ranks' programs are folded: the headline reserved decides
+    t, context = est.training, est.device_total_bytes - est.peak_reserved_bytes
+    if est.load_peak_bytes + context > g.memory_bytes:
+        return verdict, margin, message, notes  # loading alone does not fit: no replay can help
+    unrolled = compile_step(est.model, program_key(t, est.model), _SINGLE,
+                            est.calibration.workspace_bytes if est.calibration else None, unrolled=True)
+    b, s, load = t.micro_batch, t.seq_len, loading_events(est.model, t)
+    with_room = int(g.memory_bytes * (1.0 - headroom)) - context
+    if est.load_peak_bytes + context <= g.memory_bytes * (1.0 - headroom) and (
+            replay_on_card(unrolled, b, s, t.alloc_conf, with_room, load) is None):
+        return "fits", headroom, (f"fits {g.name} with {headroom:.0%} kept free: the allocator's cache would grow to "
+                                  f"{format_bytes(est.peak_reserved_bytes)} with memory to spare, but on the card it "
+                                  f"frees cached blocks and retries (replayed)"), notes
+    oom = replay_on_card(unrolled, b, s, t.alloc_conf, g.memory_bytes - context, load)
+    if oom is None:
+        spare = (g.memory_bytes - est.peak_allocated_bytes - context) / g.memory_bytes
+        return "tight", spare, (f"tight on {g.name}: it runs (replayed on the card, the allocator frees its cache "
+                                f"under pressure) but not with the {headroom:.0%} headroom"), notes
+    if oom.get("fragmentation") and est.peak_allocated_bytes + context <= g.memory_bytes:
+        notes = (*notes, f"the tensors fit ({format_bytes(est.peak_allocated_bytes)} allocated at the peak), but no "
+                         f"free block of {format_bytes(int(oom['requested']))} exists when it is requested "
+                         f"({format_bytes(int(oom['total_free']))} free in all, the largest block "
+                         f"{format_bytes(int(oom['largest_free_block']))}): try alloc_conf='expandable_segments:True'")
+    if verdict == "oom":
+        return verdict, margin, message, notes
+    return "oom", margin, (f"OOM on {g.name}: {format_bytes(needed_bytes(est))} would fit, but replayed on the card the "
+                           f"allocator runs out of blocks"), notes
 
 
 def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

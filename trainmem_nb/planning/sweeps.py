@@ -155,17 +155,22 @@ def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int], churn
             "high_water": high}
 
 
-def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, **options: Any) -> Any:
+def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, *, replay: bool = True,
+          **options: Any) -> Any:
     """Every combination of the given options as a row of a pandas DataFrame.
 
     `model` is anything `estimate` accepts, or a list of them; each option is a value or a list of
     values (lists are swept). Columns: ``model``, the swept options, then the memory figures
     (``peak_allocated_bytes``, ``peak_reserved_bytes``, ``device_total_bytes``, ``peak_phase``, one
-    ``<category>_bytes`` per breakdown category, ``saved_activations_bytes``, parameter counts).
+    ``<category>_bytes`` per breakdown category, ``saved_activations_bytes``, parameter counts), each
+    as `estimate` has it. On CUDA the reserved bytes replay the caching allocator over each row's step
+    (tens of ms per batch shape of a 7B model); ``replay=False`` leaves ``peak_reserved_bytes`` and
+    ``device_total_bytes`` empty (``<NA>``) for a fast sweep of the allocated bytes.
     """
     import pandas as pd
 
-    from ..step.reserved import churn_fraction, reserved_and_total_over_step
+    from ..step.load import loading_events
+    from ..step.reserved import replay_step, replayed_reserved_and_total
 
     models = [resolve_model(m) for m in _as_list(model, "model")]
     axes = {k: _as_list(v, k) for k, v in options.items()}
@@ -174,7 +179,7 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
     base = build_training(training) if training is not None else None
     rows: list[dict[str, Any]] = []
     # rows sharing a step program: (model, program key) -> (a member's spec, [(row, micro_batch, seq_len)])
-    groups: dict[tuple[ModelSpec, TrainingSpec], tuple[TrainingSpec, list[tuple[int, int, int]]]] = {}
+    groups: dict[tuple[ModelSpec, TrainingSpec], tuple[TrainingSpec, list[tuple[int, int, int, str]]]] = {}
     shape_keys = [k for k in ("micro_batch", "seq_len") if k in axes]
     other_keys = [k for k in keys if k not in shape_keys]
     for shape_key in shape_keys:  # validate each batch-shape value once
@@ -197,22 +202,32 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
                     # model_copy skips validation: every value was validated above
                     keyed[cls] = program_key(t_base.model_copy(update=update) if update else t_base, m)
                 _, members = groups.setdefault((m, keyed[cls]), (t_base, []))
-                members.append((len(rows) - 1, b, s))
+                members.append((len(rows) - 1, b, s, t_base.alloc_conf))
     for (m, key), (t, members) in groups.items():
-        check_model_options(m, t.model_copy(update={"seq_len": min(s for _, _, s in members)}))
+        check_model_options(m, t.model_copy(update={"seq_len": min(s for _, _, s, _ in members)}))
         prog = compile_step(m, key)
-        res = evaluate_many(prog, [b for _, b, _ in members], [s for _, _, s in members], churn_fraction(None))
+        res = evaluate_many(prog, [b for _, b, _, _ in members], [s for _, _, s, _ in members], 0.0)
         paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0  # as `simulate` adds them
-        for j, (r, _, _) in enumerate(members):
+        # reserved bytes as `estimate` has them: the caching allocator replayed over the unrolled step
+        unrolled = compile_step(m, key, unrolled=True) if t.device is Device.CUDA and replay else None
+        load = loading_events(m, t) if unrolled is not None else ()
+        for j, (r, b, s, conf) in enumerate(members):
             peak = int(res["peak"][j])
             tops = {f"{k}_bytes": int(res["breakdown"][i][j]) for i, k in enumerate(TOP_KEYS)}
-            reserved, total = reserved_and_total_over_step(t, peak, float(res["high_water"][j]), None, paged)
+            if unrolled is None and t.device is Device.CUDA:
+                reserved = total = None  # replay=False: not replayed, left empty
+            else:
+                run = replay_step(unrolled, b, s, conf, load) if unrolled is not None else None
+                reserved, total = replayed_reserved_and_total(t, peak, run, None, paged)
             rows[r].update(peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
                            peak_phase=str(res["phase"][j]), **tops,
                            saved_activations_bytes=int(res["saved_activations"][j]),
                            n_params=prog.n_params, n_trainable_params=prog.n_trainable)
     columns = ["model", *keys, *FIGURES]
     df = pd.DataFrame(rows, columns=columns)
+    if not replay:  # rows not replayed stay empty: nullable integers, never a float NaN in a byte count
+        for col in ("peak_reserved_bytes", "device_total_bytes"):
+            df[col] = df[col].astype("Int64")
     df.attrs["swept"] = ["model", *swept] if len(models) > 1 else swept
     return df
 

@@ -54,6 +54,9 @@ class TrainingSpec(SpecModel):
         default=False,
         description="the very first step: optimizer state does not exist yet and is created inside step()",
     )
+    alloc_conf: str = Field(
+        default="", max_length=1000,
+        description="PYTORCH_CUDA_ALLOC_CONF for the caching allocator's replay, e.g. 'expandable_segments:True'")
 
     @model_validator(mode="before")
     @classmethod
@@ -93,6 +96,17 @@ class TrainingSpec(SpecModel):
         # model_fields_set, so a rebuilt spec follows its new method.
         if "precision" not in self.model_fields_set and self.method is not Method.FULL:
             object.__setattr__(self, "precision", Precision.BF16_TRUE)
+        return self
+
+    @model_validator(mode="after")
+    def _check_alloc_conf(self) -> TrainingSpec:
+        from .alloc_conf import parse_alloc_conf
+
+        try:
+            parse_alloc_conf(self.alloc_conf or None)
+        except ValueError as exc:
+            raise SpecError(f"alloc_conf={self.alloc_conf!r}: {exc} (PYTORCH_CUDA_ALLOC_CONF syntax, e.g. "
+                            "'expandable_segments:True,max_split_size_mb:128')") from None
         return self
 
     @model_validator(mode="after")

@@ -274,36 +274,39 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     repeated = ([(mk[f"L{lo}_fwd_start"], mk[f"L{hi - 1}_fwd_end"]), (mk[f"L{hi}_bwd_end"], mk[f"L{lo}_bwd_end"])]
                 if lo < hi else [])
 
-    def evs(a: int, b: int) -> tuple[tuple[int, int, Sz, str], ...]:
-        out = []
+    tokens: dict[T, int] = {}  # each tensor of the step, numbered for the allocator replay
+
+    def evs(a: int, b: int) -> tuple[tuple[tuple[int, int, Sz, str], ...], tuple[int, ...]]:
+        out, toks = [], []
         inside = any(lo == a and hi == b for lo, hi in repeated)
         for tt, sign in g.events[a:b]:
             k = sign
             if sign < 0 and not inside and not tt.chain and any(lo <= tt.born < hi for lo, hi in repeated):
                 k = -reps
             out.append((CAT_INDEX[_category(tt, fwd_end)], k, tt.bytes, tt.label))
-        return tuple(out)
+            toks.append(tokens.setdefault(tt, len(tokens) + 1))
+        return tuple(out), tuple(toks)
 
     segs: list[Segment] = []
-    segs.append(_segment("forward", "embeddings", 1, evs(0, mk["L0_fwd_start"])))
+    segs.append(_segment("forward", "embeddings", 1, *evs(0, mk["L0_fwd_start"])))
     for i in range(n_sim):
         if lo <= i < hi:
             if i == lo:
-                segs.append(_segment("forward", plan.labels[i], reps, evs(mk[f"L{lo}_fwd_start"], mk[f"L{hi - 1}_fwd_end"])))
+                segs.append(_segment("forward", plan.labels[i], reps, *evs(mk[f"L{lo}_fwd_start"], mk[f"L{hi - 1}_fwd_end"])))
             continue
-        segs.append(_segment("forward", plan.labels[i], 1, evs(mk[f"L{i}_fwd_start"], mk[f"L{i}_fwd_end"])))
-    segs.append(_segment("forward", "head and loss", 1, evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
-    segs.append(_segment("backward", "loss and head", 1, evs(mk["bwd_start"], mk["head_bwd_end"])))
+        segs.append(_segment("forward", plan.labels[i], 1, *evs(mk[f"L{i}_fwd_start"], mk[f"L{i}_fwd_end"])))
+    segs.append(_segment("forward", "head and loss", 1, *evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
+    segs.append(_segment("backward", "loss and head", 1, *evs(mk["bwd_start"], mk["head_bwd_end"])))
     prev = "head_bwd_end"
     for i in reversed(range(n_sim)):
         if lo <= i < hi:
             if i == hi - 1:
-                segs.append(_segment("backward", plan.labels[i], reps, evs(mk[prev], mk[f"L{lo}_bwd_end"])))
+                segs.append(_segment("backward", plan.labels[i], reps, *evs(mk[prev], mk[f"L{lo}_bwd_end"])))
                 prev = f"L{lo}_bwd_end"
             continue
-        segs.append(_segment("backward", plan.labels[i], 1, evs(mk[prev], mk[f"L{i}_bwd_end"])))
+        segs.append(_segment("backward", plan.labels[i], 1, *evs(mk[prev], mk[f"L{i}_bwd_end"])))
         prev = f"L{i}_bwd_end"
-    segs.append(_segment("backward", "embeddings", 1, evs(mk["L0_bwd_end"], mk["bwd_end"])))
+    segs.append(_segment("backward", "embeddings", 1, *evs(mk["L0_bwd_end"], mk["bwd_end"])))
     segs.extend(opt_events)
 
     # -- what is alive before the step --------------------------------------------------------
@@ -330,7 +333,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
         init.append((CAT_INDEX["overhead/workspaces"], const(workspace_bytes), 1))
     n_params = sum(p.numel * p.count for p, _, _ in weights)
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
-    return Program(tuple(init), tuple(segs), n_params, n_train)
+    chain = frozenset(n for tt, n in tokens.items() if tt.chain)
+    return Program(tuple(init), tuple(segs), n_params, n_train, chain)
 
 
 def _grad_scaler_steps(opt: list[Segment]) -> list[Segment]:
@@ -372,9 +376,11 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     """The part of `t` that shapes the step program: the batch shape stays symbolic, except whether
     there is one sequence or several; gradient accumulation only matters as "more than one step";
     and, for a model `m` with a sliding attention window, whether ``seq_len >= sliding_window`` (then
-    transformers gives SDPA an explicit mask: `trainmem_nb.recipes.mistral`)."""
+    transformers gives SDPA an explicit mask: `trainmem_nb.recipes.mistral`). The allocator's
+    configuration shapes only its replay of the step (`trainmem_nb.step.reserved.replay_step`)."""
     window = m.sliding_window if m is not None else 0
     seq = window if window and t.seq_len >= window else 1
     # model_copy skips validation: the values come from a validated spec
     return t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq,
-                                "grad_accum": min(t.grad_accum, 2)})
+                                "grad_accum": min(t.grad_accum, 2),
+                                "alloc_conf": ""})

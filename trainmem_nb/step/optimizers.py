@@ -185,9 +185,11 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
             events.append((states, 1, const(created), "state created on the first step"))
     if opt in (OptimizerName.ADAMW, OptimizerName.ADAM) and params:
         if impl is OptimizerImpl.FOREACH:
-            # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs): one temporary per parameter
-            total = sum(_round(p.numel * pdt) * p.count for p, pdt in params)
-            events += [(temp, 1, const(total), "foreach sqrt(exp_avg_sq)"), (temp, -1, const(total), "foreach temps freed")]
+            # exp_avg_sq_sqrt = torch._foreach_sqrt(exp_avg_sqs): one temporary per parameter, freed with
+            # the list (each its own block for the caching allocator's replay)
+            sqrt = [(const(_round(p.numel * pdt)), p.count) for p, pdt in params]
+            events += [(temp, count, sz, "foreach sqrt(exp_avg_sq)") for sz, count in sqrt]
+            events += [(temp, -count, sz, "foreach temps freed") for sz, count in sqrt]
         elif impl is OptimizerImpl.FOR_LOOP:
             # denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps): while the new denom is computed the
             # previous parameter's denom is still bound; peak = prev + sqrt + div of the worst pair
@@ -205,7 +207,7 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
     segs = [_segment("optimizer", "optimizer step", 1, tuple(events))] if events else []
     if grads is None:
         grads = [(p.numel * pdt, p.count) for p, pdt in params]
-    total_grads = sum(_round(n) * count for n, count in grads)
-    if total_grads:
-        segs.append(_segment("zero", "zero_grad", 1, ((grad, -1, const(total_grads), "zero_grad(set_to_none)"),)))
+    frees = tuple((grad, -count, const(_round(n)), "zero_grad(set_to_none)") for n, count in grads if n and count)
+    if frees:  # one free per gradient storage
+        segs.append(_segment("zero", "zero_grad", 1, frees))
     return segs

@@ -1,21 +1,27 @@
 """From an allocated peak to what the caching allocator reserves and what nvidia-smi shows.
 
-The allocator is modelled to reserve, beyond the live bytes, a fraction of the memory that churns
-within a step (activations and temporaries: freed blocks stay cached and split blocks fragment). A
-step's reserved peak is the highest point over the step of ``allocated + fraction * churn``
-(`trainmem_nb.engine.program.peak_with_churn`), rounded up to the allocator's large segments: taken
-over the whole step rather than at the allocated peak alone, it cannot fall while the allocated peak
-rises (a larger batch or sequence grows every point), and it is at least the value at the allocated
-peak. A calibration's fraction is measured at the allocated peak (`trainmem_nb.measure.calibration`).
+On CUDA the step is replayed through a model of torch 2.13's caching allocator
+(`trainmem_nb.engine.allocator`): the loading trace (`trainmem_nb.step.load`) and then two steps of the
+unrolled program, allocation by allocation (`trainmem_nb.engine.trace`); the second step's reserved
+peak is the headline (`replay_step`), and `replay_on_card` replays on a card's capacity, where the
+allocator frees its cache and retries before it fails. A calibration from a GPU run overrides the
+replay with its measured fraction of the churning bytes (activations and temporaries) kept reserved
+beyond the live ones: the highest point over the step of ``allocated + fraction * churn``
+(`trainmem_nb.engine.program.peak_with_churn`), rounded up to the allocator's large segments.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from typing import NamedTuple
+
+from ..engine.program import Program
 from ..spec.calibration import Calibration
 from ..spec.choices import Device
 from ..spec.training import TrainingSpec
 
-__all__ = ['churn_fraction', 'reserved_and_total', 'reserved_and_total_over_step']
+__all__ = ['AllocatorReplay', 'churn_fraction', 'replay_on_card', 'replay_step', 'replayed_reserved_and_total', 'reserved_and_total',
+           'reserved_and_total_over_step']
 
 
 def churn_fraction(calibration: Calibration | None) -> float:
@@ -53,3 +59,92 @@ def _segments_and_total(nbytes: float, calibration: Calibration | None, unified:
     context = calibration.cuda_context_bytes if calibration else CUDA_CONTEXT_BYTES
     reserved = -(-int(nbytes) // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES
     return reserved, reserved + context + unified
+
+
+class AllocatorReplay(NamedTuple):
+    """What torch 2.13's caching allocator does over a step (`replay_step`), steady state: the second of
+    two replayed steps."""
+
+    #: ``max_memory_reserved()``: the highest reserved bytes of the second step
+    peak_reserved_bytes: int
+    #: reserved minus allocated at that point: cached blocks no tensor uses (free segments, split remainders)
+    fragmentation_bytes: int
+    #: the largest cached free block at that point (what the next request can have without a new segment)
+    largest_free_block_bytes: int
+    #: ``max_memory_allocated()``: blocks, not tensors (a block too small to split is handed out whole)
+    peak_allocated_block_bytes: int
+
+
+_REPLAYS: OrderedDict[tuple[int, int, int, str], tuple[Program, AllocatorReplay]] = OrderedDict()
+
+
+def _with_loading(load: tuple[int, ...], step: tuple[int, ...]) -> tuple[int, ...]:
+    """`step`'s trace after the loading trace `load` (its allocations renumbered after loading's)."""
+    if not load:
+        return step
+    shift = sum(1 for e in load if e >= 0)
+    return load + tuple(e if e >= 0 else ~(~e + shift) for e in step)
+
+
+def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: str = "",
+                load: tuple[int, ...] = ()) -> AllocatorReplay:
+    """Replay loading (`load`, `trainmem_nb.step.load.loading_events`) and then two steps of `unrolled`
+    (``compile_step(..., unrolled=True)``) through the caching allocator (`trainmem_nb.engine.allocator`)
+    configured by `alloc_conf` (``PYTORCH_CUDA_ALLOC_CONF`` syntax); memoised on the program (which
+    fixes the model and what loading does), the batch shape and the configuration."""
+    key = (id(unrolled), micro_batch, seq_len, alloc_conf)
+    hit = _REPLAYS.get(key)
+    if hit is not None and hit[0] is unrolled:
+        _REPLAYS.move_to_end(key)
+        return hit[1]
+    from ..engine.allocator import CachingAllocator, parse_alloc_conf
+    from ..engine.trace import allocator_trace, step_starts
+
+    events = _with_loading(load, allocator_trace(unrolled, micro_batch, seq_len))
+    second = len(load) + step_starts(unrolled)[-1]
+    config = parse_alloc_conf(alloc_conf or None)
+    run = CachingAllocator(config).replay(events, timeline=True, memo=False)
+    reserved, allocated = run.reserved[second:], run.allocated[second:]
+    peak = max(reserved)
+    # the reserved peak lasts (reserved only falls when the cache is freed): its point is where most of it
+    # is allocated, so fragmentation is what the step cannot use even at its fullest
+    at = second + max((a, -i) for i, (r, a) in enumerate(zip(reserved, allocated, strict=True)) if r == peak)[1] * -1
+    # the allocator's state at that event: replay up to it again (cheaper than a snapshot at every event)
+    upto = CachingAllocator(config)
+    upto.replay(events[:at + 1], timeline=False, memo=False)
+    result = AllocatorReplay(peak, peak - run.allocated[at], upto.largest_free_block(), max(allocated))
+    _REPLAYS[key] = (unrolled, result)
+    if len(_REPLAYS) > 512:
+        _REPLAYS.popitem(last=False)
+    return result
+
+
+def replayed_reserved_and_total(t: TrainingSpec, peak: int, replay: AllocatorReplay | None,
+                                calibration: Calibration | None, unified: int = 0) -> tuple[int, int]:
+    """Reserved bytes and device total of a step whose allocated peak is `peak`, from the allocator's
+    replay (CUDA); CPU: both equal the peak."""
+    if t.device is not Device.CUDA or replay is None:
+        return peak, peak
+    from ..device import CUDA_CONTEXT_BYTES
+
+    context = calibration.cuda_context_bytes if calibration else CUDA_CONTEXT_BYTES
+    reserved = max(replay.peak_reserved_bytes, peak)
+    return reserved, reserved + context + unified
+
+
+def replay_on_card(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: str, capacity: int,
+                   load: tuple[int, ...] = ()) -> dict | None:
+    """Replay loading and two steps with `capacity` bytes for the allocator (a card's memory less the CUDA context):
+    short of memory it frees its cache and retries, as ``c10::cuda::CUDACachingAllocator`` does, so a
+    step whose cache would outgrow the card may still run. None when it runs; else the out-of-memory
+    report (``verdict`` says whether the tensors fit and no free block was large enough)."""
+    from ..engine.allocator import CachingAllocator, parse_alloc_conf
+    from ..engine.trace import allocator_trace
+
+    if capacity <= 0:
+        return {"verdict": "no memory is left for the allocator after the CUDA context", "fragmentation": False,
+                "requested": 0, "largest_free_block": 0, "total_free": 0}
+    events = _with_loading(load, allocator_trace(unrolled, micro_batch, seq_len))
+    run = CachingAllocator(parse_alloc_conf(alloc_conf or None), capacity=capacity).replay(
+        events, timeline=False, memo=False)
+    return run.oom

@@ -59,8 +59,10 @@ ENGINES: tuple[str, ...] = ("deepspeed", "fsdp", "ddp", "megatron")
 #: The controls and the option each one sets (model controls are handled apart).
 TRAINING_CONTROLS: tuple[str, ...] = (
     "micro_batch", "seq_len", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "method",
-    "lora_rank",
+    "lora_rank", "alloc_conf",
 )
+#: The caching allocator's settings offered (``PYTORCH_CUDA_ALLOC_CONF``): its default and expandable segments.
+ALLOC_CONFS: tuple[tuple[str, str], ...] = (("default", ""), ("expandable", "expandable_segments:True"))
 PARALLEL_CONTROLS: tuple[str, ...] = ("gpus", "zero", "engine", "tp", "pp")
 #: The dimensions the custom model source edits.
 CUSTOM_DIMS: tuple[str, ...] = ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab")
@@ -171,6 +173,11 @@ class Explorer:
                                       style={"button_width": "5.5em"}),
             "lora_rank": w.SelectionSlider(options=_with(LORA_RANKS, t["lora_rank"]), value=t["lora_rank"],
                                            description="LoRA rank", **slow),
+            "alloc_conf": w.ToggleButtons(
+                options=[*ALLOC_CONFS, *(((t["alloc_conf"], t["alloc_conf"]),)
+                                         if t["alloc_conf"] not in dict(ALLOC_CONFS).values() else ())],
+                value=t["alloc_conf"], description="allocator", style={"button_width": "6.5em"},
+                tooltips=["PyTorch's default caching allocator", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]),
             "gpus": w.SelectionSlider(options=_with(GPU_COUNTS, t["gpus"]), value=t["gpus"], description="GPUs",
                                       **slow),
             "zero": w.ToggleButtons(options=[0, 1, 2, 3], value=t["zero"], description="ZeRO",
@@ -535,7 +542,7 @@ def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
         "micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
         "precision": t.precision.value, "optimizer": t.optimizer.value, "checkpointing": t.checkpointing.value,
         "attention": t.attention.value, "method": t.method.value, "lora_rank": t.lora_rank,
-        "gpus": p.gpus, "zero": p.zero, "engine": p.engine.value, "tp": p.tp, "pp": p.pp,
+        "alloc_conf": t.alloc_conf, "gpus": p.gpus, "zero": p.zero, "engine": p.engine.value, "tp": p.tp, "pp": p.pp,
     }
 
 

@@ -37,9 +37,7 @@ sorted list of integer keys ``size << 56 | addr`` plus the parallel list of bloc
 C++ ``std::set`` ordered by (stream, size, address) becomes one ``bisect`` per pool per stream.
 """
 
-from .blocks import AllocatorOOM
-from .caching import CachingAllocator
-from .config import (
+from ...spec.alloc_conf import (
     VALID_KEYS,
     AllocatorConfig,
     get_allocation_size,
@@ -53,6 +51,8 @@ from .config import (
     round_size,
     roundup_power2_next_division,
 )
+from .blocks import AllocatorOOM
+from .caching import CachingAllocator
 from .replay import ReplayResult
 from .trace import build_trace, simulate
 

@@ -9,6 +9,18 @@ from bisect import bisect_left
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ...spec.alloc_conf import (
+    _ADDR_ALIGN,
+    _ADDR_BASE,
+    _KEY_SHIFT,
+    SIZE_MAX,
+    AllocatorConfig,
+    get_allocation_size,
+    kMinBlockSize,
+    kSmallSize,
+    parse_alloc_conf,
+    round_size,
+)
 from . import expandable as _expandable
 from . import replay as _replay
 from .blocks import (
@@ -34,18 +46,6 @@ from .blocks import (
     UNMAPPED,
     AllocatorOOM,
     _Pool,
-)
-from .config import (
-    _ADDR_ALIGN,
-    _ADDR_BASE,
-    _KEY_SHIFT,
-    SIZE_MAX,
-    AllocatorConfig,
-    get_allocation_size,
-    kMinBlockSize,
-    kSmallSize,
-    parse_alloc_conf,
-    round_size,
 )
 
 if TYPE_CHECKING:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ...spec.alloc_conf import _DEFAULT_TOTAL, kSmallBuffer
 from .blocks import _ADDR, _NEXT, _POOL, _PREV, _S_ES, _S_HEAD, _SEG, _SIZE, _STATE, FREE, UNMAPPED, _ExpSeg, _Pool
-from .config import _DEFAULT_TOTAL, kSmallBuffer
 
 if TYPE_CHECKING:
     from .caching import CachingAllocator

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from itertools import count, repeat
 from typing import TYPE_CHECKING
 
+from ...spec.alloc_conf import _KEY_SHIFT, SIZE_MAX, round_size
 from .blocks import _S_ADDR, _STATE, ALLOC, AllocatorOOM, _Pool
-from .config import _KEY_SHIFT, SIZE_MAX, round_size
 
 if TYPE_CHECKING:
     from .caching import CachingAllocator

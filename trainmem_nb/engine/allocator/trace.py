@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 
+from ...spec.alloc_conf import AllocatorConfig, parse_alloc_conf
 from .caching import CachingAllocator
-from .config import AllocatorConfig, parse_alloc_conf
 from .replay import ReplayResult
 
 

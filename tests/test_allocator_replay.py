@@ -1,0 +1,171 @@
+"""The caching allocator replayed over a compiled step: the trace it reads, the reserved bytes, the
+fragmentation and largest free block it reports, the allocator settings, loading, and fit on a card."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import trainmem_nb as tm
+from trainmem_nb.engine.allocator import CachingAllocator
+from trainmem_nb.engine.program import _round, evaluate
+from trainmem_nb.engine.trace import allocator_trace, step_starts
+from trainmem_nb.errors import SpecError
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.spec.training import TrainingSpec
+from trainmem_nb.step.compile import compile_step, program_key
+from trainmem_nb.step.load import load_peak_bytes, loading_events
+from trainmem_nb.step.reserved import replay_step
+
+SMALL = ModelSpec(family="llama", n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1000)
+
+
+def _live_peak(trace: tuple[int, ...]) -> int:
+    """The most bytes alive over a trace, each request in 512-B blocks (as the estimate counts)."""
+    sizes: list[int] = []
+    live = best = 0
+    for e in trace:
+        if e >= 0:
+            sizes.append(_round(e))
+            live += sizes[-1]
+            best = max(best, live)
+        else:
+            live -= sizes[~e]
+    return best
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(["gpt2", "llama", "mixtral", "bert", "opt", "gpt_neox", "phi3", "gemma"]),
+       st.sampled_from(["bf16-mixed", "fp32", "bf16-true"]), st.sampled_from(["none", "full", "selective"]),
+       st.sampled_from(["full", "lora", "qlora"]), st.sampled_from(["adamw", "sgd", "adafactor"]),
+       st.integers(1, 3), st.integers(1, 96), st.sampled_from([1, 2]))
+def test_the_allocator_trace_holds_exactly_the_bytes_the_estimate_counts(family: str, precision: str, ckpt: str,
+                                                                        method: str, optimizer: str, b: int, s: int,
+                                                                        accum: int) -> None:
+    """Expanded event by event, the unrolled step reaches the estimate's allocated peak in both replayed
+    steps, and the second step starts with what the first did (the steady state)."""
+    extra = dict(n_experts=4, experts_top_k=2) if family == "mixtral" else {}
+    m = ModelSpec(family=family, n_layers=3, hidden=64, n_heads=4, ffn=128, vocab=500, **extra)
+    if method == "qlora" and precision == "fp32":
+        precision = "bf16-true"
+    t = TrainingSpec(micro_batch=b, seq_len=s, precision=precision, checkpointing=ckpt, method=method,
+                     optimizer=optimizer, grad_accum=accum)
+    unrolled = compile_step(m, program_key(t, m), unrolled=True)
+    one, two = allocator_trace(unrolled, b, s, steps=1), allocator_trace(unrolled, b, s, steps=2)
+    peak = evaluate(compile_step(m, program_key(t, m)), b, s).peak
+    assert _live_peak(one) == _live_peak(two) == peak
+    start = step_starts(unrolled, 2)
+    assert two[:start[1]] == one  # the first step is the same trace, the second follows
+
+
+def test_the_trace_frees_each_tensor_once_and_only_tensors_it_made() -> None:
+    t = TrainingSpec(micro_batch=2, seq_len=64, checkpointing="full")
+    trace = allocator_trace(compile_step(SMALL, program_key(t, SMALL), unrolled=True), 2, 64)
+    made = sum(1 for e in trace if e >= 0)
+    freed = [~e for e in trace if e < 0]
+    assert len(freed) == len(set(freed)) and all(0 <= f < made for f in freed)
+
+
+def test_reserved_covers_allocated_and_fragmentation_is_what_the_cache_holds_unused() -> None:
+    e = tm.estimate("llama-3.2-1b", micro_batch=2, seq_len=1024)
+    assert e.peak_reserved_bytes >= e.peak_allocated_bytes
+    assert 0 <= e.largest_free_block_bytes <= e.fragmentation_bytes <= e.peak_reserved_bytes
+    assert e.peak_reserved_bytes % (2 << 20) == 0  # whole segments: 2 MiB small ones, large ones 2 MiB-rounded
+    d = e.to_dict()
+    for key in ("fragmentation_bytes", "largest_free_block_bytes", "load_peak_bytes"):
+        assert isinstance(d[key], int) and d[key] >= 0
+    cpu = tm.estimate("llama-3.2-1b", micro_batch=2, seq_len=1024, device="cpu")
+    assert cpu.peak_reserved_bytes == cpu.peak_allocated_bytes and cpu.fragmentation_bytes == 0
+
+
+def test_the_replay_is_the_allocators_own_for_the_trace_of_the_step() -> None:
+    """The headline is the second replayed step's reserved peak on a fresh allocator fed the loading and
+    step trace: recomputed here from the allocator model directly."""
+    t = TrainingSpec(micro_batch=2, seq_len=128)
+    m = SMALL
+    unrolled = compile_step(m, program_key(t, m), unrolled=True)
+    load = loading_events(m, t)
+    shift = sum(1 for e in load if e >= 0)
+    step = allocator_trace(unrolled, 2, 128)
+    events = load + tuple(e if e >= 0 else ~(~e + shift) for e in step)
+    run = CachingAllocator().replay(events, timeline=True, memo=False)
+    second = len(load) + step_starts(unrolled)[1]
+    assert replay_step(unrolled, 2, 128, "", load).peak_reserved_bytes == max(run.reserved[second:])
+    assert tm.estimate(m, micro_batch=2, seq_len=128).peak_reserved_bytes == max(run.reserved[second:])
+
+
+def test_alloc_conf_changes_the_replay_and_a_bad_one_is_refused_with_the_valid_keys() -> None:
+    kw = dict(micro_batch=4, seq_len=1024)
+    default = tm.estimate("tinyllama-1.1b", **kw)
+    split = tm.estimate("tinyllama-1.1b", alloc_conf="max_split_size_mb:20,roundup_power2_divisions:4", **kw)
+    assert default.peak_allocated_bytes == split.peak_allocated_bytes  # tensors are the same
+    assert default.peak_reserved_bytes != split.peak_reserved_bytes
+    with pytest.raises(SpecError, match=r"alloc_conf='expandable:True'.*valid keys are: .*expandable_segments"):
+        tm.estimate("gpt2", alloc_conf="expandable:True")
+    with pytest.raises(SpecError, match="garbage_collection_threshold"):
+        tm.estimate("gpt2", alloc_conf="garbage_collection_threshold:1.5")
+
+
+def test_the_cli_takes_alloc_conf_and_reports_the_new_fields() -> None:
+    out = subprocess.run([sys.executable, "-m", "trainmem_nb.cli.main", "estimate", "--model", "gpt2", "--seq-len", "512",
+                          "--alloc-conf", "expandable_segments:True", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    d = json.loads(out)
+    assert d["training"]["alloc_conf"] == "expandable_segments:True"
+    assert d["fragmentation_bytes"] >= 0 and d["largest_free_block_bytes"] >= 0 and d["load_peak_bytes"] > 0
+    bad = subprocess.run([sys.executable, "-m", "trainmem_nb.cli.main", "estimate", "--model", "gpt2", "--seq-len", "512",
+                          "--alloc-conf", "nope:1"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "Unrecognized key 'nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_qlora_loading_holds_one_16_bit_weight_beside_the_4_bit_ones_and_leaves_its_cache() -> None:
+    m = ModelSpec(family="llama", n_layers=2, hidden=1024, n_heads=8, ffn=4096, vocab=100)
+    t = TrainingSpec(micro_batch=1, seq_len=64, method="qlora")
+    ev = loading_events(m, t)
+    assert sum(1 for e in ev if e >= 0) == sum(1 for e in ev if e < 0)  # everything loaded is handed to the step
+    full = TrainingSpec(micro_batch=1, seq_len=64, method="lora")
+    # full-width loading allocates the weights and no more; QLoRA's peak is above its 4-bit weights by
+    # at most the largest 16-bit weight being quantized (4096 x 1024 here) and its fp32 block absmax
+    lora_est, qlora_est = tm.estimate(m, training=full), tm.estimate(m, training=t)
+    assert load_peak_bytes(m, full) == lora_est.load_peak_bytes
+    weights = qlora_est.detail_bytes["weights/params"]
+    assert weights < qlora_est.load_peak_bytes <= weights + 4096 * 1024 * 2 + 4096 * 1024 // 64 * 4 + 512
+    unrolled = compile_step(m, program_key(t, m), unrolled=True)
+    with_load = replay_step(unrolled, 1, 64, "", loading_events(m, t))
+    assert with_load.peak_reserved_bytes >= qlora_est.peak_allocated_bytes
+
+
+def test_a_step_whose_cache_outgrows_the_card_still_fits_when_the_replay_on_the_card_runs() -> None:
+    """On the card the allocator frees its cache and retries before failing: the fit replays there."""
+    e = tm.estimate("llama-3.2-1b", micro_batch=3, seq_len=2048)
+    f = tm.fit(e, "A100 40GB")
+    assert e.peak_reserved_bytes + (e.device_total_bytes - e.peak_reserved_bytes) > 40 * 2**30 * 0.9
+    assert f.verdict in ("fits", "tight") and "replayed" in f.message
+
+
+def test_an_oom_from_fragmentation_says_the_tensors_fit_but_no_block_is_large_enough() -> None:
+    e = tm.estimate("llama-3.2-1b", micro_batch=7, seq_len=2048, checkpointing="full")
+    f = tm.fit(e, "A100 40GB")
+    assert f.verdict == "oom"
+    assert any("the tensors fit" in n and "no free block of" in n and "expandable_segments" in n for n in f.notes)
+
+
+def test_sweep_rows_report_the_replayed_reserved_bytes_of_estimate() -> None:
+    df = tm.sweep("tinyllama-1.1b", micro_batch=[1, 3], seq_len=[512, 1000],
+                  alloc_conf=["", "expandable_segments:True"])
+    for row in df.itertuples():
+        e = tm.estimate("tinyllama-1.1b", micro_batch=row.micro_batch, seq_len=row.seq_len, alloc_conf=row.alloc_conf)
+        assert row.peak_reserved_bytes == e.peak_reserved_bytes and row.device_total_bytes == e.device_total_bytes
+
+
+def test_a_sweep_without_the_replay_leaves_reserved_empty_and_keeps_the_allocated_bytes() -> None:
+    fast = tm.sweep("tinyllama-1.1b", micro_batch=[1, 2], seq_len=512, replay=False)
+    full = tm.sweep("tinyllama-1.1b", micro_batch=[1, 2], seq_len=512)
+    assert fast["peak_reserved_bytes"].isna().all() and fast["device_total_bytes"].isna().all()
+    assert list(fast["peak_allocated_bytes"]) == list(full["peak_allocated_bytes"])
+    assert str(fast["peak_reserved_bytes"].dtype) == "Int64"

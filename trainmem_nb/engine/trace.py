@@ -1,0 +1,139 @@
+"""A compiled step as the caching allocator sees it: every malloc and free, in order, with sizes.
+
+The allocator decides which cached block serves which request from the exact order of every
+allocation and free, so the trace is built from an *unrolled* program (``compile_step(...,
+unrolled=True)``: each layer its own segment, each tensor named by a token). `allocator_trace` expands
+it at one batch shape into the trace `trainmem_nb.engine.allocator` replays: what is alive before the
+step first (weights, optimizer states, workspaces, allocated once as loading leaves them), then
+`steps` training steps. Events the optimizer and the engines group (``k`` tensors of one size) have no
+names: their frees take the most recent live tensors of that size, as ``zero_grad`` and ``foreach``
+release what they made. A step ends with nothing it made alive, and what it freed of the state it
+found (accumulated gradients, zeroed) made again, so that the second step starts as the first did.
+
+>>> from trainmem_nb.model.spec import ModelSpec
+>>> from trainmem_nb.spec.training import TrainingSpec
+>>> from trainmem_nb.step.compile import compile_step
+>>> m = ModelSpec(family="llama", n_layers=2, hidden=64, n_heads=4, ffn=128, vocab=256)
+>>> trace = allocator_trace(compile_step(m, TrainingSpec(micro_batch=1, seq_len=16), unrolled=True), 1, 16)
+>>> sum(1 for e in trace if e >= 0) - sum(1 for e in trace if e < 0) > 0  # the weights stay allocated
+True
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .program import Program
+
+__all__ = ["allocator_trace", "step_starts"]
+
+
+def _bytes(sz: object, b: int, s: int) -> int:
+    n = round(sz.at(b, s))  # type: ignore[attr-defined]
+    return n if n > 0 else 0
+
+
+def allocator_trace(prog: Program, micro_batch: int, seq_len: int, steps: int = 2) -> tuple[int, ...]:
+    """The program's allocations and frees at (micro_batch, seq_len) as a replay trace: ``e >= 0``
+    mallocs ``e`` bytes (allocations numbered 0, 1, ... in order; size-0 mallocs are numbered too),
+    ``e < 0`` frees allocation ``~e``. `prog` should be unrolled: a repeated segment is replayed as its
+    repetitions, each free taking the most recent live tensor of its name (the backward frees the
+    forward's repetitions in reverse), which is exact only when no repetition frees a predecessor's
+    tensor by a name it no longer has (then the latest tensor of that size goes instead)."""
+    sizes, ops, _starts = _template(prog, steps)
+    b, s = micro_batch, seq_len
+    at = [_bytes(sz, b, s) for sz in sizes]
+    return tuple(at[o] if o >= 0 else o for o in ops)
+
+
+def step_starts(prog: Program, steps: int = 2) -> tuple[int, ...]:
+    """Where each step begins in `allocator_trace`'s events (after the loaded state)."""
+    return _template(prog, steps)[2]
+
+
+_TEMPLATES: dict[tuple[int, int], tuple[Program, list[object], tuple[int, ...], tuple[int, ...]]] = {}
+
+
+def _template(prog: Program, steps: int) -> tuple[list[object], tuple[int, ...], tuple[int, ...]]:
+    """The trace with sizes left symbolic: distinct size expressions, and per event the index of its
+    size (a malloc) or ``~allocation`` (a free); built once per program (the compile cache keeps the
+    program alive, so its id is a stable key while it is held here)."""
+    hit = _TEMPLATES.get((id(prog), steps))
+    if hit is not None and hit[0] is prog:
+        return hit[1], hit[2], hit[3]
+    index: dict[object, int] = {}
+    sizes: list[object] = []
+
+    def size_of(sz: object) -> int:
+        i = index.get(sz)
+        if i is None:
+            i = index[sz] = len(sizes)
+            sizes.append(sz)
+        return i
+
+    ops: list[int] = []
+    count = [0]
+
+    def malloc(i: int) -> int:
+        ops.append(i)
+        count[0] += 1
+        return count[0] - 1
+
+    by_size: dict[int, list[int]] = defaultdict(list)  # every allocation by size, most recent last
+    freed: set[int] = set()
+    persistent: list[tuple[int, int]] = []  # (size index, allocation) alive before the step
+
+    def new(i: int) -> int:
+        a = malloc(i)
+        by_size[i].append(a)
+        return a
+
+    def free(a: int) -> None:
+        freed.add(a)
+        ops.append(~a)
+
+    def free_by_size(i: int) -> None:
+        stack = by_size[i]
+        while stack and stack[-1] in freed:
+            stack.pop()
+        if stack:
+            free(stack.pop())
+
+    for _cat, sz, n in prog.init:
+        i = size_of(sz)
+        persistent += [(i, new(i)) for _ in range(n)]
+    starts: list[int] = []
+    for _step in range(steps):
+        starts.append(len(ops))
+        named: dict[int, list[int]] = defaultdict(list)
+        first = count[0]
+        for seg in prog.segments:
+            toks = seg.tokens or (0,) * len(seg.events)
+            for (_cat, k, sz, _label), tok in [e for _ in range(seg.repeat) for e in zip(seg.events, toks, strict=True)]:
+                i = size_of(sz)
+                if k > 0:
+                    for _ in range(k):
+                        a = new(i)
+                        if tok:
+                            named[tok].append(a)
+                    continue
+                for _ in range(-k):
+                    live = named.get(tok) if tok else None
+                    while live and live[-1] in freed:
+                        live.pop()
+                    if live:
+                        free(live.pop())
+                    else:  # unnamed (grouped) or made before the step (the batch): the latest of its size
+                        free_by_size(i)
+        # the step is over: what it made and did not free goes (the loss, the batch); what existed
+        # before it is made again if the step freed it (accumulated gradients, zeroed in place)
+        for a in range(count[0] - 1, first - 1, -1):
+            if a not in freed:
+                free(a)
+        for j, (i, a) in enumerate(persistent):
+            if a in freed:
+                persistent[j] = (i, new(i))
+    if len(_TEMPLATES) >= 256:
+        _TEMPLATES.pop(next(iter(_TEMPLATES)))
+    _TEMPLATES[(id(prog), steps)] = (prog, sizes, tuple(ops), tuple(starts))
+    return sizes, tuple(ops), tuple(starts)

@@ -1,0 +1,83 @@
+"""Loading the model before the first step: what ``from_pretrained`` puts on the device, tensor by tensor.
+
+transformers 5.x loads a checkpoint tensor by tensor into the model's dtype on the target device
+(``low_cpu_mem_usage`` is always on: the state dict is memory-mapped, not copied), so loading a 16-bit
+or fp32 model allocates exactly its weights. QLoRA quantizes on load: bitsandbytes' ``Params4bit``
+moves each 16-bit weight to the GPU and then quantizes it (``Params4bit._quantize`` ->
+``bnb.functional.quantize_4bit``: packed 4-bit values and fp32 block absmax; with double quantization
+the absmax is quantized again to uint8 with its own fp32 absmax, code and offset, and the fp32 absmax
+is freed), after which the 16-bit copy is freed. Those freed 16-bit blocks stay in the caching
+allocator's cache: the reserved residue loading leaves for the step (`loading_events`, replayed before
+the step by `trainmem_nb.step.reserved.replay_step`).
+
+Not modelled: FSDP's ``sync_module_states`` broadcast, the unit an engine holds unsharded while it shards
+it, and DeepSpeed's ``zero.Init`` (a rank is assumed to materialise only the share it keeps); the
+optimizer states are the first ``step()``'s (``TrainingSpec.first_step``), not loading's.
+"""
+
+from __future__ import annotations
+
+from ..model.params import NF4_BLOCK, NF4_NESTED_BLOCK, NF4_NESTED_CODE_BYTES, quantized, weight_tensors
+from ..model.spec import ModelSpec
+from ..spec.choices import Method
+from ..spec.training import TrainingSpec
+
+__all__ = ["load_peak_bytes", "loading_events"]
+
+
+def _block(n: float) -> int:
+    """Bytes the allocator accounts for a request of `n` (512-B blocks, as the step's sizes)."""
+    n = int(n)
+    return -(-n // 512) * 512 if n > 0 else 0
+
+
+def loading_events(m: ModelSpec, t: TrainingSpec, shard: float = 1.0) -> tuple[int, ...]:
+    """The device's allocations and frees while the model loads, as a replay trace (``e >= 0`` mallocs
+    ``e`` bytes, ``~i`` frees allocation ``i``), every tensor freed at the end: the step's own trace then
+    allocates what loading left (`trainmem_nb.engine.trace`), so what remains is the cache loading
+    leaves behind. `shard`: the fraction of each weight a rank keeps (sharded data parallelism)."""
+    ev: list[int] = []
+    n = 0
+    kept: list[int] = []
+
+    def malloc(nbytes: float) -> int:
+        nonlocal n
+        ev.append(max(0, int(nbytes)))
+        n += 1
+        return n - 1
+
+    qlora = t.method is Method.QLORA
+    for p, pdt, _trainable in weight_tensors(m, t):
+        for _ in range(p.count):
+            numel = max(1, int(p.numel * shard))
+            if qlora and quantized(p):
+                w16 = malloc(numel * 2)  # the checkpoint's 16-bit weight, moved to the GPU
+                blocks = -(-numel // NF4_BLOCK)
+                kept.append(malloc(-(-numel // 2)))  # packed 4-bit values
+                absmax = malloc(blocks * 4)  # fp32 absmax per 64-value block
+                if t.qlora_double_quant:
+                    kept += [malloc(blocks), malloc(-(-blocks // NF4_NESTED_BLOCK) * 4), malloc(NF4_NESTED_CODE_BYTES),
+                             malloc(4)]
+                    ev.append(~absmax)
+                else:
+                    kept.append(absmax)
+                ev.append(~w16)
+            else:
+                kept.append(malloc(numel * pdt))
+    ev += [~k for k in reversed(kept)]
+    return tuple(ev)
+
+
+def load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float = 1.0) -> int:
+    """The most bytes allocated while the model loads (each storage in 512-B blocks, as the step's peak):
+    its weights, and for QLoRA also the one 16-bit weight being quantized and its fp32 absmax."""
+    sizes: list[int] = []
+    live = best = 0
+    for e in loading_events(m, t, shard):
+        if e >= 0:
+            sizes.append(_block(e))
+            live += sizes[-1]
+            best = max(best, live)
+        else:
+            live -= sizes[~e]
+    return best
