@@ -206,12 +206,12 @@ def test_every_parallel_layout_gives_self_consistent_per_rank_numbers(data: st.D
 @PARALLEL_SETTINGS
 @given(st.data(), models(), parallel_trainings, st.integers(1, 3), st.integers(1, 32), st.integers(1, 2),
        st.integers(1, 32))
-def test_every_parallel_layouts_headline_is_monotone_in_batch_and_sequence(data: st.DataObject, m: ModelSpec,
+def test_every_parallel_layouts_allocated_peak_is_monotone_in_batch_and_sequence(data: st.DataObject, m: ModelSpec,
                                                                            opts: dict, b: int, k: int, db: int,
                                                                            dk: int) -> None:
-    """A larger micro-batch or a longer sequence never lowers any headline figure of a parallel layout:
-    allocated, reserved (the step's high-water mark, `trainmem_nb.step.reserved`), device total and
-    the saved activations."""
+    """A larger micro-batch or a longer sequence never lowers the allocated peak or the saved activations
+    of a parallel layout. Reserved bytes need not follow (the caching allocator's replay: a larger batch can
+    fragment less), but never fall below the smaller step's allocated peak."""
     layout = data.draw(layouts(m))
     chunk = 2 * layout["cp"]
     base = _or_refused(m, dict(micro_batch=b, seq_len=chunk * k, **opts, **layout))
@@ -219,9 +219,12 @@ def test_every_parallel_layouts_headline_is_monotone_in_batch_and_sequence(data:
         return
     more_batch = estimate(m, micro_batch=b + db, seq_len=chunk * k, **opts, **layout)
     more_seq = estimate(m, micro_batch=b, seq_len=chunk * (k + dk), **opts, **layout)
-    for field in ("peak_allocated_bytes", "peak_reserved_bytes", "device_total_bytes", "saved_activations_bytes"):
+    for field in ("peak_allocated_bytes", "saved_activations_bytes"):
         assert getattr(more_batch, field) >= getattr(base, field), field
         assert getattr(more_seq, field) >= getattr(base, field), field
+    for bigger in (more_batch, more_seq):
+        assert bigger.peak_reserved_bytes >= base.peak_allocated_bytes
+        assert bigger.device_total_bytes >= bigger.peak_reserved_bytes
 
 
 def test_training_spec_round_trips_through_json() -> None:
