@@ -36,6 +36,7 @@ class Family(_Choice):
     GPT_NEOX = "gpt_neox"  #: Pythia; fused qkv, partial rotary, parallel residual
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
+    QWEN3 = "qwen3"  #: llama layout with per-head q/k RMSNorm before rotary, head_dim 128 by default
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -100,6 +101,12 @@ class Description:
     fused_gate_up: bool = False
     #: dropout on the attention and MLP outputs before each residual add
     residual_dropout: bool = False
+    #: an RMSNorm over each head's dims of the query and the key (``q_norm``/``k_norm``, weights of
+    #: ``head_dim``) between the projection and rotary (Qwen3)
+    qk_norm: bool = False
+    #: attention kinds whose mask the model builds even when no layer uses it (Qwen3Model always
+    #: builds ``causal_mask_mapping["full_attention"]``, then the sliding one if a layer slides)
+    always_masks: tuple[str, ...] = ()
 
     @property
     def composed(self) -> bool:
@@ -162,6 +169,12 @@ DESCRIPTIONS: dict[Family, Description] = {
         dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
         input_side=("embeddings.",), heads=("cls.predictions.decoder.weight",),
         embedding="embeddings.word_embeddings.weight"),
+    # modeling_qwen3.py (transformers 5.x): Qwen3Attention's q_norm/k_norm; Qwen3Config's head_dim=128,
+    # tie_word_embeddings=False (configuration_qwen3.py lines 67, 73)
+    Family.QWEN3: Description(
+        Family.QWEN3, ("qwen3",), "Qwen3ForCausalLM", "Qwen3DecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        qk_norm=True, always_masks=("full",)),
 }
 
 

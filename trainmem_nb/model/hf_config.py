@@ -257,6 +257,39 @@ READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
 }
 
 
+def _layer_types(cfg: Mapping[str, Any], n_layers: int, window: int, max_window_default: int) -> tuple[str, ...]:
+    """Each layer's attention when a sliding window is in use (Qwen3Config.__post_init__,
+    configuration_qwen3.py lines 90-96: ``layer_types`` as given, else ``sliding_attention`` from layer
+    ``max_window_layers`` on); ``()`` when every layer attends fully (the spec's default)."""
+    if not window:
+        return ()
+    types = cfg.get("layer_types")
+    if types is None:
+        start = _int(cfg, "max_window_layers", family=Family.QWEN3, default=max_window_default, minimum=0)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or any(
+            t not in ("full_attention", "sliding_attention") for t in types):
+        raise SpecError(f"config.json layer_types={show_value(types)} must list 'full_attention' or "
+                        f"'sliding_attention' for each of the {n_layers} layers")
+    return tuple(types) if "sliding_attention" in types else ()
+
+
+def _read_qwen3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Qwen3Config (configuration_qwen3.py lines 61-83): head_dim defaults to 128 and
+    num_key_value_heads to 32, not to the hidden size's split; ``attention_bias`` sets the bias of
+    q/k/v/o; a window applies only with ``use_sliding_window``, to the layers of `_layer_types`."""
+    kw = _read_decoder({"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+                        "vocab_size": 151936, **cfg}, f)
+    bias = _flag(cfg, "attention_bias", False)
+    window = _sliding_window(cfg, False)
+    types = _layer_types(cfg, kw["n_layers"], window, 28)
+    # a window no layer uses is kept (it round-trips through `_write_qwen3`) but changes nothing
+    return {**kw, "qkv_bias": bias, "out_bias": bias, "sliding_window": window, "layer_types": types}
+
+
+READERS.update({Family.QWEN3: _read_qwen3})
+
+
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
 # 256 (Touvron et al. 2023, Table 2 and the released configs); head_dim 128; 32000-token vocabulary.
 _HEAD_DIM = 128
@@ -406,3 +439,18 @@ WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.GEMMA: _write_decoder, Family.PHI3: _write_phi3, Family.MIXTRAL: _write_mixtral, Family.GPT2: _write_gpt2,
     Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
 }
+
+
+def _write_layer_types(m: Any) -> dict[str, Any]:
+    """``use_sliding_window``, ``sliding_window`` and the explicit ``layer_types`` (Qwen3's default
+    pattern from ``max_window_layers`` is not needed when they are given)."""
+    types = list(m.layer_types) or ["full_attention"] * m.n_layers
+    return {"use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None,
+            "layer_types": types}
+
+
+def _write_qwen3(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, **_write_layer_types(m)}
+
+
+WRITERS.update({Family.QWEN3: _write_qwen3})

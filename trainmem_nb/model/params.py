@@ -153,8 +153,11 @@ def _gqa_params(m: ModelSpec, n: int) -> list[ParamTensor]:
     if m.fused_qkv:
         return [*_linear("layers.self_attn.o_proj", h, q, m.out_bias, n),
                 *_linear("layers.self_attn.qkv_proj", q + 2 * kv, h, m.qkv_bias, n)]
-    return [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, n), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, n),
-            *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, n), *_linear("layers.self_attn.o_proj", h, q, m.out_bias, n)]
+    items = [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, n), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, n),
+             *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, n), *_linear("layers.self_attn.o_proj", h, q, m.out_bias, n)]
+    if DESCRIPTIONS[m.family].qk_norm:  # Qwen3Attention registers q_norm, k_norm after o_proj
+        items += [*_norm("layers.self_attn.q_norm", m.head_dim, False, n), *_norm("layers.self_attn.k_norm", m.head_dim, False, n)]
+    return items
 
 
 def _gated_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:

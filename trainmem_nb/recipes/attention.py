@@ -48,11 +48,15 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
         g.drop(qs, ks, vs)
         local: list[T] = [qkv]
     else:
-        q = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
-        qv = ops.heads_view(g, q, "q view")
+        # with q/k norms the transpose follows the norm: the copy of the transposed gradient moves to
+        # the view before the norm (its element-wise backward keeps the gradient's layout)
+        qkn = rec.d.qk_norm
+        q = head_norm(rec, g, rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim), p, "q_norm", True)
+        qv = ops.heads_view(g, q, "q view", clone_grad=not qkn)
         g.drop(q)
-        k = rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
-        kv = ops.heads_view(g, k, "k view", clone_grad=m.n_kv_heads > 1)
+        k = head_norm(rec, g, rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim), p, "k_norm",
+                      m.n_kv_heads > 1)
+        kv = ops.heads_view(g, k, "k view", clone_grad=m.n_kv_heads > 1 and not qkn)
         g.drop(k)
         v = rec.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
         vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
@@ -69,6 +73,22 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
     out = rec.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
     g.drop(o)
     g.drop(*local, qr, kr, vv)  # locals (qkv,) query_states, key_states, value_states die when forward returns
+    return out
+
+
+def head_norm(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T], name: str, clone_grad: bool) -> T:
+    """Qwen3Attention's ``self.q_norm(self.q_proj(h).view(hidden_shape))`` (and ``k_norm``): the
+    family's RMSNorm over each head's dims of the projection viewed as (b, s, heads, d), whose output
+    the caller transposes; the projection itself is a temporary. The gradient reaches the view in the
+    transposed layout, so its backward (a reshape) copies it (`clone_grad`: more than one head).
+    Without `qk_norm`: `x` unchanged."""
+    if not rec.d.qk_norm:
+        return x
+    heads = rec.m.n_heads if name == "q_norm" else rec.m.n_kv_heads
+    v = ops.heads_view(g, x, f"{name} view", clone_grad=clone_grad)
+    g.drop(x)
+    out = rec.norm(g, v, p[f"self_attn.{name}.weight"], f"self_attn.{name}", heads)
+    g.drop(v)
     return out
 
 

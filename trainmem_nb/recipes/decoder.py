@@ -72,9 +72,9 @@ class DecoderRecipe(Recipe):
                 or (self.masked(kind) and self.m.n_heads > self.m.n_kv_heads))
 
     # -- the model ------------------------------------------------------------------------------
-    def norm(self, g: Graph, x: T, w: T, label: str) -> T:
-        """The family's RMSNorm."""
-        return self._norm(g, x, w, label)
+    def norm(self, g: Graph, x: T, w: T, label: str, heads: int = 1) -> T:
+        """The family's RMSNorm (over each of `heads` groups of a token's features: per-head q/k norms)."""
+        return self._norm(g, x, w, label, heads)
 
     def act(self, g: Graph, x: T) -> T:
         """The MLP's activation (``ACT2FN[hidden_act]``), which saves its input."""
@@ -90,7 +90,8 @@ class DecoderRecipe(Recipe):
         pos = g.alloc(per_seq(1), I64, "cache_position")
         g.drop(ar)
         sh.extra.append(pos)
-        attention = sorted({k.attention for k in self.m.layer_kinds}, key=("full", "sliding").index)
+        attention = sorted({k.attention for k in self.m.layer_kinds} | set(self.d.always_masks),
+                           key=("full", "sliding").index)
         if len(attention) == 1:
             sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
         else:  # one mask per attention kind, the full one first (the models' ``causal_mask_mapping``)

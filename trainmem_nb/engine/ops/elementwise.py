@@ -11,9 +11,14 @@ from .core import BOOL, F32, Ctx, _bigger, _promote, cast
 
 
 # -- element-wise -------------------------------------------------------------------------------
-def mul(g: Graph, a: T, b: T, label: str = "mul") -> T:
+def mul(g: Graph, a: T, b: T, label: str = "mul", cast_each: bool = False) -> T:
     """``a * b`` (broadcasting). Saves b if a needs a gradient and a if b does; backward computes
-    both full-size gradients (the engine then reduces broadcast ones)."""
+    both full-size gradients in the promoted dtype; the engine then reduces broadcast ones and casts
+    them to their input's dtype, input by input (``validate_outputs``: both products exist before the
+    first cast, as a bf16 x fp32 multiply's backward shows under a dispatch log).
+
+    `cast_each` casts each product right after it is computed instead (the order gpt2's CUDA
+    ``gelu_new``, unmeasured, keeps until its fingerprints are re-recorded)."""
     out = g.alloc(_bigger(a, b), _promote(a, b), label)
     n_out = out.n
 
@@ -22,10 +27,10 @@ def mul(g: Graph, a: T, b: T, label: str = "mul") -> T:
         assert grad is not None
 
         def one(x: T, other: T, name: str) -> T:
-            # mul_tensor_backward: grad * other in the promoted dtype, then cast to x's dtype
+            # mul_tensor_backward: grad * other in the promoted dtype (`Graph.backward` casts it to x's)
             prod_dt = max(grad.dt, other.dt)
             prod = g.alloc(n_out, prod_dt, f"{label} grad {name}")
-            if prod_dt == x.dt:
+            if prod_dt == x.dt or not cast_each:
                 return prod
             res = g.alloc(n_out, x.dt, f"{label} grad {name} cast")
             g.drop(prod)
@@ -248,7 +253,7 @@ def gelu_new(g: Graph, ctx: Ctx, x: T, label: str = "gelu_new") -> T:
     g.drop(e)
     u = scalar_op(g, t, f"{label} 1+", grad_allocs=False)
     g.drop(t)
-    out = mul(g, half, u, f"{label} mul")
+    out = mul(g, half, u, f"{label} mul", cast_each=True)
     g.drop(half, u)
     return out
 
