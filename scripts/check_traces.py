@@ -39,6 +39,12 @@ SHAPES = {
                          vocab=1000, sliding_window=32, layer_types=("full_attention",) + ("sliding_attention",) * 2),
     "qwen3-allslide": dict(family="qwen3", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512,
                            vocab=1000, sliding_window=32, layer_types=("sliding_attention",) * 3),
+    "smollm3": dict(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000, nope_layers=(3,)),
+    "smollm3-nope-window": dict(family="smollm3", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000,
+                                nope_layers=(1, 3), sliding_window=32, layer_types=("full_attention", "sliding_attention") * 2),
+    "granite": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000),
+    "granite-tied-bias": dict(family="granite", n_layers=3, hidden=256, n_heads=4, ffn=512, vocab=1000,
+                              tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
 }
 
 

@@ -14,7 +14,7 @@ from trainmem_nb.model.hf_config import to_hf_config
 from trainmem_nb.model.params import count_params, param_inventory
 from trainmem_nb.model.spec import ModelSpec
 
-FAMILIES = ("qwen3",)
+FAMILIES = ("qwen3", "smollm3", "granite")
 
 #: Small specs of each family: GQA/MQA, tied, biases, windows and layer patterns where the family has them.
 SPECS: dict[str, dict[str, Any]] = {
@@ -24,6 +24,14 @@ SPECS: dict[str, dict[str, Any]] = {
     "qwen3-window": dict(family="qwen3", n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
                          vocab=512, sliding_window=16,
                          layer_types=("full_attention", "sliding_attention", "sliding_attention")),
+    "smollm3-nope": dict(family="smollm3", n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+                         nope_layers=(3,)),
+    "smollm3-bias-window": dict(family="smollm3", n_layers=4, hidden=128, n_heads=4, ffn=256, vocab=512,
+                                nope_layers=(1, 3), qkv_bias=True, out_bias=True, mlp_bias=True, sliding_window=16,
+                                layer_types=("full_attention", "sliding_attention") * 2, tie_embeddings=False),
+    "granite-gqa": dict(family="granite", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512),
+    "granite-tied-bias": dict(family="granite", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=512,
+                              tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
 }
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -54,6 +62,28 @@ def test_qwen3_sliding_window_applies_from_max_window_layers_when_used() -> None
     assert [k.attention for k in m.layer_kinds] == ["full", "full", "sliding", "sliding"]
 
 
+def test_smollm3_drops_rotary_on_every_fourth_layer_by_default() -> None:
+    m = ModelSpec.from_hf_config({"model_type": "smollm3", "hidden_size": 128, "intermediate_size": 256,
+                                  "num_hidden_layers": 8, "num_attention_heads": 4})
+    assert (m.nope_layers, m.n_kv_heads, m.tie_embeddings, m.layer_types) == ((3, 7), 4, True, ())
+    windowed = ModelSpec.from_hf_config({**to_hf_config(m), "layer_types": None, "use_sliding_window": True,
+                                         "sliding_window": 32})
+    assert [k.attention for k in windowed.layer_kinds][:4] == ["full", "full", "full", "sliding"]
+
+
+def test_granite_multipliers_allocate_a_tensor_each_whatever_their_value() -> None:
+    # inputs_embeds * embedding_multiplier, h * residual_multiplier (twice a layer), logits / logits_scaling
+    from trainmem_nb.spec.training import TrainingSpec
+    from trainmem_nb.step.compile import compile_step
+
+    prog = compile_step(_spec("granite-gqa"), TrainingSpec(device="cpu", micro_batch=2, seq_len=64))
+    labels = [label for seg in prog.segments if seg.phase == "forward" for _c, sign, _sz, label in seg.events
+              if sign > 0]
+    assert sum("embedding_multiplier" in x for x in labels) == 1
+    assert sum("residual_multiplier" in x for x in labels) == 2 * 2
+    assert sum("logits_scaling" in x for x in labels) == 1
+
+
 def test_qwen3_layers_hold_per_head_q_and_k_norms() -> None:
     names = {p.name: p.shape for p in param_inventory(_spec("qwen3-gqa"))}
     assert names["layers.self_attn.q_norm.weight"] == (64,) and names["layers.self_attn.k_norm.weight"] == (64,)
@@ -71,7 +101,7 @@ def test_parameter_inventory_equals_the_model_transformers_builds(name: str) -> 
     m = _spec(name)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        shapes = hf_param_shapes(to_hf_config(m))
+        shapes = hf_param_shapes({**to_hf_config(m), "pad_token_id": None})  # small vocabularies: no pad row
     hf: dict[tuple[str, tuple[int, ...]], int] = {}
     for full, shape in shapes.items():
         key = (re.sub(r"^model\.", "", re.sub(r"\.\d+\.", ".", full)), shape)

@@ -37,6 +37,8 @@ class Family(_Choice):
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
     QWEN3 = "qwen3"  #: llama layout with per-head q/k RMSNorm before rotary, head_dim 128 by default
+    SMOLLM3 = "smollm3"  #: llama layout without rotary on every 4th layer (NoPE), tied embeddings
+    GRANITE = "granite"  #: llama layout with embedding, residual and logit multipliers (IBM Granite 3.x)
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -107,6 +109,10 @@ class Description:
     #: attention kinds whose mask the model builds even when no layer uses it (Qwen3Model always
     #: builds ``causal_mask_mapping["full_attention"]``, then the sliding one if a layer slides)
     always_masks: tuple[str, ...] = ()
+    #: Granite's scalar multipliers, each a real multiply even at 1.0: ``inputs_embeds *
+    #: embedding_multiplier``, ``residual + h * residual_multiplier`` after attention and after the MLP,
+    #: ``logits / logits_scaling`` (``attention_multiplier`` is the attention's scale: no tensor of its own)
+    multipliers: bool = False
 
     @property
     def composed(self) -> bool:
@@ -175,6 +181,17 @@ DESCRIPTIONS: dict[Family, Description] = {
         Family.QWEN3, ("qwen3",), "Qwen3ForCausalLM", "Qwen3DecoderLayer", "decoder", _RMS_DECODER,
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         qk_norm=True, always_masks=("full",)),
+    # modeling_smollm3.py: SmolLM3Attention applies rotary only where config.no_rope_layers[i] is 1;
+    # SmolLM3Config ties the embeddings by default (configuration_smollm3.py line 94)
+    Family.SMOLLM3: Description(
+        Family.SMOLLM3, ("smollm3",), "SmolLM3ForCausalLM", "SmolLM3DecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        always_masks=("full",)),
+    # modeling_granite.py: GraniteModel.forward, GraniteDecoderLayer.forward, GraniteForCausalLM.forward
+    Family.GRANITE: Description(
+        Family.GRANITE, ("granite",), "GraniteForCausalLM", "GraniteDecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        multipliers=True),
 }
 
 

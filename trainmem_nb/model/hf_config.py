@@ -287,7 +287,41 @@ def _read_qwen3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     return {**kw, "qkv_bias": bias, "out_bias": bias, "sliding_window": window, "layer_types": types}
 
 
-READERS.update({Family.QWEN3: _read_qwen3})
+def _read_smollm3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """SmolLM3Config (configuration_smollm3.py lines 71-113): ``no_rope_layers`` (1: the layer applies
+    rotary) as given, else every ``no_rope_layer_interval``-th layer (default 4) without; 4 kv heads by
+    default; with ``use_sliding_window`` and a window, the NoPE layers slide unless ``layer_types`` says."""
+    kw = _read_decoder({"num_key_value_heads": 4, "max_position_embeddings": 32768, "vocab_size": 128256, **cfg}, f)
+    n = kw["n_layers"]
+    rope = cfg.get("no_rope_layers")
+    if rope is None:
+        every = _int(cfg, "no_rope_layer_interval", family=f, default=4)
+        rope = [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(rope, list) or len(rope) != n or any(r not in (0, 1) or isinstance(r, float) for r in rope):
+        raise SpecError(f"config.json no_rope_layers={show_value(rope)} must give 1 (rotary) or 0 (none) for each "
+                        f"of the {n} layers")
+    bias = _flag(cfg, "attention_bias", False)
+    window = _sliding_window(cfg, False)
+    types = cfg.get("layer_types")
+    if types is None and window:
+        types = ["full_attention" if r else "sliding_attention" for r in rope]
+    types = _layer_types({"layer_types": types}, n, window, 0) if types is not None else ()
+    return {**kw, "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False),
+            "nope_layers": tuple(i for i, r in enumerate(rope) if not r), "sliding_window": window,
+            "layer_types": types}
+
+
+def _read_granite(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """GraniteConfig (configuration_granite.py lines 63-85): llama's keys; ``attention_bias`` sets q/k/v/o
+    biases. The four multipliers change values, not shapes: every step multiplies by them (read, not kept)."""
+    kw = _read_decoder({"vocab_size": 32000, **cfg}, f)
+    for key in ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier"):
+        _float(cfg, key, family=f, default=1.0)
+    bias = _flag(cfg, "attention_bias", False)
+    return {**kw, "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False)}
+
+
+READERS.update({Family.QWEN3: _read_qwen3, Family.SMOLLM3: _read_smollm3, Family.GRANITE: _read_granite})
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
@@ -453,4 +487,15 @@ def _write_qwen3(m: Any) -> dict[str, Any]:
     return {**_write_decoder(m), "attention_bias": m.qkv_bias, **_write_layer_types(m)}
 
 
-WRITERS.update({Family.QWEN3: _write_qwen3})
+def _write_smollm3(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "mlp_bias": m.mlp_bias, **_write_layer_types(m),
+            "no_rope_layers": [int(i not in m.nope_layers) for i in range(m.n_layers)]}
+
+
+def _write_granite(m: Any) -> dict[str, Any]:
+    # multipliers other than 1.0 (the released models' 12, 0.22, 0.015625 and 8 for 2B) give the same memory
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "mlp_bias": m.mlp_bias, "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0}
+
+
+WRITERS.update({Family.QWEN3: _write_qwen3, Family.SMOLLM3: _write_smollm3, Family.GRANITE: _write_granite})

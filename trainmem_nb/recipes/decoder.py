@@ -105,6 +105,10 @@ class DecoderRecipe(Recipe):
         buffer already in the model's dtype: no copy), whose multiply saves only the scalar."""
         w = p["embed_tokens.weight"]
         e = ops.embedding(g, ids, w, tok(self.m.hidden), "embed_tokens")
+        if self.d.multipliers:  # Granite: ``inputs_embeds = inputs_embeds * self.embedding_multiplier``
+            x = ops.scalar_op(g, e, "inputs_embeds * embedding_multiplier")
+            g.drop(e)
+            return x
         if not self.d.embed_scale:
             return e
         scale = g.external(const(1), w.dt, "embed_scale")
@@ -146,4 +150,8 @@ class DecoderRecipe(Recipe):
         m, ctx = self.m, self.ctx
         w = p.get("lm_head.weight") or p["embed_tokens.weight"]
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
+        if self.d.multipliers:  # Granite: ``logits = logits / self.config.logits_scaling`` (a new tensor)
+            raw = logits
+            logits = ops.scalar_op(g, raw, "logits / logits_scaling")
+            g.drop(raw)
         return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
