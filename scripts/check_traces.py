@@ -45,6 +45,11 @@ SHAPES = {
     "granite": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000),
     "granite-tied-bias": dict(family="granite", n_layers=3, hidden=256, n_heads=4, ffn=512, vocab=1000,
                               tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
+    "qwen3_moe": dict(n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab=1000, n_experts=4,
+                      experts_top_k=2, expert_ffn=64),
+    "qwen3_moe-norm-dense": dict(family="qwen3_moe", n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32,
+                                 ffn=256, vocab=1000, n_experts=4, experts_top_k=2, expert_ffn=64, norm_topk_prob=True,
+                                 dense_layers=(0,)),
 }
 
 

@@ -14,7 +14,7 @@ from trainmem_nb.model.hf_config import to_hf_config
 from trainmem_nb.model.params import count_params, param_inventory
 from trainmem_nb.model.spec import ModelSpec
 
-FAMILIES = ("qwen3", "smollm3", "granite")
+FAMILIES = ("qwen3", "smollm3", "granite", "qwen3_moe")
 
 #: Small specs of each family: GQA/MQA, tied, biases, windows and layer patterns where the family has them.
 SPECS: dict[str, dict[str, Any]] = {
@@ -32,6 +32,11 @@ SPECS: dict[str, dict[str, Any]] = {
     "granite-gqa": dict(family="granite", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512),
     "granite-tied-bias": dict(family="granite", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=512,
                               tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
+    "qwen3_moe": dict(family="qwen3_moe", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128,
+                      vocab=512, n_experts=4, experts_top_k=2, expert_ffn=64),
+    "qwen3_moe-norm-dense": dict(family="qwen3_moe", n_layers=3, hidden=64, n_heads=4, n_kv_heads=2, ffn=128,
+                                 vocab=512, n_experts=4, experts_top_k=2, norm_topk_prob=True, dense_layers=(1,),
+                                 sliding_window=16),
 }
 
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
@@ -82,6 +87,25 @@ def test_granite_multipliers_allocate_a_tensor_each_whatever_their_value() -> No
     assert sum("embedding_multiplier" in x for x in labels) == 1
     assert sum("residual_multiplier" in x for x in labels) == 2 * 2
     assert sum("logits_scaling" in x for x in labels) == 1
+
+
+def test_qwen3_moe_dense_layers_follow_mlp_only_layers_and_decoder_sparse_step() -> None:
+    cfg = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6,
+           "num_attention_heads": 4, "num_experts": 4, "num_experts_per_tok": 2, "decoder_sparse_step": 2,
+           "mlp_only_layers": [3]}
+    m = ModelSpec.from_hf_config(cfg)
+    assert m.dense_layers == (0, 2, 3, 4) and m.expert_width == 768 and not m.norm_topk_prob
+    assert [k.moe for k in m.layer_kinds] == [False, True, False, False, False, True]
+
+
+def test_qwen3_moe_all_linear_lora_adapts_experts_and_router_like_peft() -> None:
+    from trainmem_nb.model.params import lora_modules, lora_moe_params
+
+    m = _spec("qwen3_moe-norm-dense")
+    assert lora_moe_params(m, "all-linear") == ("mlp.experts.down_proj", "mlp.gate", "mlp.experts.gate_up_proj")
+    # peft turns gate_proj/up_proj/down_proj into expert parameters: the dense layer's MLP is left alone
+    assert lora_modules(m, "all-linear") == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                             "self_attn.o_proj")
 
 
 def test_qwen3_layers_hold_per_head_q_and_k_norms() -> None:

@@ -179,6 +179,10 @@ def _small_shapes() -> list[ModelSpec]:
         _m("granite", "granite-tiny-gqa", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1024),
         _m("granite", "granite-small-tied-bias", n_layers=4, hidden=256, n_heads=8, n_kv_heads=2, ffn=704, vocab=4096,
            tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
+        _m("qwen3_moe", "qwen3_moe-tiny", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128,
+           vocab=512, n_experts=4, experts_top_k=2, expert_ffn=64),
+        _m("qwen3_moe", "qwen3_moe-small-norm-dense", n_layers=3, hidden=256, n_heads=8, n_kv_heads=2, head_dim=64,
+           ffn=512, vocab=2048, n_experts=8, experts_top_k=2, expert_ffn=128, norm_topk_prob=True, dense_layers=(0,)),
     ]
 
 
@@ -203,6 +207,7 @@ _SWEEP_MODELS = {
     "qwen3": ("qwen3-8b", {"n_layers": 2, "name": "qwen3-8b-2L"}),
     "smollm3": ("smollm3-3b", {"n_layers": 4, "name": "smollm3-3b-4L", "nope_layers": (3,)}),
     "granite": ("granite-3.1-8b", {"n_layers": 2, "name": "granite-3.1-8b-2L"}),
+    "qwen3_moe": ("qwen3-30b-a3b", {"n_layers": 2, "name": "qwen3-30b-a3b-2L"}),
 }
 
 
@@ -322,10 +327,15 @@ def full_matrix() -> list[CaseSpec]:
         pick = [0, 2, 5, 8, 10, 11, 12, 15, 16, 20]
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
     # issue 12's families: the option sweep with LoRA (qv; all-linear in bf16-true), checkpointing, eager, dropout
-    for fam in ("qwen3", "smollm3", "granite"):
+    for fam in ("qwen3", "smollm3", "granite", "qwen3_moe"):
         opts = _sweep_options()
         pick = [0, 1, 2, 4, 7, 9, 11, 12, 13, 14, 16, 17]
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
+    # peft's ParamWrapper LoRA on Qwen3-MoE's router and experts (all-linear), as for mixtral above
+    cases += _cases("options", [sweep_models["qwen3_moe"]], [
+        _t(micro_batch=2, seq_len=256, precision="bf16-mixed", **moe_lora),
+        _t(micro_batch=1, seq_len=512, precision="bf16-true", checkpointing="full", **moe_lora),
+    ])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     cases += harness_matrix()
     ids = [c.id for c in cases]

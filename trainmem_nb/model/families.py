@@ -39,6 +39,7 @@ class Family(_Choice):
     QWEN3 = "qwen3"  #: llama layout with per-head q/k RMSNorm before rotary, head_dim 128 by default
     SMOLLM3 = "smollm3"  #: llama layout without rotary on every 4th layer (NoPE), tied embeddings
     GRANITE = "granite"  #: llama layout with embedding, residual and logit multipliers (IBM Granite 3.x)
+    QWEN3_MOE = "qwen3_moe"  #: Qwen3 attention, top-k routed experts (renormalised if norm_topk_prob), dense layers
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -86,7 +87,8 @@ class Description:
     #: the dense MLP (`trainmem_nb.recipes.mlp.MLPS`): ``"gated"`` (``down(act(gate(x)) * up(x))``)
     mlp: str = "gated"
     #: the mixture-of-experts block of MoE layers (`trainmem_nb.recipes.moe.MOES`): ``"mixtral"``
-    #: (softmax top-k router, grouped_mm experts)
+    #: (softmax top-k router, grouped_mm experts) or ``"qwen3_moe"`` (experts registered before the router,
+    #: whose renormalisation is optional and whose weights are cast back to the logits' dtype)
     moe: str = "mixtral"
     #: RMSNorm variant (`trainmem_nb.recipes.norms.RMS_NORMS`): ``"llama"`` (normalise in fp32, cast back,
     #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast)
@@ -192,6 +194,13 @@ DESCRIPTIONS: dict[Family, Description] = {
         Family.GRANITE, ("granite",), "GraniteForCausalLM", "GraniteDecoderLayer", "decoder", _RMS_DECODER,
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         multipliers=True),
+    # modeling_qwen3_moe.py: Qwen3MoeSparseMoeBlock (experts, then the gate), Qwen3MoeTopKRouter; one mask for
+    # all layers, sliding when the config uses its window (Qwen3MoeModel.forward)
+    Family.QWEN3_MOE: Description(
+        Family.QWEN3_MOE, ("qwen3_moe",), "Qwen3MoeForCausalLM", "Qwen3MoeDecoderLayer", "decoder",
+        {**_RMS_DECODER, "n_experts": 128, "experts_top_k": 8, "norm_topk_prob": False},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        qk_norm=True, sliding_mask=True, moe="qwen3_moe"),
 }
 
 

@@ -321,7 +321,28 @@ def _read_granite(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     return {**kw, "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False)}
 
 
-READERS.update({Family.QWEN3: _read_qwen3, Family.SMOLLM3: _read_smollm3, Family.GRANITE: _read_granite})
+def _read_qwen3_moe(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Qwen3MoeConfig (configuration_qwen3_moe.py lines 80-111): 128 experts of width
+    ``moe_intermediate_size`` (768), 8 per token, ``norm_topk_prob`` off by default; a layer is MoE unless
+    it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step`` is not 0 (Qwen3MoeDecoderLayer.__init__),
+    dense layers having ``intermediate_size``; no head_dim default (hidden / heads); 4 kv heads."""
+    kw = _read_decoder({"num_key_value_heads": 4, "max_position_embeddings": 32768, "vocab_size": 151936, **cfg}, f)
+    n = kw["n_layers"]
+    experts = _int(cfg, "num_experts", family=f, default=128)
+    step = _int(cfg, "decoder_sparse_step", family=f, default=1)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise SpecError(f"config.json mlp_only_layers={show_value(only)} must be a list of layer indices")
+    width = _int(cfg, "moe_intermediate_size", family=f, default=768)
+    bias = _flag(cfg, "attention_bias", False)
+    return {**kw, "n_experts": experts, "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=8),
+            "expert_ffn": 0 if width == kw["ffn"] else width, "norm_topk_prob": _flag(cfg, "norm_topk_prob", False),
+            "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step),
+            "qkv_bias": bias, "out_bias": bias, **_window(cfg, False)}
+
+
+READERS.update({Family.QWEN3: _read_qwen3, Family.SMOLLM3: _read_smollm3, Family.GRANITE: _read_granite,
+                Family.QWEN3_MOE: _read_qwen3_moe})
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
@@ -498,4 +519,12 @@ def _write_granite(m: Any) -> dict[str, Any]:
             "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0}
 
 
-WRITERS.update({Family.QWEN3: _write_qwen3, Family.SMOLLM3: _write_smollm3, Family.GRANITE: _write_granite})
+def _write_qwen3_moe(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "num_experts": m.n_experts,
+            "num_experts_per_tok": m.experts_top_k, "moe_intermediate_size": m.expert_width,
+            "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": list(m.dense_layers),
+            "use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None}
+
+
+WRITERS.update({Family.QWEN3: _write_qwen3, Family.SMOLLM3: _write_smollm3, Family.GRANITE: _write_granite,
+                Family.QWEN3_MOE: _write_qwen3_moe})

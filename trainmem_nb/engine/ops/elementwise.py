@@ -333,7 +333,8 @@ def mul_both_grads(g: Graph, a: T, b: T, label: str = "mul") -> T:
     ``validate_outputs`` (torch/csrc/autograd/engine.cpp) fixes each input's gradient in turn: a cast
     to the input's dtype, or a reduction to its shape (done by `Graph.backward`). That runs after the
     node's apply returned, so under checkpointing the recomputed saved tensors, which die with the
-    apply, are gone before the casts. An input that needs a cast must not be broadcast."""
+    apply, are gone before the casts. A broadcast input that needs a cast (Qwen3-MoE's 16-bit routing
+    weights) gets its product as it is: `Graph.backward` reduces it, then casts it."""
     g.before_outputs([a, b], [b if a.rg else None, a if b.rg else None])
     out = g.alloc(_bigger(a, b), _promote(a, b), label)
     n_out, odt = out.n, out.dt
@@ -349,8 +350,7 @@ def mul_both_grads(g: Graph, a: T, b: T, label: str = "mul") -> T:
             node.saved = ()
         res: list[T | None] = []
         for x, pr in zip((a, b), prods, strict=True):
-            if pr is not None and x.dt != odt:
-                assert x.n.key() == n_out.key(), "a broadcast input that needs a cast"
+            if pr is not None and x.dt != odt and x.n.key() == n_out.key():
                 c = g.alloc(n_out, x.dt, f"{label} grad cast")
                 g.drop(pr)
                 pr = c
