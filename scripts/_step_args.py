@@ -35,8 +35,19 @@ def step_from_args(a: argparse.Namespace) -> tuple[ModelSpec, TrainingSpec]:
     else:
         kw = dict(family=a.family, n_layers=a.layers, hidden=a.hidden, n_heads=a.heads, n_kv_heads=a.kv_heads,
                   ffn=a.ffn, vocab=a.vocab, max_positions=max(4096, a.seq))
-        kw.update(dict(s.split("=", 1) for s in a.mset))
+        kw.update({k: _value(v) for k, v in (s.split("=", 1) for s in a.mset)})
         m = ModelSpec.model_validate(kw)
-    opts = dict(s.split("=", 1) for s in a.set)
+    opts = {k: _value(v) for k, v in (s.split("=", 1) for s in a.set)}
     opts.setdefault("device", "cpu")
     return m, TrainingSpec.model_validate({"micro_batch": a.batch, "seq_len": a.seq, **opts})
+
+
+def _value(text: str) -> object:
+    """A command-line value as the JSON number, boolean or list it spells, else the text itself (the
+    specs take no numeric strings)."""
+    import json
+
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

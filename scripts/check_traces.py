@@ -34,6 +34,22 @@ SHAPES = {
     "gpt_neox": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
     "opt": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000, max_positions=1024),
     "bert": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
+    "qwen3": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=1000),
+    "qwen3-window": dict(family="qwen3", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512,
+                         vocab=1000, sliding_window=32, layer_types=("full_attention",) + ("sliding_attention",) * 2),
+    "qwen3-allslide": dict(family="qwen3", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512,
+                           vocab=1000, sliding_window=32, layer_types=("sliding_attention",) * 3),
+    "smollm3": dict(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000, nope_layers=(3,)),
+    "smollm3-nope-window": dict(family="smollm3", n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000,
+                                nope_layers=(1, 3), sliding_window=32, layer_types=("full_attention", "sliding_attention") * 2),
+    "granite": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000),
+    "granite-tied-bias": dict(family="granite", n_layers=3, hidden=256, n_heads=4, ffn=512, vocab=1000,
+                              tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
+    "qwen3_moe": dict(n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab=1000, n_experts=4,
+                      experts_top_k=2, expert_ffn=64),
+    "qwen3_moe-norm-dense": dict(family="qwen3_moe", n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32,
+                                 ffn=256, vocab=1000, n_experts=4, experts_top_k=2, expert_ffn=64, norm_topk_prob=True,
+                                 dense_layers=(0,)),
 }
 
 
@@ -68,6 +84,17 @@ def first_divergence(m: ModelSpec, t: TrainingSpec) -> str | None:
     return None
 
 
+def _number(v: object) -> object:
+    """A command-line value as the int or float it spells (the specs take no numeric strings)."""
+    if isinstance(v, str):
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(SHAPES))
@@ -86,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         m = ModelSpec.model_validate({"name": name, **shape})
         for combo in itertools.product(*(vals for _k, vals in grid)):
             opts = {"device": "cpu", "seq_len": a.seq, **fixed, **dict(zip([k for k, _ in grid], combo, strict=True))}
+            opts = {k: _number(v) for k, v in opts.items()}
             t = TrainingSpec.model_validate(opts)
             where = first_divergence(m, t)
             label = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("device", "seq_len"))

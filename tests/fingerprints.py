@@ -48,6 +48,15 @@ SHAPES: dict[str, dict[str, Any]] = {
     "opt-postnorm-proj": dict(family="opt", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=512,
                               max_positions=1024, pre_norm=False, word_embed_proj_dim=64),
     "bert": dict(family="bert", n_layers=4, hidden=64, n_heads=4, ffn=256, vocab=512),
+    "qwen3-gqa": dict(family="qwen3", n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab=1024),
+    "qwen3-window-mqa": dict(family="qwen3", n_layers=3, hidden=128, n_heads=4, n_kv_heads=1, head_dim=32, ffn=256,
+                             vocab=512, sliding_window=64,
+                             layer_types=("full_attention", "sliding_attention", "sliding_attention")),
+    "smollm3-nope": dict(family="smollm3", n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1024,
+                         nope_layers=(3,)),
+    "granite": dict(family="granite", n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1024),
+    "qwen3_moe-dense": dict(family="qwen3_moe", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128,
+                            vocab=512, n_experts=4, experts_top_k=2, expert_ffn=64, dense_layers=(0,)),
 }
 
 BASE: dict[str, Any] = dict(micro_batch=2, seq_len=128, precision="bf16-mixed", optimizer="adamw")

@@ -313,12 +313,17 @@ class Graph:
                 # recomputed tensors are handed to the node at unpack and die when its apply returns
                 self.drop(*node.saved)
                 node.saved = ()
-            # the engine reduces broadcast gradients to their input's shape (validate_outputs)
+            # the engine reduces broadcast gradients to their input's shape, then casts them to its dtype,
+            # input by input (validate_outputs, torch/csrc/autograd/engine.cpp)
             for i, (inp, g) in enumerate(zip(node.ins, grads_in, strict=True)):
                 if g is not None and inp.rg and g.n.key() > inp.n.key():
-                    reduced = self.alloc(inp.n, inp.dt, f"sum_to {inp.label}")
+                    reduced = self.alloc(inp.n, g.dt, f"sum_to {inp.label}")
                     self.drop(g)
-                    grads_in[i] = reduced
+                    grads_in[i] = g = reduced
+                if g is not None and inp.rg and g.dt != inp.dt:
+                    cast = self.alloc(g.n, inp.dt, f"grad cast {inp.label}")
+                    self.drop(g)
+                    grads_in[i] = cast
             self.drop(*grads_out)
             self.drop(*node.saved)
             node.saved = ()

@@ -166,13 +166,31 @@ def _small_shapes() -> list[ModelSpec]:
            max_positions=1024, pre_norm=False, word_embed_proj_dim=128),
         _m("bert", "bert-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
         _m("bert", "bert-small", n_layers=4, hidden=256, n_heads=4, ffn=1024, vocab=4096),
+        _m("qwen3", "qwen3-tiny-gqa", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=64, ffn=256, vocab=1024),
+        _m("qwen3", "qwen3-small-tied-mqa", n_layers=4, hidden=256, n_heads=8, n_kv_heads=1, head_dim=32, ffn=704,
+           vocab=4096, tie_embeddings=True),
+        _m("qwen3", "qwen3-small-window", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512,
+           vocab=2048, sliding_window=32, layer_types=("full_attention", "sliding_attention", "sliding_attention")),
+        _m("smollm3", "smollm3-tiny-nope", n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1024,
+           nope_layers=(3,)),
+        _m("smollm3", "smollm3-small-bias-window", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=512, vocab=2048,
+           nope_layers=(1, 3), qkv_bias=True, out_bias=True, mlp_bias=True, sliding_window=32,
+           layer_types=("full_attention", "sliding_attention") * 2),
+        _m("granite", "granite-tiny-gqa", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1024),
+        _m("granite", "granite-small-tied-bias", n_layers=4, hidden=256, n_heads=8, n_kv_heads=2, ffn=704, vocab=4096,
+           tie_embeddings=True, qkv_bias=True, out_bias=True, mlp_bias=True),
+        _m("qwen3_moe", "qwen3_moe-tiny", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128,
+           vocab=512, n_experts=4, experts_top_k=2, expert_ffn=64),
+        _m("qwen3_moe", "qwen3_moe-small-norm-dense", n_layers=3, hidden=256, n_heads=8, n_kv_heads=2, head_dim=64,
+           ffn=512, vocab=2048, n_experts=8, experts_top_k=2, expert_ffn=128, norm_topk_prob=True, dense_layers=(0,)),
     ]
 
 
 #: Real shapes (presets), tiny to 7B class, measured in fake mode.
 _LARGE = ["gpt2", "gpt2-medium", "gpt2-xl", "tinyllama-1.1b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b",
           "mistral-7b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2b", "gemma-7b", "phi-3-mini", "pythia-160m",
-          "pythia-1.4b", "pythia-6.9b", "opt-125m", "opt-350m", "opt-1.3b", "opt-6.7b", "bert-base", "bert-large"]
+          "pythia-1.4b", "pythia-6.9b", "opt-125m", "opt-350m", "opt-1.3b", "opt-6.7b", "bert-base", "bert-large",
+          "qwen3-0.6b", "smollm3-3b", "granite-3.1-2b"]
 
 #: Real widths with fewer layers: option sweeps run fast but keep realistic ratios of h, ffn and vocab.
 _SWEEP_MODELS = {
@@ -186,6 +204,10 @@ _SWEEP_MODELS = {
     "gemma": ("gemma-2b", {"n_layers": 2, "name": "gemma-2b-2L"}),
     "phi3": ("phi-3-mini", {"n_layers": 2, "name": "phi-3-mini-2L"}),
     "opt": ("opt-1.3b", {"n_layers": 3, "name": "opt-1.3b-3L"}),
+    "qwen3": ("qwen3-8b", {"n_layers": 2, "name": "qwen3-8b-2L"}),
+    "smollm3": ("smollm3-3b", {"n_layers": 4, "name": "smollm3-3b-4L", "nope_layers": (3,)}),
+    "granite": ("granite-3.1-8b", {"n_layers": 2, "name": "granite-3.1-8b-2L"}),
+    "qwen3_moe": ("qwen3-30b-a3b", {"n_layers": 2, "name": "qwen3-30b-a3b-2L"}),
 }
 
 
@@ -304,6 +326,16 @@ def full_matrix() -> list[CaseSpec]:
         opts = _sweep_options()
         pick = [0, 2, 5, 8, 10, 11, 12, 15, 16, 20]
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
+    # issue 12's families: the option sweep with LoRA (qv; all-linear in bf16-true), checkpointing, eager, dropout
+    for fam in ("qwen3", "smollm3", "granite", "qwen3_moe"):
+        opts = _sweep_options()
+        pick = [0, 1, 2, 4, 7, 9, 11, 12, 13, 14, 16, 17]
+        cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
+    # peft's ParamWrapper LoRA on Qwen3-MoE's router and experts (all-linear), as for mixtral above
+    cases += _cases("options", [sweep_models["qwen3_moe"]], [
+        _t(micro_batch=2, seq_len=256, precision="bf16-mixed", **moe_lora),
+        _t(micro_batch=1, seq_len=512, precision="bf16-true", checkpointing="full", **moe_lora),
+    ])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     cases += harness_matrix()
     ids = [c.id for c in cases]

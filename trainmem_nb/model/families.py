@@ -36,6 +36,10 @@ class Family(_Choice):
     GPT_NEOX = "gpt_neox"  #: Pythia; fused qkv, partial rotary, parallel residual
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
+    QWEN3 = "qwen3"  #: llama layout with per-head q/k RMSNorm before rotary, head_dim 128 by default
+    SMOLLM3 = "smollm3"  #: llama layout without rotary on every 4th layer (NoPE), tied embeddings
+    GRANITE = "granite"  #: llama layout with embedding, residual and logit multipliers (IBM Granite 3.x)
+    QWEN3_MOE = "qwen3_moe"  #: Qwen3 attention, top-k routed experts (renormalised if norm_topk_prob), dense layers
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -83,7 +87,8 @@ class Description:
     #: the dense MLP (`trainmem_nb.recipes.mlp.MLPS`): ``"gated"`` (``down(act(gate(x)) * up(x))``)
     mlp: str = "gated"
     #: the mixture-of-experts block of MoE layers (`trainmem_nb.recipes.moe.MOES`): ``"mixtral"``
-    #: (softmax top-k router, grouped_mm experts)
+    #: (softmax top-k router, grouped_mm experts) or ``"qwen3_moe"`` (experts registered before the router,
+    #: whose renormalisation is optional and whose weights are cast back to the logits' dtype)
     moe: str = "mixtral"
     #: RMSNorm variant (`trainmem_nb.recipes.norms.RMS_NORMS`): ``"llama"`` (normalise in fp32, cast back,
     #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast)
@@ -100,6 +105,16 @@ class Description:
     fused_gate_up: bool = False
     #: dropout on the attention and MLP outputs before each residual add
     residual_dropout: bool = False
+    #: an RMSNorm over each head's dims of the query and the key (``q_norm``/``k_norm``, weights of
+    #: ``head_dim``) between the projection and rotary (Qwen3)
+    qk_norm: bool = False
+    #: attention kinds whose mask the model builds even when no layer uses it (Qwen3Model always
+    #: builds ``causal_mask_mapping["full_attention"]``, then the sliding one if a layer slides)
+    always_masks: tuple[str, ...] = ()
+    #: Granite's scalar multipliers, each a real multiply even at 1.0: ``inputs_embeds *
+    #: embedding_multiplier``, ``residual + h * residual_multiplier`` after attention and after the MLP,
+    #: ``logits / logits_scaling`` (``attention_multiplier`` is the attention's scale: no tensor of its own)
+    multipliers: bool = False
 
     @property
     def composed(self) -> bool:
@@ -162,6 +177,30 @@ DESCRIPTIONS: dict[Family, Description] = {
         dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
         input_side=("embeddings.",), heads=("cls.predictions.decoder.weight",),
         embedding="embeddings.word_embeddings.weight"),
+    # modeling_qwen3.py (transformers 5.x): Qwen3Attention's q_norm/k_norm; Qwen3Config's head_dim=128,
+    # tie_word_embeddings=False (configuration_qwen3.py lines 67, 73)
+    Family.QWEN3: Description(
+        Family.QWEN3, ("qwen3",), "Qwen3ForCausalLM", "Qwen3DecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        qk_norm=True, always_masks=("full",)),
+    # modeling_smollm3.py: SmolLM3Attention applies rotary only where config.no_rope_layers[i] is 1;
+    # SmolLM3Config ties the embeddings by default (configuration_smollm3.py line 94)
+    Family.SMOLLM3: Description(
+        Family.SMOLLM3, ("smollm3",), "SmolLM3ForCausalLM", "SmolLM3DecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        always_masks=("full",)),
+    # modeling_granite.py: GraniteModel.forward, GraniteDecoderLayer.forward, GraniteForCausalLM.forward
+    Family.GRANITE: Description(
+        Family.GRANITE, ("granite",), "GraniteForCausalLM", "GraniteDecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        multipliers=True),
+    # modeling_qwen3_moe.py: Qwen3MoeSparseMoeBlock (experts, then the gate), Qwen3MoeTopKRouter; one mask for
+    # all layers, sliding when the config uses its window (Qwen3MoeModel.forward)
+    Family.QWEN3_MOE: Description(
+        Family.QWEN3_MOE, ("qwen3_moe",), "Qwen3MoeForCausalLM", "Qwen3MoeDecoderLayer", "decoder",
+        {**_RMS_DECODER, "n_experts": 128, "experts_top_k": 8, "norm_topk_prob": False},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        qk_norm=True, sliding_mask=True, moe="qwen3_moe"),
 }
 
 

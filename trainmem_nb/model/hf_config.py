@@ -257,6 +257,94 @@ READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
 }
 
 
+def _layer_types(cfg: Mapping[str, Any], n_layers: int, window: int, max_window_default: int) -> tuple[str, ...]:
+    """Each layer's attention when a sliding window is in use (Qwen3Config.__post_init__,
+    configuration_qwen3.py lines 90-96: ``layer_types`` as given, else ``sliding_attention`` from layer
+    ``max_window_layers`` on); ``()`` when every layer attends fully (the spec's default)."""
+    if not window:
+        return ()
+    types = cfg.get("layer_types")
+    if types is None:
+        start = _int(cfg, "max_window_layers", family=Family.QWEN3, default=max_window_default, minimum=0)
+        types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
+    if not isinstance(types, list) or len(types) != n_layers or any(
+            t not in ("full_attention", "sliding_attention") for t in types):
+        raise SpecError(f"config.json layer_types={show_value(types)} must list 'full_attention' or "
+                        f"'sliding_attention' for each of the {n_layers} layers")
+    return tuple(types) if "sliding_attention" in types else ()
+
+
+def _read_qwen3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Qwen3Config (configuration_qwen3.py lines 61-83): head_dim defaults to 128 and
+    num_key_value_heads to 32, not to the hidden size's split; ``attention_bias`` sets the bias of
+    q/k/v/o; a window applies only with ``use_sliding_window``, to the layers of `_layer_types`."""
+    kw = _read_decoder({"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768,
+                        "vocab_size": 151936, **cfg}, f)
+    bias = _flag(cfg, "attention_bias", False)
+    window = _sliding_window(cfg, False)
+    types = _layer_types(cfg, kw["n_layers"], window, 28)
+    # a window no layer uses is kept (it round-trips through `_write_qwen3`) but changes nothing
+    return {**kw, "qkv_bias": bias, "out_bias": bias, "sliding_window": window, "layer_types": types}
+
+
+def _read_smollm3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """SmolLM3Config (configuration_smollm3.py lines 71-113): ``no_rope_layers`` (1: the layer applies
+    rotary) as given, else every ``no_rope_layer_interval``-th layer (default 4) without; 4 kv heads by
+    default; with ``use_sliding_window`` and a window, the NoPE layers slide unless ``layer_types`` says."""
+    kw = _read_decoder({"num_key_value_heads": 4, "max_position_embeddings": 32768, "vocab_size": 128256, **cfg}, f)
+    n = kw["n_layers"]
+    rope = cfg.get("no_rope_layers")
+    if rope is None:
+        every = _int(cfg, "no_rope_layer_interval", family=f, default=4)
+        rope = [int((i + 1) % every != 0) for i in range(n)]
+    if not isinstance(rope, list) or len(rope) != n or any(r not in (0, 1) or isinstance(r, float) for r in rope):
+        raise SpecError(f"config.json no_rope_layers={show_value(rope)} must give 1 (rotary) or 0 (none) for each "
+                        f"of the {n} layers")
+    bias = _flag(cfg, "attention_bias", False)
+    window = _sliding_window(cfg, False)
+    types = cfg.get("layer_types")
+    if types is None and window:
+        types = ["full_attention" if r else "sliding_attention" for r in rope]
+    types = _layer_types({"layer_types": types}, n, window, 0) if types is not None else ()
+    return {**kw, "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False),
+            "nope_layers": tuple(i for i, r in enumerate(rope) if not r), "sliding_window": window,
+            "layer_types": types}
+
+
+def _read_granite(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """GraniteConfig (configuration_granite.py lines 63-85): llama's keys; ``attention_bias`` sets q/k/v/o
+    biases. The four multipliers change values, not shapes: every step multiplies by them (read, not kept)."""
+    kw = _read_decoder({"vocab_size": 32000, **cfg}, f)
+    for key in ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier"):
+        _float(cfg, key, family=f, default=1.0)
+    bias = _flag(cfg, "attention_bias", False)
+    return {**kw, "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False)}
+
+
+def _read_qwen3_moe(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Qwen3MoeConfig (configuration_qwen3_moe.py lines 80-111): 128 experts of width
+    ``moe_intermediate_size`` (768), 8 per token, ``norm_topk_prob`` off by default; a layer is MoE unless
+    it is in ``mlp_only_layers`` or ``(i + 1) % decoder_sparse_step`` is not 0 (Qwen3MoeDecoderLayer.__init__),
+    dense layers having ``intermediate_size``; no head_dim default (hidden / heads); 4 kv heads."""
+    kw = _read_decoder({"num_key_value_heads": 4, "max_position_embeddings": 32768, "vocab_size": 151936, **cfg}, f)
+    n = kw["n_layers"]
+    experts = _int(cfg, "num_experts", family=f, default=128)
+    step = _int(cfg, "decoder_sparse_step", family=f, default=1)
+    only = cfg.get("mlp_only_layers") or []
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise SpecError(f"config.json mlp_only_layers={show_value(only)} must be a list of layer indices")
+    width = _int(cfg, "moe_intermediate_size", family=f, default=768)
+    bias = _flag(cfg, "attention_bias", False)
+    return {**kw, "n_experts": experts, "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=8),
+            "expert_ffn": 0 if width == kw["ffn"] else width, "norm_topk_prob": _flag(cfg, "norm_topk_prob", False),
+            "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step),
+            "qkv_bias": bias, "out_bias": bias, **_window(cfg, False)}
+
+
+READERS.update({Family.QWEN3: _read_qwen3, Family.SMOLLM3: _read_smollm3, Family.GRANITE: _read_granite,
+                Family.QWEN3_MOE: _read_qwen3_moe})
+
+
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
 # 256 (Touvron et al. 2023, Table 2 and the released configs); head_dim 128; 32000-token vocabulary.
 _HEAD_DIM = 128
@@ -406,3 +494,37 @@ WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.GEMMA: _write_decoder, Family.PHI3: _write_phi3, Family.MIXTRAL: _write_mixtral, Family.GPT2: _write_gpt2,
     Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
 }
+
+
+def _write_layer_types(m: Any) -> dict[str, Any]:
+    """``use_sliding_window``, ``sliding_window`` and the explicit ``layer_types`` (Qwen3's default
+    pattern from ``max_window_layers`` is not needed when they are given)."""
+    types = list(m.layer_types) or ["full_attention"] * m.n_layers
+    return {"use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None,
+            "layer_types": types}
+
+
+def _write_qwen3(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, **_write_layer_types(m)}
+
+
+def _write_smollm3(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "mlp_bias": m.mlp_bias, **_write_layer_types(m),
+            "no_rope_layers": [int(i not in m.nope_layers) for i in range(m.n_layers)]}
+
+
+def _write_granite(m: Any) -> dict[str, Any]:
+    # multipliers other than 1.0 (the released models' 12, 0.22, 0.015625 and 8 for 2B) give the same memory
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "mlp_bias": m.mlp_bias, "embedding_multiplier": 12.0,
+            "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0}
+
+
+def _write_qwen3_moe(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "num_experts": m.n_experts,
+            "num_experts_per_tok": m.experts_top_k, "moe_intermediate_size": m.expert_width,
+            "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": list(m.dense_layers),
+            "use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None}
+
+
+WRITERS.update({Family.QWEN3: _write_qwen3, Family.SMOLLM3: _write_smollm3, Family.GRANITE: _write_granite,
+                Family.QWEN3_MOE: _write_qwen3_moe})

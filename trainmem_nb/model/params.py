@@ -153,8 +153,11 @@ def _gqa_params(m: ModelSpec, n: int) -> list[ParamTensor]:
     if m.fused_qkv:
         return [*_linear("layers.self_attn.o_proj", h, q, m.out_bias, n),
                 *_linear("layers.self_attn.qkv_proj", q + 2 * kv, h, m.qkv_bias, n)]
-    return [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, n), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, n),
-            *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, n), *_linear("layers.self_attn.o_proj", h, q, m.out_bias, n)]
+    items = [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, n), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, n),
+             *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, n), *_linear("layers.self_attn.o_proj", h, q, m.out_bias, n)]
+    if DESCRIPTIONS[m.family].qk_norm:  # Qwen3Attention registers q_norm, k_norm after o_proj
+        items += [*_norm("layers.self_attn.q_norm", m.head_dim, False, n), *_norm("layers.self_attn.k_norm", m.head_dim, False, n)]
+    return items
 
 
 def _gated_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
@@ -185,7 +188,14 @@ def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
 #: Each part's parameters, by the name a description gives it (the parts of `trainmem_nb.recipes.decoder`).
 _ATTENTION_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"gqa": _gqa_params}
 _MLP_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"gated": _gated_params}
-_MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params}
+def _qwen3_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "qwen3_moe" block of `n` layers: Qwen3MoeSparseMoeBlock registers the experts, then the router."""
+    router, *stacks = _mixtral_moe_params(m, n, kind)
+    return [*stacks, router]
+
+
+_MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params,
+                                                                               "qwen3_moe": _qwen3_moe_params}
 _LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"pre": _pre_norm_params}
 
 
@@ -261,6 +271,10 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     linears = [p.name[len("layers."):-len(".weight")] for p in param_inventory(m)
                if p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
                and not p.name.endswith("mlp.gate.weight")]
+    if m.family is Family.QWEN3_MOE:
+        # peft maps the v4 expert names onto the 3-D experts and drops them from target_modules, so a dense
+        # layer's MLP projections of the same names are not adapted (`_convert_peft_config_moe`)
+        linears = [mod for mod in linears if mod not in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
     if text == "qv":
         return DESCRIPTIONS[m.family].lora_qv
     if text in ("all-linear", "all_linear", "all"):
@@ -303,6 +317,10 @@ def lora_outer_modules(m: ModelSpec, targets: str) -> tuple[tuple[str, tuple[int
 #: ``experts.down_proj``. ``all-linear`` includes all of them (they were nn.Linear in v4).
 _MOE_V4_NAMES = {"gate": "mlp.gate", "w1": "mlp.experts.gate_up_proj", "w3": "mlp.experts.gate_up_proj",
                  "w2": "mlp.experts.down_proj"}
+#: Qwen3-MoE's v4 names (transformers' conversion pattern maps qwen3_moe to qwen2_moe; peft's
+#: ``_MOE_TARGET_MODULE_MAPPING["qwen2_moe"]``): ``gate_proj`` and ``up_proj`` fuse into ``gate_up_proj``.
+_QWEN3_MOE_V4_NAMES = {"gate": "mlp.gate", "gate_proj": "mlp.experts.gate_up_proj",
+                       "up_proj": "mlp.experts.gate_up_proj", "down_proj": "mlp.experts.down_proj"}
 
 
 def lora_moe_params(m: ModelSpec, targets: str) -> tuple[str, ...]:
@@ -318,19 +336,22 @@ def lora_moe_params(m: ModelSpec, targets: str) -> tuple[str, ...]:
     """
     from ..errors import SpecError
 
-    if not m.is_moe or m.family is not Family.MIXTRAL:
+    if not m.is_moe or m.family not in (Family.MIXTRAL, Family.QWEN3_MOE):
         return ()
+    v4 = _MOE_V4_NAMES if m.family is Family.MIXTRAL else _QWEN3_MOE_V4_NAMES
+    fused = {"w1", "w3"} if m.family is Family.MIXTRAL else {"gate_proj", "up_proj"}
     text = targets.strip().lower()
     if text == "qv":
         return ()
     if text in ("all-linear", "all_linear", "all"):
-        names = set(_MOE_V4_NAMES)
+        names = set(v4)
     else:
-        names = {n.strip().rsplit(".", 1)[-1] for n in targets.split(",") if n.strip()} & set(_MOE_V4_NAMES)
-        if len(names & {"w1", "w3"}) == 1:
-            raise SpecError(f"lora_targets={targets!r}: peft cannot target {sorted(names & {'w1', 'w3'})[0]} "
-                            "without the other: w1 and w3 are fused into experts.gate_up_proj")
-    chosen = {_MOE_V4_NAMES[n] for n in names}
+        names = {n.strip().rsplit(".", 1)[-1] for n in targets.split(",") if n.strip()} & set(v4)
+        if len(names & fused) == 1:
+            one, other = sorted(names & fused)[0], sorted(fused - names)[0]
+            raise SpecError(f"lora_targets={targets!r}: peft cannot target {one} without {other}: they are fused "
+                            "into experts.gate_up_proj")
+    chosen = {v4[n] for n in names}
     return tuple(p for p in ("mlp.experts.down_proj", "mlp.gate", "mlp.experts.gate_up_proj") if p in chosen)
 
 
@@ -362,15 +383,19 @@ def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, 
         out.append(ParamTensor(f"{mod}.lora_B.weight", (out_f, rank), 1, True, False))
     moe = lora_moe_params(m, targets)
     E, h, f = m.n_experts, m.hidden, m.expert_width
+    router: list[ParamTensor] = []
     if "mlp.gate" in moe:
         g = base["mlp.gate"]
-        out.append(ParamTensor("layers.mlp.gate.lora_A.weight", (rank, h), g.count, True, True, g.kind))
-        out.append(ParamTensor("layers.mlp.gate.lora_B.weight", (E, rank), g.count, True, True, g.kind))
+        router.append(ParamTensor("layers.mlp.gate.lora_A.weight", (rank, h), g.count, True, True, g.kind))
+        router.append(ParamTensor("layers.mlp.gate.lora_B.weight", (E, rank), g.count, True, True, g.kind))
+    stacks: list[ParamTensor] = []
     for name, r, in_f, out_f in (("mlp.experts.gate_up_proj", 2 * rank, h, 2 * f), ("mlp.experts.down_proj", rank, f, h)):
         if name in moe:
             e = base[name]
-            out.append(ParamTensor(f"layers.{name}.lora_A.weight", (E * r, in_f), e.count, True, True, e.kind))
-            out.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, E * r), e.count, True, True, e.kind))
+            stacks.append(ParamTensor(f"layers.{name}.lora_A.weight", (E * r, in_f), e.count, True, True, e.kind))
+            stacks.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, E * r), e.count, True, True, e.kind))
+    # Qwen3MoeSparseMoeBlock registers its experts before its router
+    out += [*stacks, *router] if m.family is Family.QWEN3_MOE else [*router, *stacks]
     return tuple(out)
 
 

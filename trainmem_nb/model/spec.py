@@ -135,7 +135,7 @@ class ModelSpec(SpecModel):
                 f"from {_divisors_near(self.n_heads, self.n_kv_heads)}"
             )
         self._check_layer_pattern()
-        if self.family is Family.MIXTRAL or self.n_experts:
+        if self.family in (Family.MIXTRAL, Family.QWEN3_MOE) or self.n_experts:
             if self.n_experts < 1 or self.experts_top_k < 1:
                 raise SpecError(
                     f"a mixture-of-experts model needs n_experts >= 1 and experts_top_k >= 1 "
@@ -146,9 +146,10 @@ class ModelSpec(SpecModel):
                     f"experts_top_k={self.experts_top_k} exceeds n_experts={self.n_experts}; "
                     f"choose experts_top_k between 1 and {self.n_experts}"
                 )
-            if self.family is not Family.MIXTRAL:
+            if self.family not in (Family.MIXTRAL, Family.QWEN3_MOE):
                 raise SpecError(
-                    f"n_experts={self.n_experts} is only supported for family 'mixtral' (got {self.family.value!r})"
+                    f"n_experts={self.n_experts} is only supported for families 'mixtral' and 'qwen3_moe' "
+                    f"(got {self.family.value!r})"
                 )
         if self.family in (Family.GPT2, Family.GPT_NEOX, Family.OPT, Family.BERT) and self.n_kv_heads != self.n_heads:
             raise SpecError(

@@ -48,19 +48,27 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
         g.drop(qs, ks, vs)
         local: list[T] = [qkv]
     else:
-        q = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
-        qv = ops.heads_view(g, q, "q view")
+        # with q/k norms the transpose follows the norm: the copy of the transposed gradient moves to
+        # the view before the norm (its element-wise backward keeps the gradient's layout)
+        qkn = rec.d.qk_norm
+        # without rotary (a NoPE layer) q and k reach the kernel as views of the projections, and their
+        # gradients come back like the value's (SDPA's flash kernel: in the projections' layout)
+        q_clone = kind.rope or rec.t.attention is Attention.EAGER or rec.sdpa_falls_back_to_math
+        k_clone = m.n_kv_heads > 1 and (kind.rope or rec.value_grad_contiguous(kind))
+        q = head_norm(rec, g, rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim), p, "q_norm", q_clone)
+        qv = ops.heads_view(g, q, "q view", clone_grad=q_clone and not qkn)
         g.drop(q)
-        k = rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
-        kv = ops.heads_view(g, k, "k view", clone_grad=m.n_kv_heads > 1)
+        k = head_norm(rec, g, rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim), p, "k_norm", k_clone)
+        kv = ops.heads_view(g, k, "k view", clone_grad=k_clone and not qkn)
         g.drop(k)
         v = rec.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
         vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
         g.drop(v)
         local = []
     cos, sin = sh.rotary(kind)
-    assert cos is not None and sin is not None
-    if rec.d.rotary == "cat":
+    if cos is None or sin is None:  # a NoPE layer (SmolLM3's ``if self.use_rope``): q and k as projected
+        qr, kr = g.hold(qv), g.hold(kv)
+    elif rec.d.rotary == "cat":
         qr, kr = apply_rotary_partial(g, rec.ctx, qv, kv, cos, sin, m.rotary_dims / m.head_dim, cat_each=True)
     else:
         qr, kr = apply_rotary_pair(g, qv, kv, cos, sin)
@@ -69,6 +77,22 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
     out = rec.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
     g.drop(o)
     g.drop(*local, qr, kr, vv)  # locals (qkv,) query_states, key_states, value_states die when forward returns
+    return out
+
+
+def head_norm(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T], name: str, clone_grad: bool) -> T:
+    """Qwen3Attention's ``self.q_norm(self.q_proj(h).view(hidden_shape))`` (and ``k_norm``): the
+    family's RMSNorm over each head's dims of the projection viewed as (b, s, heads, d), whose output
+    the caller transposes; the projection itself is a temporary. The gradient reaches the view in the
+    transposed layout, so its backward (a reshape) copies it (`clone_grad`: more than one head).
+    Without `qk_norm`: `x` unchanged."""
+    if not rec.d.qk_norm:
+        return x
+    heads = rec.m.n_heads if name == "q_norm" else rec.m.n_kv_heads
+    v = ops.heads_view(g, x, f"{name} view", clone_grad=clone_grad)
+    g.drop(x)
+    out = rec.norm(g, v, p[f"self_attn.{name}.weight"], f"self_attn.{name}", heads)
+    g.drop(v)
     return out
 
 

@@ -72,9 +72,9 @@ class DecoderRecipe(Recipe):
                 or (self.masked(kind) and self.m.n_heads > self.m.n_kv_heads))
 
     # -- the model ------------------------------------------------------------------------------
-    def norm(self, g: Graph, x: T, w: T, label: str) -> T:
-        """The family's RMSNorm."""
-        return self._norm(g, x, w, label)
+    def norm(self, g: Graph, x: T, w: T, label: str, heads: int = 1) -> T:
+        """The family's RMSNorm (over each of `heads` groups of a token's features: per-head q/k norms)."""
+        return self._norm(g, x, w, label, heads)
 
     def act(self, g: Graph, x: T) -> T:
         """The MLP's activation (``ACT2FN[hidden_act]``), which saves its input."""
@@ -90,7 +90,8 @@ class DecoderRecipe(Recipe):
         pos = g.alloc(per_seq(1), I64, "cache_position")
         g.drop(ar)
         sh.extra.append(pos)
-        attention = sorted({k.attention for k in self.m.layer_kinds}, key=("full", "sliding").index)
+        attention = sorted({k.attention for k in self.m.layer_kinds} | set(self.d.always_masks),
+                           key=("full", "sliding").index)
         if len(attention) == 1:
             sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
         else:  # one mask per attention kind, the full one first (the models' ``causal_mask_mapping``)
@@ -104,6 +105,10 @@ class DecoderRecipe(Recipe):
         buffer already in the model's dtype: no copy), whose multiply saves only the scalar."""
         w = p["embed_tokens.weight"]
         e = ops.embedding(g, ids, w, tok(self.m.hidden), "embed_tokens")
+        if self.d.multipliers:  # Granite: ``inputs_embeds = inputs_embeds * self.embedding_multiplier``
+            x = ops.scalar_op(g, e, "inputs_embeds * embedding_multiplier")
+            g.drop(e)
+            return x
         if not self.d.embed_scale:
             return e
         scale = g.external(const(1), w.dt, "embed_scale")
@@ -145,4 +150,8 @@ class DecoderRecipe(Recipe):
         m, ctx = self.m, self.ctx
         w = p.get("lm_head.weight") or p["embed_tokens.weight"]
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
+        if self.d.multipliers:  # Granite: ``logits = logits / self.config.logits_scaling`` (a new tensor)
+            raw = logits
+            logits = ops.scalar_op(g, raw, "logits / logits_scaling")
+            g.drop(raw)
         return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits

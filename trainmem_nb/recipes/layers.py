@@ -30,8 +30,10 @@ def pre_norm_layer(rec: DecoderRecipe, g: Graph, x: T, sh: Shared, p: dict[str, 
     h = rec.norm(g, x, p["input_layernorm.weight"], "input_layernorm")
     a = rec.attention(g, h, sh, p, kind)
     g.drop(h)
-    if rd:
-        ad = ops.dropout(g, rec.ctx, a, rec.dropout_hidden, "resid_attn_dropout")
+    scaled = rec.d.multipliers  # Granite: ``residual + hidden_states * self.residual_multiplier``
+    if rd or scaled:
+        ad = (ops.scalar_op(g, a, "attn * residual_multiplier") if scaled
+              else ops.dropout(g, rec.ctx, a, rec.dropout_hidden, "resid_attn_dropout"))
         h1 = ops.add(g, residual, ad, "residual add (attn)")
         g.drop(ad, a, residual)
     else:
@@ -42,8 +44,9 @@ def pre_norm_layer(rec: DecoderRecipe, g: Graph, x: T, sh: Shared, p: dict[str, 
     g.drop(h1)
     mo = rec.mlp(g, h2, p, kind)
     g.drop(h2)
-    if rd:
-        md = ops.dropout_last(g, rec.ctx, mo, rec.dropout_hidden, "resid_mlp_dropout")
+    if rd or scaled:
+        md = (ops.scalar_op(g, mo, "mlp * residual_multiplier") if scaled
+              else ops.dropout_last(g, rec.ctx, mo, rec.dropout_hidden, "resid_mlp_dropout"))
         out = ops.add(g, residual, md, "residual add (mlp)")
         g.drop(md, mo, residual, *rec.attn_weights)
     else:

@@ -98,7 +98,7 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     weight ``baddbmm(W, lhs, rhs, alpha=scaling)`` (a tensor the size of the expert stack, which
     ``grouped_mm`` saves, and whose gradient its backward computes)."""
     m, t = rec.m, rec.t
-    k, h, f, E = m.experts_top_k, m.hidden, m.ffn, m.n_experts
+    k, h, f, E = m.experts_top_k, m.hidden, m.expert_width, m.n_experts
     scaling = t.lora_alpha / t.lora_rank
     wrapped = [name for name in ("down_proj", "gate_up_proj") if f"mlp.experts.{name}.lora_A.weight" in p]
     factors: dict[str, tuple[T, T]] = {}
@@ -156,5 +156,48 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     return out
 
 
+def qwen3_moe_mlp(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """Qwen3MoeSparseMoeBlock.forward: ``view(-1, h)``, the router (`qwen3_router`), the experts (the
+    same ``grouped_mm_experts_forward`` as Mixtral's), ``reshape`` back; ``_`` (the logits) and the
+    routing weights are locals until it returns."""
+    logits, weights, index = qwen3_router(rec, g, x, p)
+    out = experts(rec, g, x, index, weights, p)
+    g.drop(logits, weights, index)
+    return out
+
+
+def qwen3_router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tuple[T, T, T]:
+    """Qwen3MoeTopKRouter.forward: Mixtral's router (`router`: ``softmax(router_logits, dtype=torch.float)``
+    converts to fp32 before the kernel as ``.float()`` does), the in-place renormalisation only with
+    ``norm_topk_prob``, then ``router_top_value.to(router_logits.dtype)`` (a copy under autocast, whose
+    logits are 16-bit; the fp32 values lose their name there). ``router_probs`` is a local until the
+    router returns, after the cast."""
+    m = rec.m
+    k, E = m.experts_top_k, m.n_experts
+    w = p["mlp.gate.weight"]
+    a_w = p.get("mlp.gate.lora_A.weight")
+    delta = None
+    if a_w is not None:
+        delta = ops.lora_param_delta(g, rec.ctx, w, a_w, p["mlp.gate.lora_B.weight"], rec.t.lora_rank, "mlp.gate")
+        w = ops.lora_param_merge(g, w, delta, "mlp.gate")
+    flat = ops.alias_view(g, x, "reshape(-1, h)")
+    logits = ops.linear(g, rec.ctx, flat, w, m.hidden, E, None, "mlp.gate", w_leaf=delta is None)
+    g.drop(flat)
+    lf = ops.cast(g, logits, F32, "softmax(router_logits, dtype=float) input")
+    probs = ops.softmax(g, lf, None, "router softmax")
+    g.drop(lf)
+    vals, index = ops.topk(g, probs, tok(k), "router topk")
+    if m.norm_topk_prob:
+        total = ops.sum_keepdim(g, vals, tok(1), "router_top_value.sum")
+        normed = ops.div_(g, vals, total, "router_top_value /= sum")
+        g.drop(total, vals)
+        vals = normed
+    weights = ops.cast(g, vals, logits.dt, "router_top_value.to(router_logits.dtype)")
+    g.drop(vals, probs)
+    if delta is not None:
+        g.drop(w, delta)
+    return logits, weights, index
+
+
 #: The mixture-of-experts blocks a description names (`trainmem_nb.model.families.Description.moe`).
-MOES: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {"mixtral": moe_mlp}
+MOES: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {"mixtral": moe_mlp, "qwen3_moe": qwen3_moe_mlp}

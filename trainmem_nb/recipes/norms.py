@@ -16,13 +16,14 @@ from .base import tok
 __all__ = ["RMS_NORMS", "rms_norm", "rms_norm_gemma"]
 
 
-def rms_norm(g: Graph, x: T, w: T, label: str) -> T:
+def rms_norm(g: Graph, x: T, w: T, label: str, heads: int = 1) -> T:
     """``LlamaRMSNorm.forward``: upcast to fp32, ``x * rsqrt(mean(x**2) + eps)``, cast back to the
-    input's dtype, then ``weight *`` (in the weight's dtype: the multiply saves the cast-back copy)."""
+    input's dtype, then ``weight *`` (in the weight's dtype: the multiply saves the cast-back copy).
+    `heads`: the statistics' width per token (Qwen3's q_norm/k_norm normalise each head's dims)."""
     input_dt = x.dt
     hs = ops.cast(g, x, F32, f"{label} to fp32")
     p = ops.pow2(g, hs, f"{label} pow")
-    var = ops.mean_last(g, p, tok(1), f"{label} mean")
+    var = ops.mean_last(g, p, tok(heads), f"{label} mean")
     g.drop(p)
     ve = ops.scalar_op(g, var, f"{label} +eps", grad_allocs=False)
     r = ops.rsqrt(g, ve, f"{label} rsqrt")
@@ -35,13 +36,13 @@ def rms_norm(g: Graph, x: T, w: T, label: str) -> T:
     return out
 
 
-def rms_norm_gemma(g: Graph, x: T, w: T, label: str) -> T:
+def rms_norm_gemma(g: Graph, x: T, w: T, label: str, heads: int = 1) -> T:
     """``GemmaRMSNorm.forward``: ``output = self._norm(x.float())`` (``x * rsqrt(x.pow(2).mean(-1) +
     eps)``, whose mean and sum are unnamed temporaries), ``output * (1.0 + self.weight.float())`` in
     fp32, then ``type_as(x)``. The fp32 product and ``1 + w`` are saved by the multiply."""
     xf = ops.cast(g, x, F32, f"{label} x.float()")
     p = ops.pow2(g, xf, f"{label} pow")
-    var = ops.mean_last(g, p, tok(1), f"{label} mean")
+    var = ops.mean_last(g, p, tok(heads), f"{label} mean")
     g.drop(p)
     ve = ops.scalar_op(g, var, f"{label} +eps", grad_allocs=False)
     g.drop(var)
@@ -60,4 +61,4 @@ def rms_norm_gemma(g: Graph, x: T, w: T, label: str) -> T:
 
 
 #: The RMSNorm variants a description names (`trainmem_nb.model.families.Description.norm`).
-RMS_NORMS: dict[str, Callable[[Graph, T, T, str], T]] = {"llama": rms_norm, "gemma": rms_norm_gemma}
+RMS_NORMS: dict[str, Callable[..., T]] = {"llama": rms_norm, "gemma": rms_norm_gemma}
