@@ -34,6 +34,8 @@ SHAPES = {
     "gpt_neox": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
     "opt": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000, max_positions=1024),
     "bert": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
+    "phi": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
+    "phi-gqa": dict(family="phi", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=1024, vocab=1000),
 }
 
 
@@ -68,6 +70,18 @@ def first_divergence(m: ModelSpec, t: TrainingSpec) -> str | None:
     return None
 
 
+def _number(v: object) -> object:
+    """A command-line value as the spec wants it: ``"2"`` → 2, ``"0.1"`` → 0.1, other text unchanged."""
+    if not isinstance(v, str):
+        return v
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(SHAPES))
@@ -86,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         m = ModelSpec.model_validate({"name": name, **shape})
         for combo in itertools.product(*(vals for _k, vals in grid)):
             opts = {"device": "cpu", "seq_len": a.seq, **fixed, **dict(zip([k for k, _ in grid], combo, strict=True))}
+            opts = {k: _number(v) for k, v in opts.items()}
             t = TrainingSpec.model_validate(opts)
             where = first_divergence(m, t)
             label = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("device", "seq_len"))

@@ -48,6 +48,9 @@ SHAPES: dict[str, dict[str, Any]] = {
     "opt-postnorm-proj": dict(family="opt", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=512,
                               max_positions=1024, pre_norm=False, word_embed_proj_dim=64),
     "bert": dict(family="bert", n_layers=4, hidden=64, n_heads=4, ffn=256, vocab=512),
+    "phi": dict(family="phi", n_layers=4, hidden=64, n_heads=4, ffn=256, vocab=512),
+    "phi-gqa-tied": dict(family="phi", n_layers=2, hidden=128, n_heads=8, n_kv_heads=4, ffn=256, vocab=512,
+                         tie_embeddings=True, rotary_pct=0.4),
 }
 
 BASE: dict[str, Any] = dict(micro_batch=2, seq_len=128, precision="bf16-mixed", optimizer="adamw")

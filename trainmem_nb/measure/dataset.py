@@ -166,13 +166,16 @@ def _small_shapes() -> list[ModelSpec]:
            max_positions=1024, pre_norm=False, word_embed_proj_dim=128),
         _m("bert", "bert-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
         _m("bert", "bert-small", n_layers=4, hidden=256, n_heads=4, ffn=1024, vocab=4096),
+        _m("phi", "phi-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
+        _m("phi", "phi-small-gqa-tied", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=1024, vocab=2048,
+           tie_embeddings=True, rotary_pct=0.4),
     ]
 
 
 #: Real shapes (presets), tiny to 7B class, measured in fake mode.
 _LARGE = ["gpt2", "gpt2-medium", "gpt2-xl", "tinyllama-1.1b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b",
           "mistral-7b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2b", "gemma-7b", "phi-3-mini", "pythia-160m",
-          "pythia-1.4b", "pythia-6.9b", "opt-125m", "opt-350m", "opt-1.3b", "opt-6.7b", "bert-base", "bert-large"]
+          "pythia-1.4b", "pythia-6.9b", "opt-125m", "opt-350m", "opt-1.3b", "opt-6.7b", "bert-base", "bert-large", "phi-1.5"]
 
 #: Real widths with fewer layers: option sweeps run fast but keep realistic ratios of h, ffn and vocab.
 _SWEEP_MODELS = {
@@ -186,6 +189,7 @@ _SWEEP_MODELS = {
     "gemma": ("gemma-2b", {"n_layers": 2, "name": "gemma-2b-2L"}),
     "phi3": ("phi-3-mini", {"n_layers": 2, "name": "phi-3-mini-2L"}),
     "opt": ("opt-1.3b", {"n_layers": 3, "name": "opt-1.3b-3L"}),
+    "phi": ("phi-2", {"n_layers": 2, "name": "phi-2-2L"}),
 }
 
 
@@ -304,6 +308,9 @@ def full_matrix() -> list[CaseSpec]:
         opts = _sweep_options()
         pick = [0, 2, 5, 8, 10, 11, 12, 15, 16, 20]
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
+    for fam in ("phi",):  # the families of issue 12: the first sweep's picks plus both checkpointings
+        opts = _sweep_options()
+        cases += _cases("options", [sweep_models[fam]], [opts[i] for i in (0, 1, 2, 4, 7, 11, 12, 13, 14, 16, 17)])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     cases += harness_matrix()
     ids = [c.id for c in cases]

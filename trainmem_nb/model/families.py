@@ -36,6 +36,7 @@ class Family(_Choice):
     GPT_NEOX = "gpt_neox"  #: Pythia; fused qkv, partial rotary, parallel residual
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
+    PHI = "phi"  #: phi-1.5/phi-2: one LayerNorm feeding parallel attention and MLP, partial rotary, biased head
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -162,6 +163,16 @@ DESCRIPTIONS: dict[Family, Description] = {
         dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
         input_side=("embeddings.",), heads=("cls.predictions.decoder.weight",),
         embedding="embeddings.word_embeddings.weight"),
+    # modeling_phi.py: PhiAttention's q/k/v/dense all have bias=True, PhiMLP's fc1/fc2 nn.Linear's
+    # default bias, both LayerNorms affine with bias, lm_head bias=True; configuration_phi.py:
+    # hidden_act "gelu_new" (line 71), partial_rotary_factor 0.5 (line 87), tie_word_embeddings False (line 76)
+    Family.PHI: Description(
+        Family.PHI, ("phi",), "PhiForCausalLM", "PhiDecoderLayer", "phi",
+        {"norm": "layernorm", "mlp": "dense", "activation": "gelu_new", "positions": "rotary", "rotary_pct": 0.5,
+         "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True, "parallel_residual": True,
+         "lm_head_bias": True},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
+        dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"), rotary="cat"),
 }
 
 

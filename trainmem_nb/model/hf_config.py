@@ -249,12 +249,38 @@ def _read_mixtral(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
             "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=2)}
 
 
+def _read_phi(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """PhiConfig (configuration_phi.py): vocab 51200 (line 62), num_key_value_heads = heads when null
+    (line 85), max_position_embeddings 2048 (line 72), hidden_act "gelu_new" (line 71), the dropouts 0.0
+    (lines 68-70), partial_rotary_factor 0.5 (line 87: older config.json files give it at the top level).
+    ``qk_layernorm`` (LayerNorms on the transposed q/k heads) is not modelled: refused."""
+    if _flag(cfg, "qk_layernorm", False):
+        raise SpecError("phi with qk_layernorm=true is not supported (its q/k LayerNorms are not modelled); "
+                        "phi-1, phi-1.5 and phi-2 have qk_layernorm=false")
+    heads = _int(cfg, "num_attention_heads", family=f)
+    return dict(
+        n_layers=_int(cfg, "num_hidden_layers", family=f),
+        hidden=_int(cfg, "hidden_size", family=f),
+        n_heads=heads,
+        n_kv_heads=_int(cfg, "num_key_value_heads", family=f, default=heads),
+        ffn=_int(cfg, "intermediate_size", family=f),
+        vocab=_int(cfg, "vocab_size", family=f, default=51200),
+        max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
+        activation=_get(cfg, "hidden_act", default="gelu_new", family=f),
+        attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
+        hidden_dropout=_float(cfg, "resid_pdrop", family=f, default=0.0),
+        embd_dropout=_float(cfg, "embd_pdrop", family=f, default=0.0),
+        rotary_pct=cfg.get("partial_rotary_factor", _rope(cfg).get("partial_rotary_factor", 0.5)),
+    )
+
+
 #: The config reader of every family.
 READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.LLAMA: _read_llama, Family.MISTRAL: _read_mistral, Family.QWEN2: _read_qwen2, Family.GEMMA: _read_gemma,
     Family.PHI3: _read_phi3, Family.MIXTRAL: _read_mixtral, Family.GPT2: _read_gpt2, Family.OPT: _read_opt,
     Family.BERT: _read_bert, Family.GPT_NEOX: _read_gpt_neox,
 }
+READERS[Family.PHI] = _read_phi
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
@@ -400,9 +426,18 @@ def _write_mixtral(m: Any) -> dict[str, Any]:
     return {**_write_windowed(m), "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
 
 
+def _write_phi(m: Any) -> dict[str, Any]:
+    return {"model_type": "phi", "hidden_size": m.hidden, "intermediate_size": m.ffn,
+            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
+            "vocab_size": m.vocab, "max_position_embeddings": m.max_positions, "hidden_act": m.activation,
+            "attention_dropout": m.attn_dropout, "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.embd_dropout,
+            "partial_rotary_factor": m.rotary_pct, "qk_layernorm": False}
+
+
 #: The config writer of every family (`to_hf_config`).
 WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
     Family.GEMMA: _write_decoder, Family.PHI3: _write_phi3, Family.MIXTRAL: _write_mixtral, Family.GPT2: _write_gpt2,
     Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
 }
+WRITERS[Family.PHI] = _write_phi

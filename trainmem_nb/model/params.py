@@ -211,9 +211,27 @@ def _decoder_params(m: ModelSpec) -> list[ParamTensor]:
     return items
 
 
+def _phi_params(m: ModelSpec) -> list[ParamTensor]:
+    """``PhiForCausalLM`` (modeling_phi.py): per layer ``self_attn`` (q/k/v/dense with biases),
+    ``mlp`` (fc1, fc2), one ``input_layernorm``; ``final_layernorm``; an ``lm_head`` with a bias,
+    which stays the head's own when its weight is tied to ``embed_tokens``."""
+    L, h, V, f, q, kv = m.n_layers, m.hidden, m.vocab, m.ffn, m.q_dim, m.kv_dim
+    items = [ParamTensor("embed_tokens.weight", (V, h), 1, False, False)]
+    items += [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, L), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, L),
+              *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, L), *_linear("layers.self_attn.dense", h, q, m.out_bias, L)]
+    items += [*_linear("layers.mlp.fc1", f, h, m.mlp_bias, L), *_linear("layers.mlp.fc2", h, f, m.mlp_bias, L)]
+    items += _norm("layers.input_layernorm", h, True, L)
+    items += _norm("final_layernorm", h, True, 1, False)
+    if not m.tie_embeddings:
+        items.append(ParamTensor("lm_head.weight", (V, h), 1, True, False))
+    if m.lm_head_bias:
+        items.append(ParamTensor("lm_head.bias", (V,), 1, False, False))
+    return items
+
+
 #: The inventory of each recipe's models (`trainmem_nb.model.families.Description.recipe`).
 _INVENTORIES = {"decoder": _decoder_params, "gpt2": _gpt2_params, "gpt_neox": _gpt_neox_params, "opt": _opt_params,
-                "bert": _bert_params}
+                "bert": _bert_params, "phi": _phi_params}
 
 
 @lru_cache(maxsize=512)

@@ -12,6 +12,7 @@ from .decoder import DecoderRecipe
 from .gpt2 import GPT2Recipe
 from .gpt_neox import GPTNeoXRecipe
 from .opt import OPTRecipe
+from .phi import PhiRecipe
 
 __all__ = ["RECIPES", "recipe_for"]
 
@@ -23,6 +24,7 @@ RECIPES: dict[str, type[Recipe]] = {
     "opt": OPTRecipe,
     "bert": BertRecipe,
     "gpt_neox": GPTNeoXRecipe,
+    "phi": PhiRecipe,
 }
 
 

@@ -1,0 +1,116 @@
+"""The families of issue 12 handled here: phi (phi-1.5, phi-2) and starcoder2.
+
+Config readers and writers round-trip, parameter inventories equal the transformers models built on
+the meta device (names, order and shapes), QLoRA's layout of biased projections, and the compiled step
+equals a real Hugging Face step allocation by allocation (fake tensors).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainmem_nb.errors import SpecError
+from trainmem_nb.model.hf_config import to_hf_config
+from trainmem_nb.model.params import param_inventory, weight_tensors
+from trainmem_nb.model.presets import get_model
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.spec.training import TrainingSpec
+from trainmem_nb.step.compile import compile_step
+
+HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
+
+PHI_SHAPES = [
+    dict(family="phi", name="phi-mha", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
+    dict(family="phi", name="phi-gqa-tied", n_layers=2, hidden=128, n_heads=8, n_kv_heads=4, ffn=256, vocab=512,
+         tie_embeddings=True, rotary_pct=0.4, hidden_dropout=0.1, embd_dropout=0.05, attn_dropout=0.02),
+]
+
+
+@pytest.mark.parametrize("shape", PHI_SHAPES, ids=lambda s: str(s["name"]))
+def test_phi_config_writer_round_trips_through_the_reader(shape: dict[str, object]) -> None:
+    m = ModelSpec.model_validate(shape)
+    assert ModelSpec.from_hf_config(to_hf_config(m), name=m.name) == m
+
+
+def test_phi_partial_rotary_factor_comes_from_the_top_level_or_rope_parameters_else_one_half() -> None:
+    base = {"model_type": "phi", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 1,
+            "num_attention_heads": 4}
+    assert ModelSpec.from_hf_config(base).rotary_pct == 0.5  # configuration_phi.py: setdefault 0.5
+    assert ModelSpec.from_hf_config({**base, "partial_rotary_factor": 0.4}).rotary_pct == 0.4
+    assert ModelSpec.from_hf_config({**base, "rope_parameters": {"partial_rotary_factor": 0.25}}).rotary_pct == 0.25
+    m = ModelSpec.from_hf_config(base)
+    assert (m.vocab, m.n_kv_heads, m.activation, m.tie_embeddings, m.lm_head_bias) == (51200, 4, "gelu_new", False, True)
+
+
+def test_phi_with_qk_layernorm_is_refused_not_estimated_wrong() -> None:
+    with pytest.raises(SpecError, match="qk_layernorm"):
+        ModelSpec.from_hf_config({"model_type": "phi", "hidden_size": 64, "intermediate_size": 256,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4, "qk_layernorm": True})
+
+
+def test_phi_presets_have_the_published_counts() -> None:
+    assert get_model("microsoft/phi-1_5").n_params == 1_418_270_720
+    assert get_model("microsoft/phi-2").n_params == 2_779_683_840
+    assert get_model("phi-2").rotary_dims == 32  # int(80 * 0.4)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs the measure extra")
+@pytest.mark.parametrize("shape", PHI_SHAPES, ids=lambda s: str(s["name"]))
+def test_phi_inventory_lists_transformers_parameters_in_order(shape: dict[str, object]) -> None:
+    from trainmem_nb.measure.models import hf_param_shapes
+
+    m = ModelSpec.model_validate(shape)
+    hf = hf_param_shapes(to_hf_config(m))
+    ours = []
+    for p in param_inventory(m):
+        if p.in_layer:
+            ours += [(f"model.layers.{i}.{p.name[len('layers.'):]}", p.shape) for i in range(p.count)]
+        else:
+            ours.append((p.name if p.name.startswith("lm_head") else f"model.{p.name}", p.shape))
+    layer = sorted(((n, s) for n, s in ours if ".layers." in n), key=lambda x: int(x[0].split(".")[2]))
+    outer = [x for x in ours if ".layers." not in x[0]]
+    assert dict(ours) == hf
+    assert [n for n, _ in (outer[:1] + layer + outer[1:])] == list(hf)
+
+
+def test_phi_qlora_quantizes_every_projection_and_keeps_biases_and_the_head_in_16_bit() -> None:
+    m = get_model("phi-2").layer_slice(0, 2)
+    t = TrainingSpec(method="qlora", precision="bf16-true", lora_targets="qv", micro_batch=1, seq_len=64)
+    layout = {p.name: dt for p, dt, _trainable in weight_tensors(m, t)}
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.dense", "mlp.fc1", "mlp.fc2"):
+        assert layout[f"layers.{proj}.weight"] < 1  # NF4: about half a byte per element
+        assert layout[f"layers.{proj}.bias"] == 2  # bitsandbytes keeps the bias in the model's dtype
+    assert layout["lm_head.weight"] == 2 and layout["lm_head.bias"] == 2 and layout["embed_tokens.weight"] == 2
+    # every biased projection, adapted or not, runs bitsandbytes' 4-bit matmul (dequantize, then F.linear)
+    prog = compile_step(m, t)
+    labels = {label for seg in prog.segments for *_rest, label in seg.events}
+    for proj in ("self_attn.k_proj", "self_attn.dense", "mlp.fc1", "mlp.fc2", "self_attn.q_proj.base_layer"):
+        assert f"{proj} dequantize_4bit" in labels, proj
+
+
+def _first_divergence():  # type: ignore[no-untyped-def]
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    sys.path.insert(0, str(scripts))
+    try:
+        from check_traces import first_divergence
+    finally:
+        sys.path.remove(str(scripts))
+    return first_divergence
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs the measure extra")
+@pytest.mark.parametrize("opts", [
+    dict(micro_batch=2),
+    dict(micro_batch=2, attention="eager", precision="bf16-mixed", checkpointing="full"),
+    dict(micro_batch=1, method="lora", lora_targets="all-linear", checkpointing="selective", dropout=0.1),
+], ids=["sdpa-fp32", "eager-bf16-ckpt", "lora-selective-dropout"])
+def test_phi_step_equals_the_hf_step_allocation_by_allocation(opts: dict[str, object]) -> None:
+    m = ModelSpec.model_validate(PHI_SHAPES[1])
+    t = TrainingSpec.model_validate({"device": "cpu", "seq_len": 64, **opts})
+    assert _first_divergence()(m, t) is None
