@@ -36,6 +36,9 @@ SHAPES = {
     "bert": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
     "phi": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
     "phi-gqa": dict(family="phi", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=1024, vocab=1000),
+    "starcoder2": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=1024, vocab=1000, sliding_window=32),
+    "starcoder2-nowin": dict(family="starcoder2", n_layers=3, hidden=256, n_heads=4, ffn=1024,
+                             vocab=1000, tie_embeddings=False),
 }
 
 

@@ -51,6 +51,10 @@ SHAPES: dict[str, dict[str, Any]] = {
     "phi": dict(family="phi", n_layers=4, hidden=64, n_heads=4, ffn=256, vocab=512),
     "phi-gqa-tied": dict(family="phi", n_layers=2, hidden=128, n_heads=8, n_kv_heads=4, ffn=256, vocab=512,
                          tie_embeddings=True, rotary_pct=0.4),
+    "starcoder2-window": dict(family="starcoder2", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+                              sliding_window=64),
+    "starcoder2-untied-nobias": dict(family="starcoder2", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=512,
+                                     tie_embeddings=False, qkv_bias=False, out_bias=False, mlp_bias=False),
 }
 
 BASE: dict[str, Any] = dict(micro_batch=2, seq_len=128, precision="bf16-mixed", optimizer="adamw")

@@ -114,3 +114,84 @@ def test_phi_step_equals_the_hf_step_allocation_by_allocation(opts: dict[str, ob
     m = ModelSpec.model_validate(PHI_SHAPES[1])
     t = TrainingSpec.model_validate({"device": "cpu", "seq_len": 64, **opts})
     assert _first_divergence()(m, t) is None
+
+
+STARCODER2_SHAPES = [
+    dict(family="starcoder2", name="sc2-window", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=512, vocab=512,
+         sliding_window=32, attn_dropout=0.1, hidden_dropout=0.1, embd_dropout=0.1),
+    dict(family="starcoder2", name="sc2-untied-nobias", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512,
+         tie_embeddings=False, qkv_bias=False, out_bias=False, mlp_bias=False),
+]
+
+
+@pytest.mark.parametrize("shape", STARCODER2_SHAPES, ids=lambda s: str(s["name"]))
+def test_starcoder2_config_writer_round_trips_through_the_reader(shape: dict[str, object]) -> None:
+    m = ModelSpec.model_validate(shape)
+    assert ModelSpec.from_hf_config(to_hf_config(m), name=m.name) == m
+
+
+def test_starcoder2_reader_takes_configuration_starcoder2_defaults() -> None:
+    m = ModelSpec.from_hf_config({"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 256,
+                                  "num_hidden_layers": 1, "num_attention_heads": 4})
+    assert (m.vocab, m.n_kv_heads, m.max_positions, m.sliding_window) == (49152, 2, 4096, 0)
+    assert (m.norm, m.norm_bias, m.activation, m.tie_embeddings) == ("layernorm", True, "gelu_pytorch_tanh", True)
+    assert (m.qkv_bias, m.out_bias, m.mlp_bias) == (True, True, True)
+    off = ModelSpec.from_hf_config({"model_type": "starcoder2", "hidden_size": 64, "intermediate_size": 256,
+                                    "num_hidden_layers": 1, "num_attention_heads": 4, "use_bias": False})
+    assert (off.qkv_bias, off.out_bias, off.mlp_bias, off.norm_bias) == (False, False, False, True)
+
+
+def test_starcoder2_writer_refuses_biases_one_use_bias_cannot_express() -> None:
+    m = ModelSpec(family="starcoder2", n_layers=1, hidden=64, n_heads=4, ffn=256, vocab=100, mlp_bias=False)
+    with pytest.raises(SpecError, match="use_bias"):
+        to_hf_config(m)
+
+
+def test_starcoder2_presets_have_the_published_counts_and_window() -> None:
+    assert get_model("bigcode/starcoder2-3b").n_params == 3_030_371_328
+    assert get_model("bigcode/starcoder2-7b").n_params == 7_173_923_840
+    assert get_model("bigcode/starcoder2-15b").n_params == 15_957_889_024  # its lm_head is untied
+    assert {get_model(f"starcoder2-{s}").sliding_window for s in ("3b", "7b", "15b")} == {4096}
+    assert all(k.attention == "sliding" for k in get_model("starcoder2-3b").layer_kinds)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs the measure extra")
+@pytest.mark.parametrize("shape", STARCODER2_SHAPES, ids=lambda s: str(s["name"]))
+def test_starcoder2_inventory_equals_transformers_parameters(shape: dict[str, object]) -> None:
+    from trainmem_nb.measure.models import hf_param_shapes
+
+    m = ModelSpec.model_validate(shape)
+    hf = hf_param_shapes(to_hf_config(m))
+    ours = {}
+    for p in param_inventory(m):
+        if p.in_layer:
+            ours.update({f"model.layers.{i}.{p.name[len('layers.'):]}": p.shape for i in range(p.count)})
+        else:
+            ours[p.name if p.name.startswith("lm_head") else f"model.{p.name}"] = p.shape
+    assert ours == hf
+
+
+def test_starcoder2_qlora_quantizes_every_biased_projection() -> None:
+    m = get_model("starcoder2-3b").layer_slice(0, 2)
+    t = TrainingSpec(method="qlora", precision="bf16-true", lora_targets="qv", micro_batch=1, seq_len=64)
+    layout = {p.name: dt for p, dt, _trainable in weight_tensors(m, t)}
+    for proj in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.c_fc", "mlp.c_proj"):
+        assert layout[f"layers.{proj}.weight"] < 1 and layout[f"layers.{proj}.bias"] == 2
+    prog = compile_step(m, t)
+    labels = {label for seg in prog.segments for *_rest, label in seg.events}
+    for proj in ("self_attn.k_proj", "self_attn.o_proj", "mlp.c_fc", "mlp.c_proj", "self_attn.v_proj.base_layer"):
+        assert f"{proj} dequantize_4bit" in labels, proj
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs the measure extra")
+@pytest.mark.parametrize("opts", [
+    dict(micro_batch=2),
+    dict(micro_batch=2, attention="eager", precision="bf16-mixed", checkpointing="full"),
+    dict(micro_batch=1, method="lora", lora_targets="all-linear", checkpointing="selective"),
+], ids=["sdpa-window-fp32", "eager-bf16-ckpt", "lora-selective"])
+def test_starcoder2_step_equals_the_hf_step_allocation_by_allocation(opts: dict[str, object]) -> None:
+    m = ModelSpec.model_validate(STARCODER2_SHAPES[0])  # window 32 < seq 64: SDPA gets the explicit mask
+    t = TrainingSpec.model_validate({"device": "cpu", "seq_len": 64, **opts})
+    assert _first_divergence()(m, t) is None

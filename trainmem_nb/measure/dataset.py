@@ -169,13 +169,17 @@ def _small_shapes() -> list[ModelSpec]:
         _m("phi", "phi-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
         _m("phi", "phi-small-gqa-tied", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=1024, vocab=2048,
            tie_embeddings=True, rotary_pct=0.4),
+        _m("starcoder2", "starcoder2-tiny-window", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+           sliding_window=32),
+        _m("starcoder2", "starcoder2-small-untied-nobias", n_layers=4, hidden=256, n_heads=8, n_kv_heads=2, ffn=1024,
+           vocab=2048, tie_embeddings=False, qkv_bias=False, out_bias=False, mlp_bias=False),
     ]
 
 
 #: Real shapes (presets), tiny to 7B class, measured in fake mode.
 _LARGE = ["gpt2", "gpt2-medium", "gpt2-xl", "tinyllama-1.1b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b",
           "mistral-7b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2b", "gemma-7b", "phi-3-mini", "pythia-160m",
-          "pythia-1.4b", "pythia-6.9b", "opt-125m", "opt-350m", "opt-1.3b", "opt-6.7b", "bert-base", "bert-large", "phi-1.5"]
+          "pythia-1.4b", "pythia-6.9b", "opt-125m", "opt-350m", "opt-1.3b", "opt-6.7b", "bert-base", "bert-large", "phi-1.5", "starcoder2-3b"]
 
 #: Real widths with fewer layers: option sweeps run fast but keep realistic ratios of h, ffn and vocab.
 _SWEEP_MODELS = {
@@ -190,6 +194,7 @@ _SWEEP_MODELS = {
     "phi3": ("phi-3-mini", {"n_layers": 2, "name": "phi-3-mini-2L"}),
     "opt": ("opt-1.3b", {"n_layers": 3, "name": "opt-1.3b-3L"}),
     "phi": ("phi-2", {"n_layers": 2, "name": "phi-2-2L"}),
+    "starcoder2": ("starcoder2-7b", {"n_layers": 2, "name": "starcoder2-7b-2L"}),
 }
 
 
@@ -308,7 +313,7 @@ def full_matrix() -> list[CaseSpec]:
         opts = _sweep_options()
         pick = [0, 2, 5, 8, 10, 11, 12, 15, 16, 20]
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
-    for fam in ("phi",):  # the families of issue 12: the first sweep's picks plus both checkpointings
+    for fam in ("phi", "starcoder2"):  # the families of issue 12: the first sweep's picks plus both checkpointings
         opts = _sweep_options()
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in (0, 1, 2, 4, 7, 11, 12, 13, 14, 16, 17)])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")

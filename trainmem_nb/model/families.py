@@ -37,6 +37,7 @@ class Family(_Choice):
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
     PHI = "phi"  #: phi-1.5/phi-2: one LayerNorm feeding parallel attention and MLP, partial rotary, biased head
+    STARCODER2 = "starcoder2"  #: LayerNorm with bias, GELU c_fc/c_proj MLP, biases, GQA, rotary, sliding window
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -57,7 +58,8 @@ class Description:
     hf_class: str
     #: its transformer block class: FSDP wraps (shards) one per block
     layer_class: str
-    #: the recipe that runs its forward: ``"decoder"`` (composed from parts) or a bespoke one by name
+    #: the recipe that runs its forward: ``"decoder"`` (composed from parts), ``"biased_decoder"`` (the
+    #: same parts with biased projections as ``addmm``, `trainmem_nb.recipes.biased`) or a bespoke one by name
     recipe: str
     #: `ModelSpec` defaults for the family's structure (a config may override them)
     structure: Mapping[str, Any]
@@ -81,13 +83,15 @@ class Description:
     #: the attention module (`trainmem_nb.recipes.attention.ATTENTIONS`): ``"gqa"`` (q/k/v projections,
     #: grouped-query attention, ``o_proj``)
     attention: str = "gqa"
-    #: the dense MLP (`trainmem_nb.recipes.mlp.MLPS`): ``"gated"`` (``down(act(gate(x)) * up(x))``)
+    #: the dense MLP (`trainmem_nb.recipes.mlp.MLPS`): ``"gated"`` (``down(act(gate(x)) * up(x))``) or
+    #: ``"starcoder2"`` (``c_proj(act(c_fc(x)))``)
     mlp: str = "gated"
     #: the mixture-of-experts block of MoE layers (`trainmem_nb.recipes.moe.MOES`): ``"mixtral"``
     #: (softmax top-k router, grouped_mm experts)
     moe: str = "mixtral"
     #: RMSNorm variant (`trainmem_nb.recipes.norms.RMS_NORMS`): ``"llama"`` (normalise in fp32, cast back,
-    #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast)
+    #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast); unused by a model whose
+    #: norm is ``nn.LayerNorm`` (``ModelSpec.norm == "layernorm"``, with its bias when ``norm_bias``)
     norm: str = "llama"
     #: the token embeddings are multiplied by ``sqrt(hidden)`` (a buffer in the model's dtype)
     embed_scale: bool = False
@@ -101,11 +105,17 @@ class Description:
     fused_gate_up: bool = False
     #: dropout on the attention and MLP outputs before each residual add
     residual_dropout: bool = False
+    #: dropout at the end of the attention module (after ``o_proj``) and of the MLP (after its output
+    #: projection), inside the modules (Starcoder2's ``residual_dropout``)
+    module_dropout: bool = False
+    #: dropout on the token embeddings before the layers, whose output is the first layer's input only:
+    #: ``inputs_embeds`` stays bound until the model returns (Starcoder2's ``embedding_dropout``)
+    embed_dropout: bool = False
 
     @property
     def composed(self) -> bool:
         """Is the forward composed from parts (`trainmem_nb.recipes.decoder`)?"""
-        return self.recipe == "decoder"
+        return self.recipe in ("decoder", "biased_decoder")
 
 
 DESCRIPTIONS: dict[Family, Description] = {
@@ -173,6 +183,17 @@ DESCRIPTIONS: dict[Family, Description] = {
          "lm_head_bias": True},
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
         dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"), rotary="cat"),
+    # modeling_starcoder2.py: nn.LayerNorm (with bias) around a Starcoder2MLP (c_fc, act, c_proj, dropout),
+    # q/k/v/o and c_fc/c_proj biases from use_bias (configuration_starcoder2.py line 79: True), hidden_act
+    # "gelu_pytorch_tanh" (line 66), tie_word_embeddings True (line 80), the sliding-window mask whenever
+    # sliding_window is set (Starcoder2Model.forward), an unbiased lm_head
+    Family.STARCODER2: Description(
+        Family.STARCODER2, ("starcoder2",), "Starcoder2ForCausalLM", "Starcoder2DecoderLayer", "biased_decoder",
+        {"norm": "layernorm", "norm_bias": True, "mlp": "dense", "activation": "gelu_pytorch_tanh",
+         "positions": "rotary", "qkv_bias": True, "out_bias": True, "mlp_bias": True, "tie_embeddings": True},
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
+        dropout_keys=("attention_dropout", "residual_dropout", "embedding_dropout"),
+        mlp="starcoder2", sliding_mask=True, module_dropout=True, embed_dropout=True),
 }
 
 

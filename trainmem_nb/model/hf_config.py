@@ -274,6 +274,21 @@ def _read_phi(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     )
 
 
+def _read_starcoder2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Starcoder2Config (configuration_starcoder2.py): vocab 49152 (line 60), num_key_value_heads 2
+    (line 65), hidden_act "gelu_pytorch_tanh" (line 66), max_position_embeddings 4096 (line 67),
+    sliding_window None (line 75), attention/residual/embedding dropouts 0.0 (lines 76-78), use_bias True
+    (line 79) for every projection; the rotary dims are the whole head (no partial factor)."""
+    bias = _flag(cfg, "use_bias", True)
+    defaults = {"vocab_size": 49152, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                "hidden_act": "gelu_pytorch_tanh"}
+    given = {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
+    return {**_read_decoder(given, f), **_window(cfg, True),
+            "hidden_dropout": _float(cfg, "residual_dropout", family=f, default=0.0),
+            "embd_dropout": _float(cfg, "embedding_dropout", family=f, default=0.0),
+            "qkv_bias": bias, "out_bias": bias, "mlp_bias": bias}
+
+
 #: The config reader of every family.
 READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.LLAMA: _read_llama, Family.MISTRAL: _read_mistral, Family.QWEN2: _read_qwen2, Family.GEMMA: _read_gemma,
@@ -281,6 +296,7 @@ READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.BERT: _read_bert, Family.GPT_NEOX: _read_gpt_neox,
 }
 READERS[Family.PHI] = _read_phi
+READERS[Family.STARCODER2] = _read_starcoder2
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
@@ -434,6 +450,13 @@ def _write_phi(m: Any) -> dict[str, Any]:
             "partial_rotary_factor": m.rotary_pct, "qk_layernorm": False}
 
 
+def _write_starcoder2(m: Any) -> dict[str, Any]:
+    if not m.qkv_bias == m.out_bias == m.mlp_bias:
+        raise SpecError("starcoder2 has one use_bias for every projection: qkv_bias, out_bias and mlp_bias must agree")
+    return {**_write_windowed(m), "residual_dropout": m.hidden_dropout, "embedding_dropout": m.embd_dropout,
+            "use_bias": m.qkv_bias}
+
+
 #: The config writer of every family (`to_hf_config`).
 WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
@@ -441,3 +464,4 @@ WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
 }
 WRITERS[Family.PHI] = _write_phi
+WRITERS[Family.STARCODER2] = _write_starcoder2

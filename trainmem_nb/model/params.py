@@ -168,6 +168,12 @@ def _gated_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     return [*up, *_linear("layers.mlp.down_proj", h, f, m.mlp_bias, n, kind=kind)]
 
 
+def _starcoder2_mlp_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "starcoder2" MLP of `n` layers: ``c_fc`` and ``c_proj`` (biases from ``use_bias``)."""
+    return [*_linear("layers.mlp.c_fc", m.ffn, m.hidden, m.mlp_bias, n, kind=kind),
+            *_linear("layers.mlp.c_proj", m.hidden, m.ffn, m.mlp_bias, n, kind=kind)]
+
+
 def _mixtral_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     """The "mixtral" MoE block of `n` layers: the router's weight and the fused 3-D expert stacks."""
     E, h, ef = m.n_experts, m.hidden, m.expert_width
@@ -185,6 +191,7 @@ def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
 #: Each part's parameters, by the name a description gives it (the parts of `trainmem_nb.recipes.decoder`).
 _ATTENTION_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"gqa": _gqa_params}
 _MLP_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"gated": _gated_params}
+_MLP_PARAMS["starcoder2"] = _starcoder2_mlp_params
 _MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params}
 _LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"pre": _pre_norm_params}
 
@@ -231,7 +238,7 @@ def _phi_params(m: ModelSpec) -> list[ParamTensor]:
 
 #: The inventory of each recipe's models (`trainmem_nb.model.families.Description.recipe`).
 _INVENTORIES = {"decoder": _decoder_params, "gpt2": _gpt2_params, "gpt_neox": _gpt_neox_params, "opt": _opt_params,
-                "bert": _bert_params, "phi": _phi_params}
+                "bert": _bert_params, "phi": _phi_params, "biased_decoder": _decoder_params}
 
 
 @lru_cache(maxsize=512)

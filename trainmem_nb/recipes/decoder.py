@@ -17,7 +17,7 @@ from ..engine.tape import Graph, T, const, per_seq
 from ..model.families import describe
 from ..model.layers import LayerKind
 from ..model.spec import ModelSpec
-from ..spec.choices import Attention
+from ..spec.choices import Attention, Checkpointing, Method
 from ..spec.training import TrainingSpec
 from .attention import ATTENTIONS
 from .base import DEFAULT_KIND, Recipe, Shared, tok
@@ -40,6 +40,11 @@ class DecoderRecipe(Recipe):
         self.d = describe(m.family)
         self._norm = RMS_NORMS[self.d.norm]
         self.attn_weights: list[T] = []  # eager attention's probabilities, bound until the layer returns
+        self.embed_locals: list[T] = []  # the base model's locals that die when it returns
+        if self.d.embed_dropout:
+            # the dropout's output is the first layer's input only (``hidden_states`` rebinds in the
+            # layer loop); ``inputs_embeds`` is kept in `embed_locals` (read by `compile_step`)
+            self.embed_output_kept = False
 
     # -- the kernels' switches ------------------------------------------------------------------
     @property
@@ -76,6 +81,13 @@ class DecoderRecipe(Recipe):
         """The family's RMSNorm."""
         return self._norm(g, x, w, label)
 
+    def norm_module(self, g: Graph, x: T, p: dict[str, T], name: str) -> T:
+        """The norm module `name` (``input_layernorm``, ``norm``...) on `x`: ``nn.LayerNorm`` (with its
+        bias when it has one) for a model whose norm is one (Starcoder2), else the family's RMSNorm."""
+        if self.m.norm == "layernorm":
+            return ops.layer_norm(g, self.ctx, x, p[f"{name}.weight"], p.get(f"{name}.bias"), tok(1), name)
+        return self.norm(g, x, p[f"{name}.weight"], name)
+
     def act(self, g: Graph, x: T) -> T:
         """The MLP's activation (``ACT2FN[hidden_act]``), which saves its input."""
         return ops.unary_saving_input(g, x, self.m.activation)
@@ -95,6 +107,11 @@ class DecoderRecipe(Recipe):
             sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
         else:  # one mask per attention kind, the full one first (the models' ``causal_mask_mapping``)
             sh.masks = {a: self.attention_mask(g, x.dt, LayerKind(a)) for a in attention}
+        if self.d.embed_dropout:
+            # Starcoder2Model: ``hidden_states = dropout(inputs_embeds, p=embedding_dropout)``
+            self.input_requires_grad(g, x)
+            self.embed_locals = [x]
+            x = ops.dropout(g, self.ctx, x, self.dropout_embd, "embedding_dropout")
         sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt)
         return x, sh
 
@@ -137,8 +154,20 @@ class DecoderRecipe(Recipe):
         return MOES[self.d.moe](self, g, x, p) if kind.moe else MLPS[self.d.mlp](self, g, x, p)
 
     def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
-        """The base model's last op (its output is held by the returned model output)."""
-        return self.norm(g, x, p["norm.weight"], "norm")
+        """The base model's last op (its output is held by the returned model output); then the model
+        returns and its locals (`embed_locals`) go."""
+        out = self.norm_module(g, x, p, "norm")
+        g.drop(*self.embed_locals)
+        self.embed_locals = []
+        return out
+
+    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
+        """peft's ``enable_input_require_grads()`` under gradient checkpointing: the embedding module's
+        output (here not the first layer's input, a dropout's) becomes a leaf that requires grad, held
+        by its ``AccumulateGrad`` node until the step's graph goes (as `LayerNormRecipe.input_requires_grad`)."""
+        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
+            inputs_embeds.rg = True
+            g.hold(inputs_embeds)
 
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
         """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits)."""

@@ -5,7 +5,7 @@ projections with biases viewed as heads, partial rotary embeddings (the first ``
 of each head rotates and is concatenated with the pass-through part), a ``gelu_new`` MLP (fc1/fc2),
 ``resid_pdrop`` on both branches, ``embd_pdrop`` after the embeddings, ``final_layernorm`` and an
 ``lm_head`` with a bias. Built from the shared parts: LayerNorm families' biased projections
-(`LayerNormRecipe`), the composed decoder's attention kernels (`attention.attention_kernel`, with the
+(`BiasedDecoderRecipe`), the composed decoder's attention kernels (`attention.attention_kernel`, with the
 contiguous rotary outputs of ``rotary="cat"``) and `rotary.apply_rotary_partial`. Mirrors the HF code
 op by op, including the lifetimes of its Python locals.
 """
@@ -18,33 +18,19 @@ from ..engine.tape import Graph, T, per_seq
 from ..model.layers import LayerKind
 from ..spec.choices import Attention
 from .attention import attention_kernel
-from .base import DEFAULT_KIND, Recipe, Shared, tok
-from .decoder import DecoderRecipe
+from .base import DEFAULT_KIND, Shared, tok
+from .biased import BiasedDecoderRecipe
 from .head import causal_lm_loss
-from .layernorm import LayerNormRecipe
 from .masks import causal_mask
 from .rotary import apply_rotary_partial, rotary_cos_sin
 
 __all__ = ["PhiRecipe"]
 
 
-class PhiRecipe(LayerNormRecipe, DecoderRecipe):
-    """phi: ``PhiModel`` layers under ``PhiForCausalLM``."""
-
-    #: ``inputs_embeds = self.embed_dropout(inputs_embeds)``: the model keeps the dropout's output, the
-    #: first layer's input, bound until it returns
-    embed_output_kept = True
-
-    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
-               **kw: object) -> T:
-        """`LayerNormRecipe.linear` (a biased projection as ``addmm``), except under QLoRA: transformers'
-        ``replace_with_bnb_linear`` makes every in-layer ``nn.Linear`` a bitsandbytes ``Linear4bit``,
-        biased or not (the bias stays in the model's dtype; ``MatMul4Bit`` runs ``F.linear(A,
-        dequantize_4bit(B), bias)``), so a frozen biased projection takes the 4-bit path of `Recipe.linear`
-        (`ops.linear_4bit`), not the full-precision ``addmm``."""
-        if p[f"{module}.weight"].nf4:
-            return Recipe.linear(self, g, x, p, module, in_features, out_features, **kw)
-        return super().linear(g, x, p, module, in_features, out_features, **kw)
+class PhiRecipe(BiasedDecoderRecipe):
+    """phi: ``PhiModel`` layers under ``PhiForCausalLM``. ``inputs_embeds =
+    self.embed_dropout(inputs_embeds)``: the model keeps the dropout's output, the first layer's input,
+    bound until it returns (`BiasedDecoderRecipe.embed_output_kept`)."""
 
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """PhiModel.forward up to the layers: ``embed_tokens``, ``position_ids = arange(s) + past``,

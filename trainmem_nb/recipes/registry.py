@@ -8,6 +8,7 @@ from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from .base import Recipe
 from .bert import BertRecipe
+from .biased import BiasedDecoderRecipe
 from .decoder import DecoderRecipe
 from .gpt2 import GPT2Recipe
 from .gpt_neox import GPTNeoXRecipe
@@ -25,6 +26,7 @@ RECIPES: dict[str, type[Recipe]] = {
     "bert": BertRecipe,
     "gpt_neox": GPTNeoXRecipe,
     "phi": PhiRecipe,
+    "biased_decoder": BiasedDecoderRecipe,
 }
 
 
