@@ -27,6 +27,8 @@ PHI_SHAPES = [
     dict(family="phi", name="phi-mha", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
     dict(family="phi", name="phi-gqa-tied", n_layers=2, hidden=128, n_heads=8, n_kv_heads=4, ffn=256, vocab=512,
          tie_embeddings=True, rotary_pct=0.4, hidden_dropout=0.1, embd_dropout=0.05, attn_dropout=0.02),
+    dict(family="phi", name="phi-qk-layernorm", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+         qk_layernorm=True),
 ]
 
 
@@ -46,10 +48,13 @@ def test_phi_partial_rotary_factor_comes_from_the_top_level_or_rope_parameters_e
     assert (m.vocab, m.n_kv_heads, m.activation, m.tie_embeddings, m.lm_head_bias) == (51200, 4, "gelu_new", False, True)
 
 
-def test_phi_with_qk_layernorm_is_refused_not_estimated_wrong() -> None:
-    with pytest.raises(SpecError, match="qk_layernorm"):
-        ModelSpec.from_hf_config({"model_type": "phi", "hidden_size": 64, "intermediate_size": 256,
-                                  "num_hidden_layers": 1, "num_attention_heads": 4, "qk_layernorm": True})
+def test_phi_qk_layernorm_is_read_and_adds_a_layernorm_per_head_for_query_and_key() -> None:
+    cfg = {"model_type": "phi", "hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "qk_layernorm": True}
+    m = ModelSpec.from_hf_config(cfg)
+    assert m.qk_layernorm and ModelSpec.from_hf_config(to_hf_config(m), name=m.name) == m
+    norms = {p.name: p.shape for p in param_inventory(m) if "_layernorm" in p.name and "self_attn" in p.name}
+    assert norms == {f"layers.self_attn.{x}_layernorm.{w}": (16,) for x in "qk" for w in ("weight", "bias")}
 
 
 def test_phi_presets_have_the_published_counts() -> None:
@@ -110,8 +115,9 @@ def _first_divergence():  # type: ignore[no-untyped-def]
     dict(micro_batch=2, attention="eager", precision="bf16-mixed", checkpointing="full"),
     dict(micro_batch=1, method="lora", lora_targets="all-linear", checkpointing="selective", dropout=0.1),
 ], ids=["sdpa-fp32", "eager-bf16-ckpt", "lora-selective-dropout"])
-def test_phi_step_equals_the_hf_step_allocation_by_allocation(opts: dict[str, object]) -> None:
-    m = ModelSpec.model_validate(PHI_SHAPES[1])
+@pytest.mark.parametrize("shape", PHI_SHAPES[1:], ids=lambda s: str(s["name"]))
+def test_phi_step_equals_the_hf_step_allocation_by_allocation(shape: dict[str, object], opts: dict[str, object]) -> None:
+    m = ModelSpec.model_validate(shape)
     t = TrainingSpec.model_validate({"device": "cpu", "seq_len": 64, **opts})
     assert _first_divergence()(m, t) is None
 

@@ -169,6 +169,8 @@ def _small_shapes() -> list[ModelSpec]:
         _m("phi", "phi-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
         _m("phi", "phi-small-gqa-tied", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=1024, vocab=2048,
            tie_embeddings=True, rotary_pct=0.4),
+        _m("phi", "phi-tiny-qk-layernorm", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+           qk_layernorm=True),
         _m("starcoder2", "starcoder2-tiny-window", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
            sliding_window=32),
         _m("starcoder2", "starcoder2-small-untied-nobias", n_layers=4, hidden=256, n_heads=8, n_kv_heads=2, ffn=1024,

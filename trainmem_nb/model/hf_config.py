@@ -252,11 +252,8 @@ def _read_mixtral(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
 def _read_phi(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     """PhiConfig (configuration_phi.py): vocab 51200 (line 62), num_key_value_heads = heads when null
     (line 85), max_position_embeddings 2048 (line 72), hidden_act "gelu_new" (line 71), the dropouts 0.0
-    (lines 68-70), partial_rotary_factor 0.5 (line 87: older config.json files give it at the top level).
-    ``qk_layernorm`` (LayerNorms on the transposed q/k heads) is not modelled: refused."""
-    if _flag(cfg, "qk_layernorm", False):
-        raise SpecError("phi with qk_layernorm=true is not supported (its q/k LayerNorms are not modelled); "
-                        "phi-1, phi-1.5 and phi-2 have qk_layernorm=false")
+    (lines 68-70), partial_rotary_factor 0.5 (line 87: older config.json files give it at the top level),
+    qk_layernorm False (line 78)."""
     heads = _int(cfg, "num_attention_heads", family=f)
     return dict(
         n_layers=_int(cfg, "num_hidden_layers", family=f),
@@ -271,6 +268,7 @@ def _read_phi(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
         hidden_dropout=_float(cfg, "resid_pdrop", family=f, default=0.0),
         embd_dropout=_float(cfg, "embd_pdrop", family=f, default=0.0),
         rotary_pct=cfg.get("partial_rotary_factor", _rope(cfg).get("partial_rotary_factor", 0.5)),
+        qk_layernorm=_flag(cfg, "qk_layernorm", False),
     )
 
 
@@ -447,7 +445,7 @@ def _write_phi(m: Any) -> dict[str, Any]:
             "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
             "vocab_size": m.vocab, "max_position_embeddings": m.max_positions, "hidden_act": m.activation,
             "attention_dropout": m.attn_dropout, "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.embd_dropout,
-            "partial_rotary_factor": m.rotary_pct, "qk_layernorm": False}
+            "partial_rotary_factor": m.rotary_pct, "qk_layernorm": m.qk_layernorm}
 
 
 def _write_starcoder2(m: Any) -> dict[str, Any]:

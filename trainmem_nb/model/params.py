@@ -226,6 +226,9 @@ def _phi_params(m: ModelSpec) -> list[ParamTensor]:
     items = [ParamTensor("embed_tokens.weight", (V, h), 1, False, False)]
     items += [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, L), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, L),
               *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, L), *_linear("layers.self_attn.dense", h, q, m.out_bias, L)]
+    if m.qk_layernorm:  # PhiAttention: nn.LayerNorm(hidden // heads) for the query and the key
+        items += [*_norm("layers.self_attn.q_layernorm", h // m.n_heads, True, L),
+                  *_norm("layers.self_attn.k_layernorm", h // m.n_heads, True, L)]
     items += [*_linear("layers.mlp.fc1", f, h, m.mlp_bias, L), *_linear("layers.mlp.fc2", h, f, m.mlp_bias, L)]
     items += _norm("layers.input_layernorm", h, True, L)
     items += _norm("final_layernorm", h, True, 1, False)

@@ -73,7 +73,10 @@ class PhiRecipe(BiasedDecoderRecipe):
         return out
 
     def attention(self, g: Graph, h: T, sh: Shared, p: dict[str, T], kind: LayerKind) -> T:
-        """PhiAttention.forward: ``q_proj(h).view(b, s, -1, d).transpose(1, 2)`` (and k, v), partial
+        """PhiAttention.forward: ``q_proj(h).view(b, s, -1, d).transpose(1, 2)`` (and k, v), with
+        ``qk_layernorm`` a LayerNorm on each of the transposed query and key (not modelled: the transient
+        contiguous copy ``layer_norm_cpu``/``layer_norm_cuda`` make of their non-contiguous input with
+        ``expect_contiguous()``, inside the kernel where no measured step sees it either), partial
         rotary (``query_rot, key_rot = apply_rotary_pos_emb(...)`` and ``query_pass, key_pass`` stay
         bound until it returns), ``cat`` into contiguous (b, heads, s, d) query/key, the attention
         interface, ``reshape(...).contiguous()`` (no copy), ``dense``."""
@@ -87,6 +90,14 @@ class PhiRecipe(BiasedDecoderRecipe):
         v = self.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
         vv = ops.heads_view(g, v, "v view", clone_grad=self.value_grad_contiguous(kind) and m.n_kv_heads > 1)
         g.drop(v)
+        if m.qk_layernorm:  # ``query_states = self.q_layernorm(query_states)`` (and the key): per head
+            qn = ops.layer_norm(g, self.ctx, qv, p["self_attn.q_layernorm.weight"], p["self_attn.q_layernorm.bias"],
+                                tok(m.n_heads), "self_attn.q_layernorm")
+            g.drop(qv)  # `query_states` rebinds
+            kn = ops.layer_norm(g, self.ctx, kv, p["self_attn.k_layernorm.weight"], p["self_attn.k_layernorm.bias"],
+                                tok(m.n_kv_heads), "self_attn.k_layernorm")
+            g.drop(kv)
+            qv, kv = qn, kn
         assert sh.cos is not None and sh.sin is not None
         kept: list[T] = []
         qe, ke = apply_rotary_partial(g, self.ctx, qv, kv, sh.cos, sh.sin, m.rotary_dims / m.head_dim,
