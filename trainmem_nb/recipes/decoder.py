@@ -17,10 +17,10 @@ from ..engine.tape import Graph, T, const, per_seq
 from ..model.families import describe
 from ..model.layers import LayerKind
 from ..model.spec import ModelSpec
-from ..spec.choices import Attention, Checkpointing, Method
+from ..spec.choices import Attention
 from ..spec.training import TrainingSpec
 from .attention import ATTENTIONS
-from .base import DEFAULT_KIND, Recipe, Shared, tok
+from .base import DEFAULT_KIND, Recipe, Shared, peft_input_leaf, tok
 from .head import causal_lm_loss
 from .layers import LAYERS
 from .masks import causal_mask, sliding_window_mask
@@ -109,7 +109,7 @@ class DecoderRecipe(Recipe):
             sh.masks = {a: self.attention_mask(g, x.dt, LayerKind(a)) for a in attention}
         if self.d.embed_dropout:
             # Starcoder2Model: ``hidden_states = dropout(inputs_embeds, p=embedding_dropout)``
-            self.input_requires_grad(g, x)
+            peft_input_leaf(g, self.t, x)  # the hook is on embed_tokens, whose output is not the layers' input
             self.embed_locals = [x]
             x = ops.dropout(g, self.ctx, x, self.dropout_embd, "embedding_dropout")
         sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt)
@@ -160,14 +160,6 @@ class DecoderRecipe(Recipe):
         g.drop(*self.embed_locals)
         self.embed_locals = []
         return out
-
-    def input_requires_grad(self, g: Graph, inputs_embeds: T) -> None:
-        """peft's ``enable_input_require_grads()`` under gradient checkpointing: the embedding module's
-        output (here not the first layer's input, a dropout's) becomes a leaf that requires grad, held
-        by its ``AccumulateGrad`` node until the step's graph goes (as `LayerNormRecipe.input_requires_grad`)."""
-        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
-            inputs_embeds.rg = True
-            g.hold(inputs_embeds)
 
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
         """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits)."""
