@@ -50,6 +50,11 @@ SHAPES = {
     "qwen3_moe-norm-dense": dict(family="qwen3_moe", n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32,
                                  ffn=256, vocab=1000, n_experts=4, experts_top_k=2, expert_ffn=64, norm_topk_prob=True,
                                  dense_layers=(0,)),
+    "phi": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
+    "phi-gqa": dict(family="phi", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=1024, vocab=1000),
+    "starcoder2": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=1024, vocab=1000, sliding_window=32),
+    "starcoder2-nowin": dict(family="starcoder2", n_layers=3, hidden=256, n_heads=4, ffn=1024,
+                             vocab=1000, tie_embeddings=False),
 }
 
 

@@ -57,6 +57,13 @@ SHAPES: dict[str, dict[str, Any]] = {
     "granite": dict(family="granite", n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=1024),
     "qwen3_moe-dense": dict(family="qwen3_moe", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128,
                             vocab=512, n_experts=4, experts_top_k=2, expert_ffn=64, dense_layers=(0,)),
+    "phi": dict(family="phi", n_layers=4, hidden=64, n_heads=4, ffn=256, vocab=512),
+    "phi-gqa-tied": dict(family="phi", n_layers=2, hidden=128, n_heads=8, n_kv_heads=4, ffn=256, vocab=512,
+                         tie_embeddings=True, rotary_pct=0.4),
+    "starcoder2-window": dict(family="starcoder2", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+                              sliding_window=64),
+    "starcoder2-untied-nobias": dict(family="starcoder2", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=512,
+                                     tie_embeddings=False, qkv_bias=False, out_bias=False, mlp_bias=False),
 }
 
 BASE: dict[str, Any] = dict(micro_batch=2, seq_len=128, precision="bf16-mixed", optimizer="adamw")

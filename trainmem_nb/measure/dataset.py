@@ -183,6 +183,15 @@ def _small_shapes() -> list[ModelSpec]:
            vocab=512, n_experts=4, experts_top_k=2, expert_ffn=64),
         _m("qwen3_moe", "qwen3_moe-small-norm-dense", n_layers=3, hidden=256, n_heads=8, n_kv_heads=2, head_dim=64,
            ffn=512, vocab=2048, n_experts=8, experts_top_k=2, expert_ffn=128, norm_topk_prob=True, dense_layers=(0,)),
+        _m("phi", "phi-tiny", n_layers=2, hidden=64, n_heads=4, ffn=256, vocab=512),
+        _m("phi", "phi-small-gqa-tied", n_layers=4, hidden=256, n_heads=8, n_kv_heads=4, ffn=1024, vocab=2048,
+           tie_embeddings=True, rotary_pct=0.4),
+        _m("phi", "phi-tiny-qk-layernorm", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+           qk_layernorm=True),
+        _m("starcoder2", "starcoder2-tiny-window", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=256, vocab=512,
+           sliding_window=32),
+        _m("starcoder2", "starcoder2-small-untied-nobias", n_layers=4, hidden=256, n_heads=8, n_kv_heads=2, ffn=1024,
+           vocab=2048, tie_embeddings=False, qkv_bias=False, out_bias=False, mlp_bias=False),
     ]
 
 
@@ -190,7 +199,7 @@ def _small_shapes() -> list[ModelSpec]:
 _LARGE = ["gpt2", "gpt2-medium", "gpt2-xl", "tinyllama-1.1b", "llama-3.2-1b", "llama-2-7b", "llama-3-8b",
           "mistral-7b", "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2b", "gemma-7b", "phi-3-mini", "pythia-160m",
           "pythia-1.4b", "pythia-6.9b", "opt-125m", "opt-350m", "opt-1.3b", "opt-6.7b", "bert-base", "bert-large",
-          "qwen3-0.6b", "smollm3-3b", "granite-3.1-2b"]
+          "qwen3-0.6b", "smollm3-3b", "granite-3.1-2b", "phi-1.5", "starcoder2-3b"]
 
 #: Real widths with fewer layers: option sweeps run fast but keep realistic ratios of h, ffn and vocab.
 _SWEEP_MODELS = {
@@ -208,6 +217,8 @@ _SWEEP_MODELS = {
     "smollm3": ("smollm3-3b", {"n_layers": 4, "name": "smollm3-3b-4L", "nope_layers": (3,)}),
     "granite": ("granite-3.1-8b", {"n_layers": 2, "name": "granite-3.1-8b-2L"}),
     "qwen3_moe": ("qwen3-30b-a3b", {"n_layers": 2, "name": "qwen3-30b-a3b-2L"}),
+    "phi": ("phi-2", {"n_layers": 2, "name": "phi-2-2L"}),
+    "starcoder2": ("starcoder2-7b", {"n_layers": 2, "name": "starcoder2-7b-2L"}),
 }
 
 
@@ -336,6 +347,9 @@ def full_matrix() -> list[CaseSpec]:
         _t(micro_batch=2, seq_len=256, precision="bf16-mixed", **moe_lora),
         _t(micro_batch=1, seq_len=512, precision="bf16-true", checkpointing="full", **moe_lora),
     ])
+    for fam in ("phi", "starcoder2"):  # the families of issue 12: the first sweep's picks plus both checkpointings
+        opts = _sweep_options()
+        cases += _cases("options", [sweep_models[fam]], [opts[i] for i in (0, 1, 2, 4, 7, 11, 12, 13, 14, 16, 17)])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     cases += harness_matrix()
     ids = [c.id for c in cases]

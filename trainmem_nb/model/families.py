@@ -40,6 +40,8 @@ class Family(_Choice):
     SMOLLM3 = "smollm3"  #: llama layout without rotary on every 4th layer (NoPE), tied embeddings
     GRANITE = "granite"  #: llama layout with embedding, residual and logit multipliers (IBM Granite 3.x)
     QWEN3_MOE = "qwen3_moe"  #: Qwen3 attention, top-k routed experts (renormalised if norm_topk_prob), dense layers
+    PHI = "phi"  #: phi-1.5/phi-2: one LayerNorm feeding parallel attention and MLP, partial rotary, biased head
+    STARCODER2 = "starcoder2"  #: LayerNorm with bias, GELU c_fc/c_proj MLP, biases, GQA, rotary, sliding window
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -60,7 +62,8 @@ class Description:
     hf_class: str
     #: its transformer block class: FSDP wraps (shards) one per block
     layer_class: str
-    #: the recipe that runs its forward: ``"decoder"`` (composed from parts) or a bespoke one by name
+    #: the recipe that runs its forward: ``"decoder"`` (composed from parts), ``"biased_decoder"`` (the
+    #: same parts with biased projections as ``addmm``, `trainmem_nb.recipes.biased`) or a bespoke one by name
     recipe: str
     #: `ModelSpec` defaults for the family's structure (a config may override them)
     structure: Mapping[str, Any]
@@ -84,14 +87,16 @@ class Description:
     #: the attention module (`trainmem_nb.recipes.attention.ATTENTIONS`): ``"gqa"`` (q/k/v projections,
     #: grouped-query attention, ``o_proj``)
     attention: str = "gqa"
-    #: the dense MLP (`trainmem_nb.recipes.mlp.MLPS`): ``"gated"`` (``down(act(gate(x)) * up(x))``)
+    #: the dense MLP (`trainmem_nb.recipes.mlp.MLPS`): ``"gated"`` (``down(act(gate(x)) * up(x))``) or
+    #: ``"starcoder2"`` (``c_proj(act(c_fc(x)))``)
     mlp: str = "gated"
     #: the mixture-of-experts block of MoE layers (`trainmem_nb.recipes.moe.MOES`): ``"mixtral"``
     #: (softmax top-k router, grouped_mm experts) or ``"qwen3_moe"`` (experts registered before the router,
     #: whose renormalisation is optional and whose weights are cast back to the logits' dtype)
     moe: str = "mixtral"
     #: RMSNorm variant (`trainmem_nb.recipes.norms.RMS_NORMS`): ``"llama"`` (normalise in fp32, cast back,
-    #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast)
+    #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast); unused by a model whose
+    #: norm is ``nn.LayerNorm`` (``ModelSpec.norm == "layernorm"``, with its bias when ``norm_bias``)
     norm: str = "llama"
     #: the token embeddings are multiplied by ``sqrt(hidden)`` (a buffer in the model's dtype)
     embed_scale: bool = False
@@ -115,11 +120,17 @@ class Description:
     #: embedding_multiplier``, ``residual + h * residual_multiplier`` after attention and after the MLP,
     #: ``logits / logits_scaling`` (``attention_multiplier`` is the attention's scale: no tensor of its own)
     multipliers: bool = False
+    #: dropout at the end of the attention module (after ``o_proj``) and of the MLP (after its output
+    #: projection), inside the modules (Starcoder2's ``residual_dropout``)
+    module_dropout: bool = False
+    #: dropout on the token embeddings before the layers, whose output is the first layer's input only:
+    #: ``inputs_embeds`` stays bound until the model returns (Starcoder2's ``embedding_dropout``)
+    embed_dropout: bool = False
 
     @property
     def composed(self) -> bool:
         """Is the forward composed from parts (`trainmem_nb.recipes.decoder`)?"""
-        return self.recipe == "decoder"
+        return self.recipe in ("decoder", "biased_decoder")
 
 
 DESCRIPTIONS: dict[Family, Description] = {
@@ -201,6 +212,27 @@ DESCRIPTIONS: dict[Family, Description] = {
         {**_RMS_DECODER, "n_experts": 128, "experts_top_k": 8, "norm_topk_prob": False},
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         qk_norm=True, sliding_mask=True, moe="qwen3_moe"),
+    # modeling_phi.py: PhiAttention's q/k/v/dense all have bias=True, PhiMLP's fc1/fc2 nn.Linear's
+    # default bias, both LayerNorms affine with bias, lm_head bias=True; configuration_phi.py:
+    # hidden_act "gelu_new" (line 71), partial_rotary_factor 0.5 (line 87), tie_word_embeddings False (line 76)
+    Family.PHI: Description(
+        Family.PHI, ("phi",), "PhiForCausalLM", "PhiDecoderLayer", "phi",
+        {"norm": "layernorm", "mlp": "dense", "activation": "gelu_new", "positions": "rotary", "rotary_pct": 0.5,
+         "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True, "parallel_residual": True,
+         "lm_head_bias": True},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
+        dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"), rotary="cat"),
+    # modeling_starcoder2.py: nn.LayerNorm (with bias) around a Starcoder2MLP (c_fc, act, c_proj, dropout),
+    # q/k/v/o and c_fc/c_proj biases from use_bias (configuration_starcoder2.py line 79: True), hidden_act
+    # "gelu_pytorch_tanh" (line 66), tie_word_embeddings True (line 80), the sliding-window mask whenever
+    # sliding_window is set (Starcoder2Model.forward), an unbiased lm_head
+    Family.STARCODER2: Description(
+        Family.STARCODER2, ("starcoder2",), "Starcoder2ForCausalLM", "Starcoder2DecoderLayer", "biased_decoder",
+        {"norm": "layernorm", "norm_bias": True, "mlp": "dense", "activation": "gelu_pytorch_tanh",
+         "positions": "rotary", "qkv_bias": True, "out_bias": True, "mlp_bias": True, "tie_embeddings": True},
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
+        dropout_keys=("attention_dropout", "residual_dropout", "embedding_dropout"),
+        mlp="starcoder2", sliding_mask=True, module_dropout=True, embed_dropout=True),
 }
 
 

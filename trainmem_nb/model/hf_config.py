@@ -249,12 +249,52 @@ def _read_mixtral(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
             "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=2)}
 
 
+def _read_phi(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """PhiConfig (configuration_phi.py): vocab 51200 (line 62), num_key_value_heads = heads when null
+    (line 85), max_position_embeddings 2048 (line 72), hidden_act "gelu_new" (line 71), the dropouts 0.0
+    (lines 68-70), partial_rotary_factor 0.5 (line 87: older config.json files give it at the top level),
+    qk_layernorm False (line 78)."""
+    heads = _int(cfg, "num_attention_heads", family=f)
+    return dict(
+        n_layers=_int(cfg, "num_hidden_layers", family=f),
+        hidden=_int(cfg, "hidden_size", family=f),
+        n_heads=heads,
+        n_kv_heads=_int(cfg, "num_key_value_heads", family=f, default=heads),
+        ffn=_int(cfg, "intermediate_size", family=f),
+        vocab=_int(cfg, "vocab_size", family=f, default=51200),
+        max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
+        activation=_get(cfg, "hidden_act", default="gelu_new", family=f),
+        attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
+        hidden_dropout=_float(cfg, "resid_pdrop", family=f, default=0.0),
+        embd_dropout=_float(cfg, "embd_pdrop", family=f, default=0.0),
+        rotary_pct=cfg.get("partial_rotary_factor", _rope(cfg).get("partial_rotary_factor", 0.5)),
+        qk_layernorm=_flag(cfg, "qk_layernorm", False),
+    )
+
+
+def _read_starcoder2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Starcoder2Config (configuration_starcoder2.py): vocab 49152 (line 60), num_key_value_heads 2
+    (line 65), hidden_act "gelu_pytorch_tanh" (line 66), max_position_embeddings 4096 (line 67),
+    sliding_window None (line 75), attention/residual/embedding dropouts 0.0 (lines 76-78), use_bias True
+    (line 79) for every projection; the rotary dims are the whole head (no partial factor)."""
+    bias = _flag(cfg, "use_bias", True)
+    defaults = {"vocab_size": 49152, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+                "hidden_act": "gelu_pytorch_tanh"}
+    given = {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
+    return {**_read_decoder(given, f), **_window(cfg, True),
+            "hidden_dropout": _float(cfg, "residual_dropout", family=f, default=0.0),
+            "embd_dropout": _float(cfg, "embedding_dropout", family=f, default=0.0),
+            "qkv_bias": bias, "out_bias": bias, "mlp_bias": bias}
+
+
 #: The config reader of every family.
 READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.LLAMA: _read_llama, Family.MISTRAL: _read_mistral, Family.QWEN2: _read_qwen2, Family.GEMMA: _read_gemma,
     Family.PHI3: _read_phi3, Family.MIXTRAL: _read_mixtral, Family.GPT2: _read_gpt2, Family.OPT: _read_opt,
     Family.BERT: _read_bert, Family.GPT_NEOX: _read_gpt_neox,
 }
+READERS[Family.PHI] = _read_phi
+READERS[Family.STARCODER2] = _read_starcoder2
 
 
 def _layer_types(cfg: Mapping[str, Any], n_layers: int, window: int, max_window_default: int) -> tuple[str, ...]:
@@ -488,6 +528,21 @@ def _write_mixtral(m: Any) -> dict[str, Any]:
     return {**_write_windowed(m), "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
 
 
+def _write_phi(m: Any) -> dict[str, Any]:
+    return {"model_type": "phi", "hidden_size": m.hidden, "intermediate_size": m.ffn,
+            "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
+            "vocab_size": m.vocab, "max_position_embeddings": m.max_positions, "hidden_act": m.activation,
+            "attention_dropout": m.attn_dropout, "resid_pdrop": m.hidden_dropout, "embd_pdrop": m.embd_dropout,
+            "partial_rotary_factor": m.rotary_pct, "qk_layernorm": m.qk_layernorm}
+
+
+def _write_starcoder2(m: Any) -> dict[str, Any]:
+    if not m.qkv_bias == m.out_bias == m.mlp_bias:
+        raise SpecError("starcoder2 has one use_bias for every projection: qkv_bias, out_bias and mlp_bias must agree")
+    return {**_write_windowed(m), "residual_dropout": m.hidden_dropout, "embedding_dropout": m.embd_dropout,
+            "use_bias": m.qkv_bias}
+
+
 #: The config writer of every family (`to_hf_config`).
 WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
@@ -528,3 +583,5 @@ def _write_qwen3_moe(m: Any) -> dict[str, Any]:
 
 WRITERS.update({Family.QWEN3: _write_qwen3, Family.SMOLLM3: _write_smollm3, Family.GRANITE: _write_granite,
                 Family.QWEN3_MOE: _write_qwen3_moe})
+WRITERS[Family.PHI] = _write_phi
+WRITERS[Family.STARCODER2] = _write_starcoder2

@@ -171,6 +171,12 @@ def _gated_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     return [*up, *_linear("layers.mlp.down_proj", h, f, m.mlp_bias, n, kind=kind)]
 
 
+def _starcoder2_mlp_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "starcoder2" MLP of `n` layers: ``c_fc`` and ``c_proj`` (biases from ``use_bias``)."""
+    return [*_linear("layers.mlp.c_fc", m.ffn, m.hidden, m.mlp_bias, n, kind=kind),
+            *_linear("layers.mlp.c_proj", m.hidden, m.ffn, m.mlp_bias, n, kind=kind)]
+
+
 def _mixtral_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     """The "mixtral" MoE block of `n` layers: the router's weight and the fused 3-D expert stacks."""
     E, h, ef = m.n_experts, m.hidden, m.expert_width
@@ -194,6 +200,7 @@ def _qwen3_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     return [*stacks, router]
 
 
+_MLP_PARAMS["starcoder2"] = _starcoder2_mlp_params
 _MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params,
                                                                                "qwen3_moe": _qwen3_moe_params}
 _LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"pre": _pre_norm_params}
@@ -221,9 +228,30 @@ def _decoder_params(m: ModelSpec) -> list[ParamTensor]:
     return items
 
 
+def _phi_params(m: ModelSpec) -> list[ParamTensor]:
+    """``PhiForCausalLM`` (modeling_phi.py): per layer ``self_attn`` (q/k/v/dense with biases),
+    ``mlp`` (fc1, fc2), one ``input_layernorm``; ``final_layernorm``; an ``lm_head`` with a bias,
+    which stays the head's own when its weight is tied to ``embed_tokens``."""
+    L, h, V, f, q, kv = m.n_layers, m.hidden, m.vocab, m.ffn, m.q_dim, m.kv_dim
+    items = [ParamTensor("embed_tokens.weight", (V, h), 1, False, False)]
+    items += [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, L), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, L),
+              *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, L), *_linear("layers.self_attn.dense", h, q, m.out_bias, L)]
+    if m.qk_layernorm:  # PhiAttention: nn.LayerNorm(hidden // heads) for the query and the key
+        items += [*_norm("layers.self_attn.q_layernorm", h // m.n_heads, True, L),
+                  *_norm("layers.self_attn.k_layernorm", h // m.n_heads, True, L)]
+    items += [*_linear("layers.mlp.fc1", f, h, m.mlp_bias, L), *_linear("layers.mlp.fc2", h, f, m.mlp_bias, L)]
+    items += _norm("layers.input_layernorm", h, True, L)
+    items += _norm("final_layernorm", h, True, 1, False)
+    if not m.tie_embeddings:
+        items.append(ParamTensor("lm_head.weight", (V, h), 1, True, False))
+    if m.lm_head_bias:
+        items.append(ParamTensor("lm_head.bias", (V,), 1, False, False))
+    return items
+
+
 #: The inventory of each recipe's models (`trainmem_nb.model.families.Description.recipe`).
 _INVENTORIES = {"decoder": _decoder_params, "gpt2": _gpt2_params, "gpt_neox": _gpt_neox_params, "opt": _opt_params,
-                "bert": _bert_params}
+                "bert": _bert_params, "phi": _phi_params, "biased_decoder": _decoder_params}
 
 
 @lru_cache(maxsize=512)

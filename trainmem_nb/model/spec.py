@@ -82,6 +82,7 @@ class ModelSpec(SpecModel):
     pre_norm: bool = Field(default=True, description="OPT do_layer_norm_before; BERT is post-norm")
     type_vocab: int = Field(default=2, ge=0, le=1024, description="BERT token-type embeddings")
     lm_head_bias: bool = Field(default=False, description="the LM head has a bias (phi)")
+    qk_layernorm: bool = Field(default=False, description="a LayerNorm on each head's query and key (phi)")
     # Mixture-of-experts routing details (qwen3_moe, deepseek_v3, gpt_oss).
     norm_topk_prob: bool = Field(default=True, description="renormalise the top-k routing weights")
     n_shared_experts: int = Field(default=0, ge=0, le=64, description="experts every token goes through (deepseek)")
@@ -156,6 +157,9 @@ class ModelSpec(SpecModel):
                 f"family {self.family.value!r} has no grouped-query attention: n_kv_heads must equal "
                 f"n_heads={self.n_heads} (got {self.n_kv_heads})"
             )
+        if self.qk_layernorm and self.family is not Family.PHI:
+            raise SpecError(f"qk_layernorm is phi's (PhiAttention's q/k LayerNorms); family {self.family.value!r} "
+                            "has no such option")
         if self.positions == "rotary" and self.rotary_dims < 2:
             raise SpecError(
                 f"rotary_pct={self.rotary_pct} leaves fewer than 2 rotary dimensions of head_dim={self.head_dim}"

@@ -76,6 +76,10 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
     o = attention_kernel(rec, g, qr, kr, vv, sh.attention_mask(kind), kind)
     out = rec.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
     g.drop(o)
+    if rec.d.module_dropout:  # Starcoder2Attention: ``attn_output = dropout(o_proj(...), residual_dropout)``
+        od = ops.dropout(g, rec.ctx, out, rec.dropout_hidden, "self_attn residual_dropout")
+        g.drop(out)
+        out = od
     g.drop(*local, qr, kr, vv)  # locals (qkv,) query_states, key_states, value_states die when forward returns
     return out
 

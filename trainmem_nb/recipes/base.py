@@ -15,9 +15,10 @@ from ..engine.ops import Ctx
 from ..engine.tape import Graph, Sz, T, per_token
 from ..model.layers import LayerKind
 from ..model.spec import ModelSpec
+from ..spec.choices import Checkpointing, Method
 from ..spec.training import TrainingSpec
 
-__all__ = ["DEFAULT_KIND", "Recipe", "Shared", "tok"]
+__all__ = ["DEFAULT_KIND", "Recipe", "Shared", "peft_input_leaf", "tok"]
 
 #: The kind of every layer of a model whose layers do not differ.
 DEFAULT_KIND = LayerKind()
@@ -95,3 +96,12 @@ def tok(n: float) -> Sz:
     """``(b, s, n)`` elements: a per-token activation of width n."""
     return per_token(n)
 
+
+def peft_input_leaf(g: Graph, t: TrainingSpec, inputs_embeds: T) -> None:
+    """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
+    forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
+    the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
+    ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
+    if t.method is not Method.FULL and t.checkpointing is not Checkpointing.NONE:
+        inputs_embeds.rg = True
+        g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events

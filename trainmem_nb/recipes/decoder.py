@@ -20,7 +20,7 @@ from ..model.spec import ModelSpec
 from ..spec.choices import Attention
 from ..spec.training import TrainingSpec
 from .attention import ATTENTIONS
-from .base import DEFAULT_KIND, Recipe, Shared, tok
+from .base import DEFAULT_KIND, Recipe, Shared, peft_input_leaf, tok
 from .head import causal_lm_loss
 from .layers import LAYERS
 from .masks import causal_mask, sliding_window_mask
@@ -40,6 +40,11 @@ class DecoderRecipe(Recipe):
         self.d = describe(m.family)
         self._norm = RMS_NORMS[self.d.norm]
         self.attn_weights: list[T] = []  # eager attention's probabilities, bound until the layer returns
+        self.embed_locals: list[T] = []  # the base model's locals that die when it returns
+        if self.d.embed_dropout:
+            # the dropout's output is the first layer's input only (``hidden_states`` rebinds in the
+            # layer loop); ``inputs_embeds`` is kept in `embed_locals` (read by `compile_step`)
+            self.embed_output_kept = False
 
     # -- the kernels' switches ------------------------------------------------------------------
     @property
@@ -76,6 +81,13 @@ class DecoderRecipe(Recipe):
         """The family's RMSNorm (over each of `heads` groups of a token's features: per-head q/k norms)."""
         return self._norm(g, x, w, label, heads)
 
+    def norm_module(self, g: Graph, x: T, p: dict[str, T], name: str) -> T:
+        """The norm module `name` (``input_layernorm``, ``norm``...) on `x`: ``nn.LayerNorm`` (with its
+        bias when it has one) for a model whose norm is one (Starcoder2), else the family's RMSNorm."""
+        if self.m.norm == "layernorm":
+            return ops.layer_norm(g, self.ctx, x, p[f"{name}.weight"], p.get(f"{name}.bias"), tok(1), name)
+        return self.norm(g, x, p[f"{name}.weight"], name)
+
     def act(self, g: Graph, x: T) -> T:
         """The MLP's activation (``ACT2FN[hidden_act]``), which saves its input."""
         return ops.unary_saving_input(g, x, self.m.activation)
@@ -96,6 +108,11 @@ class DecoderRecipe(Recipe):
             sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
         else:  # one mask per attention kind, the full one first (the models' ``causal_mask_mapping``)
             sh.masks = {a: self.attention_mask(g, x.dt, LayerKind(a)) for a in attention}
+        if self.d.embed_dropout:
+            # Starcoder2Model: ``hidden_states = dropout(inputs_embeds, p=embedding_dropout)``
+            peft_input_leaf(g, self.t, x)  # the hook is on embed_tokens, whose output is not the layers' input
+            self.embed_locals = [x]
+            x = ops.dropout(g, self.ctx, x, self.dropout_embd, "embedding_dropout")
         sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt)
         return x, sh
 
@@ -142,8 +159,12 @@ class DecoderRecipe(Recipe):
         return MOES[self.d.moe](self, g, x, p) if kind.moe else MLPS[self.d.mlp](self, g, x, p)
 
     def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
-        """The base model's last op (its output is held by the returned model output)."""
-        return self.norm(g, x, p["norm.weight"], "norm")
+        """The base model's last op (its output is held by the returned model output); then the model
+        returns and its locals (`embed_locals`) go."""
+        out = self.norm_module(g, x, p, "norm")
+        g.drop(*self.embed_locals)
+        self.embed_locals = []
+        return out
 
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
         """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits)."""

@@ -8,9 +8,9 @@ from ..engine import ops
 from ..engine.ops import Ctx
 from ..engine.tape import Graph, T
 from ..model.spec import ModelSpec
-from ..spec.choices import Attention, Checkpointing, Method
+from ..spec.choices import Attention
 from ..spec.training import TrainingSpec
-from .base import Recipe
+from .base import Recipe, peft_input_leaf
 
 __all__ = ["LayerNormRecipe"]
 
@@ -54,10 +54,8 @@ class LayerNormRecipe(Recipe):
         """peft turns on ``enable_input_require_grads()`` for a model with gradient checkpointing: a
         forward hook makes the input embeddings' output a leaf that requires grad, so gradients reach
         the checkpointed layers. The graph's ``AccumulateGrad`` node holds that leaf, and with it its
-        ``.grad``, until the loss (and its graph) is deleted at the end of the step."""
-        if self.t.method is not Method.FULL and self.t.checkpointing is not Checkpointing.NONE:
-            inputs_embeds.rg = True
-            g.hold(inputs_embeds)  # AccumulateGrad's reference: released after this step's events
+        ``.grad``, until the loss (and its graph) is deleted at the end of the step (`peft_input_leaf`)."""
+        peft_input_leaf(g, self.t, inputs_embeds)
 
     @property
     def sdpa_falls_back_to_math(self) -> bool:

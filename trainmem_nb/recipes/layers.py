@@ -27,7 +27,7 @@ def pre_norm_layer(rec: DecoderRecipe, g: Graph, x: T, sh: Shared, p: dict[str, 
     rd = rec.d.residual_dropout
     rec.attn_weights = []
     residual = g.hold(x)
-    h = rec.norm(g, x, p["input_layernorm.weight"], "input_layernorm")
+    h = rec.norm_module(g, x, p, "input_layernorm")
     a = rec.attention(g, h, sh, p, kind)
     g.drop(h)
     scaled = rec.d.multipliers  # Granite: ``residual + hidden_states * self.residual_multiplier``
@@ -40,7 +40,7 @@ def pre_norm_layer(rec: DecoderRecipe, g: Graph, x: T, sh: Shared, p: dict[str, 
         h1 = ops.add(g, residual, a, "residual add (attn)")
         g.drop(a, residual)
     residual = g.hold(h1)
-    h2 = rec.norm(g, h1, p["post_attention_layernorm.weight"], "post_attention_layernorm")
+    h2 = rec.norm_module(g, h1, p, "post_attention_layernorm")
     g.drop(h1)
     mo = rec.mlp(g, h2, p, kind)
     g.drop(h2)

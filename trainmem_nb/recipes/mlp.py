@@ -40,5 +40,21 @@ def gated_mlp(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
     return out
 
 
+def starcoder2_mlp(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """``Starcoder2MLP.forward``: ``c_fc``, the activation, ``c_proj``, then dropout
+    (``residual_dropout``, the layer's last op that saves: `ops.dropout_last`); each step rebinds
+    ``hidden_states``."""
+    m = rec.m
+    h = rec.linear(g, x, p, "mlp.c_fc", m.hidden, m.ffn)
+    a = rec.act(g, h)
+    g.drop(h)
+    o = rec.linear(g, a, p, "mlp.c_proj", m.ffn, m.hidden)
+    g.drop(a)
+    out = ops.dropout_last(g, rec.ctx, o, rec.dropout_hidden, "mlp residual_dropout")
+    g.drop(o)
+    return out
+
+
 #: The dense MLPs a description names (`trainmem_nb.model.families.Description.mlp`).
 MLPS: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {"gated": gated_mlp}
+MLPS["starcoder2"] = starcoder2_mlp

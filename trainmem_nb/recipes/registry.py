@@ -8,10 +8,12 @@ from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from .base import Recipe
 from .bert import BertRecipe
+from .biased import BiasedDecoderRecipe
 from .decoder import DecoderRecipe
 from .gpt2 import GPT2Recipe
 from .gpt_neox import GPTNeoXRecipe
 from .opt import OPTRecipe
+from .phi import PhiRecipe
 
 __all__ = ["RECIPES", "recipe_for"]
 
@@ -23,6 +25,8 @@ RECIPES: dict[str, type[Recipe]] = {
     "opt": OPTRecipe,
     "bert": BertRecipe,
     "gpt_neox": GPTNeoXRecipe,
+    "phi": PhiRecipe,
+    "biased_decoder": BiasedDecoderRecipe,
 }
 
 

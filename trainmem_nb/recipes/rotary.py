@@ -47,7 +47,7 @@ def apply_rotary_pair(g: Graph, q: T, k: T, cos: T, sin: T) -> tuple[T, T]:
 
 
 def apply_rotary_partial(g: Graph, ctx: Ctx, q: T, k: T, cos: T, sin: T, frac: float,
-                         cat_each: bool) -> tuple[T, T]:
+                         cat_each: bool, keep: list[T] | None = None) -> tuple[T, T]:
     """``apply_rotary_pos_emb`` of the families that rotate part of each head and concatenate (Phi-3,
     GPT-NeoX): ``q_rot, q_pass = q[..., :rot], q[..., rot:]`` (a full slice is ``alias(q)``: Python
     indexing returns an alias when nothing is cut), the same for k, then ``(x_rot * cos) +
@@ -55,7 +55,9 @@ def apply_rotary_partial(g: Graph, ctx: Ctx, q: T, k: T, cos: T, sin: T, frac: f
     under CPU autocast the 16-bit pass-through part is promoted to the fp32 rotary part's dtype first).
     The results are contiguous (b, heads, s, d) tensors. Phi-3 concatenates each right after rotating
     it (`cat_each`: one expression per tensor); GPT-NeoX rotates both, then concatenates both. `frac` is
-    the rotary share of each head."""
+    the rotary share of each head. With `keep` (Phi: ``query_rot, key_rot = apply_rotary_pos_emb(...)``
+    binds the rotated parts, like ``query_pass, key_pass``, to locals until the attention returns) the
+    rotated and pass-through parts are appended to it instead of freed."""
     parts = []
     for name, x in (("q", q), ("k", k)):
         rot = ops.alias_view(g, x, f"{name}_rot") if frac == 1.0 else ops.slice_view(g, x, x.n * frac, f"{name}_rot")
@@ -70,7 +72,14 @@ def apply_rotary_partial(g: Graph, ctx: Ctx, q: T, k: T, cos: T, sin: T, frac: f
         embeds = [apply_rotary(g, rot, cos, sin, name) for name, rot, _ in parts]
         for (name, _, pas), e in zip(parts, embeds, strict=True):
             out.append(ops.cat_last(g, ctx, [e, pas], f"{name}_embed cat"))
-            g.drop(e)  # `q_embed` / `k_embed` rebind
+            if keep is None:
+                g.drop(e)  # `q_embed` / `k_embed` rebind
+            else:
+                keep.append(e)
     for _, rot, pas in parts:
-        g.drop(rot, pas)
+        g.drop(rot)
+        if keep is None:
+            g.drop(pas)
+        else:
+            keep.append(pas)
     return out[0], out[1]
