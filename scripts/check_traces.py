@@ -34,6 +34,11 @@ SHAPES = {
     "gpt_neox": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
     "opt": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000, max_positions=1024),
     "bert": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
+    "olmo2": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000),
+    "gemma2": dict(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=1000,
+                   sliding_window=32),
+    "gemma3": dict(n_layers=8, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=1000,
+                   sliding_window=32),
 }
 
 
@@ -68,6 +73,17 @@ def first_divergence(m: ModelSpec, t: TrainingSpec) -> str | None:
     return None
 
 
+def _number(value: object) -> object:
+    """A command-line value as the int or float it spells (the specs refuse numbers given as text)."""
+    if isinstance(value, str):
+        for kind in (int, float):
+            try:
+                return kind(value)
+            except ValueError:
+                pass
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(SHAPES))
@@ -86,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         m = ModelSpec.model_validate({"name": name, **shape})
         for combo in itertools.product(*(vals for _k, vals in grid)):
             opts = {"device": "cpu", "seq_len": a.seq, **fixed, **dict(zip([k for k, _ in grid], combo, strict=True))}
-            t = TrainingSpec.model_validate(opts)
+            t = TrainingSpec.model_validate({k: _number(v) for k, v in opts.items()})
             where = first_divergence(m, t)
             label = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("device", "seq_len"))
             print(f"{'ok  ' if where is None else 'DIFF'} {name:<10} {label}" + ("" if where is None else f"\n     {where}"))

@@ -36,6 +36,9 @@ class Family(_Choice):
     GPT_NEOX = "gpt_neox"  #: Pythia; fused qkv, partial rotary, parallel residual
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
+    OLMO2 = "olmo2"  #: norms after attention and MLP (no pre-norms), full-width q/k RMSNorm
+    GEMMA2 = "gemma2"  #: sandwich norms, logit soft-capping, alternating sliding/global layers
+    GEMMA3 = "gemma3"  #: sandwich norms, per-head q/k norms, 5:1 sliding/global, a rotary base per kind
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -75,7 +78,9 @@ class Description:
     embedding: str = "embed_tokens.weight"
     # -- the parts of a decoder composed by `trainmem_nb.recipes.decoder` ------------------------------
     #: the decoder layer's placement of norms and residuals (`trainmem_nb.recipes.layers.LAYERS`):
-    #: ``"pre"`` (a norm before attention and before the MLP, each added to the residual stream)
+    #: ``"pre"`` (a norm before attention and before the MLP, each added to the residual stream), ``"post"``
+    #: (a norm on each sublayer's output before its residual add, none before: OLMo 2) or ``"sandwich"``
+    #: (both: input, post-attention, pre-feedforward and post-feedforward norms, Gemma 2/3)
     layer: str = "pre"
     #: the attention module (`trainmem_nb.recipes.attention.ATTENTIONS`): ``"gqa"`` (q/k/v projections,
     #: grouped-query attention, ``o_proj``)
@@ -86,7 +91,8 @@ class Description:
     #: (softmax top-k router, grouped_mm experts)
     moe: str = "mixtral"
     #: RMSNorm variant (`trainmem_nb.recipes.norms.RMS_NORMS`): ``"llama"`` (normalise in fp32, cast back,
-    #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast)
+    #: then ``* weight``), ``"gemma"`` (``* (1 + weight)`` in fp32, then cast) or ``"olmo2"`` (``weight *``
+    #: the fp32 normalised states, then cast back)
     norm: str = "llama"
     #: the token embeddings are multiplied by ``sqrt(hidden)`` (a buffer in the model's dtype)
     embed_scale: bool = False
@@ -100,6 +106,29 @@ class Description:
     fused_gate_up: bool = False
     #: dropout on the attention and MLP outputs before each residual add
     residual_dropout: bool = False
+    #: q/k RMSNorms in the attention: ``""`` none; ``"full"`` over the whole projection width before the
+    #: heads view (OLMo 2: ``q_norm(q_proj(x))``); ``"head"`` per head on the (b, heads, s, d) views (Gemma 3)
+    qk_norm: str = ""
+    #: the rotary module returns fp32 cos/sin (no cast to the hidden states' dtype) and
+    #: ``apply_rotary_pos_emb`` casts its results back to q's and k's dtypes (OLMo 2)
+    rotary_fp32: bool = False
+    #: the model builds both a causal and a sliding-window mask whatever its layer types (Gemma 2/3's
+    #: ``causal_mask_mapping``)
+    both_masks: bool = False
+    #: one rotary cos/sin pair per attention kind of the model's layer types (Gemma 3: a local and a
+    #: global base)
+    rotary_per_kind: bool = False
+    #: without ``layer_types``, every n-th layer is global and the others slide (the configuration's
+    #: default ``layer_types``: Gemma 2 alternates, 2; Gemma 3's ``sliding_window_pattern`` is 6); 0: the
+    #: `sliding_mask` rule
+    sliding_period: int = 0
+    #: the soft-cappings its modeling code applies (``"attention"``: the attention logits, Gemma 2;
+    #: ``"final"``: the output logits, Gemma 2 and 3); a spec's ``attn_softcap`` / ``final_softcap``
+    #: must be 0 for a family without them
+    softcaps: tuple[str, ...] = ()
+    #: Hugging Face implements SDPA for it (``_supports_sdpa``); without, a run that asks for no
+    #: implementation gets eager attention, so ``attention='sdpa'`` is run (and measured) as eager
+    sdpa: bool = True
 
     @property
     def composed(self) -> bool:
@@ -162,6 +191,26 @@ DESCRIPTIONS: dict[Family, Description] = {
         dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
         input_side=("embeddings.",), heads=("cls.predictions.decoder.weight",),
         embedding="embeddings.word_embeddings.weight"),
+    Family.OLMO2: Description(
+        Family.OLMO2, ("olmo2",), "Olmo2ForCausalLM", "Olmo2DecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        layer="post", norm="olmo2", qk_norm="full", rotary_fp32=True),
+    Family.GEMMA2: Description(
+        Family.GEMMA2, ("gemma2",), "Gemma2ForCausalLM", "Gemma2DecoderLayer", "decoder",
+        # Gemma2Config's soft-capping defaults (configuration_gemma2.py: attn 50.0, final 30.0)
+        {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True, "attn_softcap": 50.0,
+         "final_softcap": 30.0},
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, sliding_period=2,
+        # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping", modeling_gemma2.py)
+        softcaps=("attention", "final"), sdpa=False),
+    Family.GEMMA3: Description(
+        Family.GEMMA3, ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", "Gemma3DecoderLayer", "decoder",
+        {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True},
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, qk_norm="head",
+        # Gemma3Attention passes no softcap to its attention function: only the final logits are capped
+        rotary_per_kind=True, sliding_period=6, softcaps=("final",)),
 }
 
 

@@ -47,6 +47,21 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
         vv = ops.heads_view(g, vs, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
         g.drop(qs, ks, vs)
         local: list[T] = [qkv]
+    elif rec.d.qk_norm == "full":
+        # Olmo2Attention: ``q_norm(q_proj(x))``, ``k_norm(k_proj(x))`` over the projection widths, then
+        # the three views as heads
+        q0 = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
+        q = rec.norm(g, q0, p["self_attn.q_norm.weight"], "q_norm")
+        g.drop(q0)
+        k0 = rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
+        k = rec.norm(g, k0, p["self_attn.k_norm.weight"], "k_norm")
+        g.drop(k0)
+        v = rec.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
+        qv = ops.heads_view(g, q, "q view")
+        kv = ops.heads_view(g, k, "k view", clone_grad=m.n_kv_heads > 1)
+        vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
+        g.drop(q, k, v)
+        local = []
     else:
         q = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
         qv = ops.heads_view(g, q, "q view")
@@ -58,12 +73,18 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
         vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
         g.drop(v)
         local = []
+    if rec.d.qk_norm == "head":
+        # Gemma3Attention: ``q_norm`` / ``k_norm`` over each head of the (b, heads, s, d) views
+        qn = rec.norm(g, qv, p["self_attn.q_norm.weight"], "q_norm")
+        kn = rec.norm(g, kv, p["self_attn.k_norm.weight"], "k_norm")
+        g.drop(qv, kv)
+        qv, kv = qn, kn
     cos, sin = sh.rotary(kind)
     assert cos is not None and sin is not None
     if rec.d.rotary == "cat":
         qr, kr = apply_rotary_partial(g, rec.ctx, qv, kv, cos, sin, m.rotary_dims / m.head_dim, cat_each=True)
     else:
-        qr, kr = apply_rotary_pair(g, qv, kv, cos, sin)
+        qr, kr = apply_rotary_pair(g, qv, kv, cos, sin, cast_back=rec.d.rotary_fp32)
     g.drop(qv, kv)
     o = attention_kernel(rec, g, qr, kr, vv, sh.attention_mask(kind), kind)
     out = rec.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
@@ -75,7 +96,7 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
 def attention_kernel(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | None, kind: LayerKind) -> T:
     """The attention implementation HF dispatches to: eager, SDPA's math fallback, or SDPA."""
     if rec.t.attention is Attention.EAGER:
-        return eager_attention(rec, g, q, k, v, mask, qk_contiguous=rec.qk_contiguous)
+        return eager_attention(rec, g, q, k, v, mask, qk_contiguous=rec.qk_contiguous, softcap=rec.m.attn_softcap > 0)
     if rec.sdpa_falls_back_to_math:
         return math_attention(rec, g, q, k, v, masked=rec.masked(kind), qk_contiguous=rec.qk_contiguous)
     if rec.masked(kind):
@@ -163,7 +184,7 @@ def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool 
 
 
 def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | None,
-                    qk_contiguous: bool = False) -> T:
+                    qk_contiguous: bool = False, softcap: bool = False) -> T:
     """HF ``eager_attention_forward``: ``repeat_kv`` for GQA, then the eager kernel
     (`trainmem_nb.engine.ops.eager_attention`: ``q @ k^T * scaling + mask``, fp32 softmax cast back to
     q's dtype in one expression, dropout, ``@ v``, transposed back contiguous); the attention weights
@@ -172,7 +193,8 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     ``matmul`` copies operands whose (b, heads) cannot fold into one batch dim (b > 1): the query and
     key in the projections' layout (not `qk_contiguous`), the key and value when not repeated, and an
     expanded key/value (one kv head: ``repeat_kv`` made a view) unless autocast's cast already made a
-    contiguous copy; with b == 1 nothing is copied and neither is the output's gradient."""
+    contiguous copy; with b == 1 nothing is copied and neither is the output's gradient. `softcap`:
+    Gemma 2's ``attn_logit_softcapping`` (``/ softcap``, ``tanh``, ``* softcap`` after the scaling)."""
     m, ctx = rec.m, rec.ctx
     n_rep = m.n_heads // m.n_kv_heads
     fold = ctx.batch1
@@ -184,7 +206,7 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     out, pd = ops.eager_attention(g, ctx, q, kx, vx, mask, per_token_sq(m.n_heads), rec.dropout_attn,
                                   copy_q=copy_qk, copy_k=(copy_qk and copy_kv) or copy_expanded,
                                   copy_v=copy_kv or copy_expanded, grad_copy=not fold, softmax_dt=F32, probs_dt=q.dt,
-                                  one_expression=True, label="eager")
+                                  one_expression=True, softcap=softcap, label="eager")
     g.drop(kx, vx)  # locals of eager_attention_forward
     rec.attn_weights.append(pd)
     return out
