@@ -197,16 +197,17 @@ DESCRIPTIONS: dict[Family, Description] = {
         layer="post", norm="olmo2", qk_norm="full", rotary_fp32=True),
     Family.GEMMA2: Description(
         Family.GEMMA2, ("gemma2",), "Gemma2ForCausalLM", "Gemma2DecoderLayer", "decoder",
-        # Gemma2Config's soft-capping defaults (configuration_gemma2.py: attn 50.0, final 30.0)
+        # Gemma2Config's defaults (configuration_gemma2.py: soft-capping 50.0 / 30.0, sliding_window 4096)
         {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True, "attn_softcap": 50.0,
-         "final_softcap": 30.0},
+         "final_softcap": 30.0, "sliding_window": 4096},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, sliding_period=2,
         # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping", modeling_gemma2.py)
         softcaps=("attention", "final"), sdpa=False),
     Family.GEMMA3: Description(
         Family.GEMMA3, ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", "Gemma3DecoderLayer", "decoder",
-        {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True},
+        # Gemma3TextConfig's default window (configuration_gemma3.py: sliding_window 4096)
+        {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True, "sliding_window": 4096},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, qk_norm="head",
         # Gemma3Attention passes no softcap to its attention function: only the final logits are capped

@@ -262,11 +262,14 @@ def _softcap(cfg: Mapping[str, Any], key: str, default: float | None, f: Family)
     return 0.0 if cfg[key] is None else _float(cfg, key, family=f, default=0.0)
 
 
-def _layer_types(cfg: Mapping[str, Any], n_layers: int, period: int) -> tuple[str, ...]:
+def _layer_types(cfg: Mapping[str, Any], n_layers: int, period: int, f: Family) -> tuple[str, ...]:
     """``layer_types`` as given, else the configuration's default: every `period`-th layer global
-    (Gemma2Config / Gemma3TextConfig ``__post_init__``)."""
+    (Gemma2Config / Gemma3TextConfig ``__post_init__``); none (the spec's own default, the family's
+    `sliding_period`) when that is the family's default period."""
     types = cfg.get("layer_types")
     if types is None:
+        if period == DESCRIPTIONS[f].sliding_period:
+            return ()
         return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers))
     if not isinstance(types, list) or any(t not in ("full_attention", "sliding_attention") for t in types):
         raise SpecError(f"config.json layer_types={show_value(types)} must list 'full_attention' / "
@@ -286,7 +289,7 @@ def _read_gemma_sliding(cfg: Mapping[str, Any], f: Family, defaults: Mapping[str
         kw["activation"] = "gelu_pytorch_tanh"
     window = cfg["sliding_window"] if "sliding_window" in cfg else defaults["sliding_window"]
     kw["sliding_window"] = 0 if window is None else whole_number(window, "config.json sliding_window", 1, _CONFIG_INT_MAX)
-    kw["layer_types"] = _layer_types(cfg, kw["n_layers"], period)
+    kw["layer_types"] = _layer_types(cfg, kw["n_layers"], period, f)
     scalar = _float(full, "query_pre_attn_scalar", family=f, default=256.0)
     kw["query_pre_attn_scalar"] = 0.0 if scalar == kw["head_dim"] else scalar  # 0: head_dim ** -0.5
     kw["attn_softcap"] = _softcap(cfg, "attn_logit_softcapping", softcaps[0], f)
@@ -484,10 +487,12 @@ def _write_olmo2(m: Any) -> dict[str, Any]:
 
 def _write_gemma_sliding(m: Any) -> dict[str, Any]:
     """Gemma2Config / Gemma3TextConfig keys: explicit layer types, the window, scaling and soft-caps."""
-    types = [f"{k.attention}_attention" for k in m.layer_kinds]
+    # without layer_types the configuration computes the family's default pattern, as the spec does
     out = {**_write_decoder(m), "model_type": "gemma3_text" if m.family is Family.GEMMA3 else "gemma2",
-           "hidden_activation": m.activation, "sliding_window": m.sliding_window or None, "layer_types": types,
-           "query_pre_attn_scalar": m.query_pre_attn_scalar or m.head_dim,
+           "hidden_activation": m.activation, "sliding_window": m.sliding_window,
+           "layer_types": list(m.layer_types) or None,
+           # Gemma2Config types it int (a strict dataclass field)
+           "query_pre_attn_scalar": round(m.query_pre_attn_scalar) if m.query_pre_attn_scalar else m.head_dim,
            "attn_logit_softcapping": m.attn_softcap or None, "final_logit_softcapping": m.final_softcap or None}
     return out
 

@@ -135,6 +135,10 @@ class ModelSpec(SpecModel):
                 f"from {_divisors_near(self.n_heads, self.n_kv_heads)}"
             )
         self._check_layer_pattern()
+        if DESCRIPTIONS[self.family].both_masks and not self.sliding_window:
+            # masking_utils.create_sliding_window_causal_mask: "Could not find a `sliding_window` argument"
+            raise SpecError(f"family {self.family.value!r} builds a sliding-window mask for every model: give "
+                            f"sliding_window > 0 (its configuration's default is 4096)")
         caps = DESCRIPTIONS[self.family].softcaps
         for field, cap in (("attn_softcap", "attention"), ("final_softcap", "final")):
             if getattr(self, field) and cap not in caps:

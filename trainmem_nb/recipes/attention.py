@@ -75,9 +75,10 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
         local = []
     if rec.d.qk_norm == "head":
         # Gemma3Attention: ``q_norm`` / ``k_norm`` over each head of the (b, heads, s, d) views
-        qn = rec.norm(g, qv, p["self_attn.q_norm.weight"], "q_norm")
-        kn = rec.norm(g, kv, p["self_attn.k_norm.weight"], "k_norm")
-        g.drop(qv, kv)
+        qn = rec.norm(g, qv, p["self_attn.q_norm.weight"], "q_norm", rows=m.n_heads)
+        g.drop(qv)  # ``query_states = self.q_norm(query_states)`` rebinds the view
+        kn = rec.norm(g, kv, p["self_attn.k_norm.weight"], "k_norm", rows=m.n_kv_heads)
+        g.drop(kv)
         qv, kv = qn, kn
     cos, sin = sh.rotary(kind)
     assert cos is not None and sin is not None

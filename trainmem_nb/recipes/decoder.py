@@ -84,9 +84,9 @@ class DecoderRecipe(Recipe):
             kw["cache_input"] = True
         return super().linear(g, x, p, module, in_features, out_features, **kw)
 
-    def norm(self, g: Graph, x: T, w: T, label: str) -> T:
-        """The family's RMSNorm."""
-        return self._norm(g, x, w, label)
+    def norm(self, g: Graph, x: T, w: T, label: str, rows: int = 1) -> T:
+        """The family's RMSNorm (over `rows` vectors per token: per-head q/k norms)."""
+        return self._norm(g, x, w, label, rows=rows) if rows != 1 else self._norm(g, x, w, label)
 
     def act(self, g: Graph, x: T) -> T:
         """The MLP's activation (``ACT2FN[hidden_act]``), which saves its input."""

@@ -35,13 +35,14 @@ def rms_norm(g: Graph, x: T, w: T, label: str) -> T:
     return out
 
 
-def rms_norm_gemma(g: Graph, x: T, w: T, label: str) -> T:
+def rms_norm_gemma(g: Graph, x: T, w: T, label: str, rows: int = 1) -> T:
     """``GemmaRMSNorm.forward``: ``output = self._norm(x.float())`` (``x * rsqrt(x.pow(2).mean(-1) +
     eps)``, whose mean and sum are unnamed temporaries), ``output * (1.0 + self.weight.float())`` in
-    fp32, then ``type_as(x)``. The fp32 product and ``1 + w`` are saved by the multiply."""
+    fp32, then ``type_as(x)``. The fp32 product and ``1 + w`` are saved by the multiply. `rows`: vectors
+    normalised per token (Gemma 3's per-head q/k norms: the heads; their means are (b, heads, s, 1))."""
     xf = ops.cast(g, x, F32, f"{label} x.float()")
     p = ops.pow2(g, xf, f"{label} pow")
-    var = ops.mean_last(g, p, tok(1), f"{label} mean")
+    var = ops.mean_last(g, p, tok(rows), f"{label} mean")
     g.drop(p)
     ve = ops.scalar_op(g, var, f"{label} +eps", grad_allocs=False)
     g.drop(var)
@@ -116,5 +117,5 @@ def rms_norm_olmo2(g: Graph, x: T, w: T, label: str) -> T:
 
 
 #: The RMSNorm variants a description names (`trainmem_nb.model.families.Description.norm`).
-RMS_NORMS: dict[str, Callable[[Graph, T, T, str], T]] = {"llama": rms_norm, "gemma": rms_norm_gemma,
+RMS_NORMS: dict[str, Callable[..., T]] = {"llama": rms_norm, "gemma": rms_norm_gemma,
                                                           "olmo2": rms_norm_olmo2}
