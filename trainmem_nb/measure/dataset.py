@@ -316,8 +316,7 @@ def full_matrix() -> list[CaseSpec]:
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in pick])
     # olmo2, gemma2, gemma3 at real widths with few layers (gemma's layer types cut to match): the
     # baseline, both checkpointing policies, eager attention, LoRA on q/v and all-linear
-    sliced = {"olmo2": ("olmo-2-1b", 2), "gemma2": ("gemma-2-2b", 2), "gemma3": ("gemma-3-1b", 6)}
-    for fam, (preset, layers) in sliced.items():
+    for preset, layers in (("olmo-2-1b", 2), ("gemma-2-2b", 2), ("gemma-3-1b", 6)):
         types = _preset(preset).layer_types[:layers]
         model = _preset(preset, n_layers=layers, layer_types=types, name=f"{preset}-{layers}L")
         opts = _sweep_options()
