@@ -48,6 +48,11 @@ SHAPES: dict[str, dict[str, Any]] = {
     "opt-postnorm-proj": dict(family="opt", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=512,
                               max_positions=1024, pre_norm=False, word_embed_proj_dim=64),
     "bert": dict(family="bert", n_layers=4, hidden=64, n_heads=4, ffn=256, vocab=512),
+    "olmo2-gqa": dict(family="olmo2", n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512),
+    "gemma2-window": dict(family="gemma2", n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+                          vocab=512, sliding_window=64),
+    "gemma3-5to1": dict(family="gemma3", n_layers=8, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+                        vocab=512, sliding_window=64),
 }
 
 BASE: dict[str, Any] = dict(micro_batch=2, seq_len=128, precision="bf16-mixed", optimizer="adamw")
