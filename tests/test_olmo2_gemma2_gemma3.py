@@ -106,3 +106,29 @@ def test_lora_all_linear_adapts_projections_not_the_qk_norms() -> None:
     for name in ("olmo-2-1b", "gemma-3-1b"):
         mods = lora_modules(get_model(name), "all-linear")
         assert "self_attn.q_proj" in mods and not any("norm" in m for m in mods)
+
+
+_PATTERN_OPTIONS = [
+    dict(precision="fp32"),
+    dict(precision="bf16-mixed", checkpointing="full", method="lora", lora_rank=4),
+    dict(precision="bf16-mixed", checkpointing="selective-op", dropout=0.1),
+    dict(precision="bf16-true", checkpointing="selective", attention="eager", device="cuda"),
+]
+
+
+@pytest.mark.parametrize("family,n_layers", [("gemma2", 9), ("gemma3", 14)])
+@pytest.mark.parametrize("opts", _PATTERN_OPTIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
+def test_the_folded_sliding_global_pattern_gives_the_bytes_of_running_every_layer(
+        family: str, n_layers: int, opts: dict[str, Any]) -> None:
+    from trainmem_nb.engine.program import evaluate
+    from trainmem_nb.spec.training import TrainingSpec
+    from trainmem_nb.step.compile import compile_step, program_key
+
+    m = ModelSpec(family=family, n_layers=n_layers, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=128,
+                  vocab=256, sliding_window=8)
+    t = TrainingSpec.model_validate({"micro_batch": 2, "seq_len": 12, "device": "cpu", **opts})
+    key = program_key(t, m)
+    folded, unrolled = compile_step(m, key), compile_step(m, key, unrolled=True)
+    for b, s in ((2, 12), (3, 17)):
+        f, u = evaluate(folded, b, s), evaluate(unrolled, b, s)
+        assert (f.peak, f.peak_phase, f.detail, f.phase_peaks) == (u.peak, u.peak_phase, u.detail, u.phase_peaks)
