@@ -132,3 +132,14 @@ def test_the_folded_sliding_global_pattern_gives_the_bytes_of_running_every_laye
     for b, s in ((2, 12), (3, 17)):
         f, u = evaluate(folded, b, s), evaluate(unrolled, b, s)
         assert (f.peak, f.peak_phase, f.detail, f.phase_peaks) == (u.peak, u.peak_phase, u.detail, u.phase_peaks)
+
+
+def test_notes_say_gemma2_sdpa_is_counted_as_eager_and_gemma3_vision_is_left_out() -> None:
+    from trainmem_nb.estimator.notes import estimate_notes
+    from trainmem_nb.spec.training import TrainingSpec
+
+    sdpa, eager = TrainingSpec(attention="sdpa"), TrainingSpec(attention="eager")
+    assert any("no SDPA path" in n for n in estimate_notes(get_model("gemma-2-2b"), sdpa))
+    assert not any("no SDPA path" in n for n in estimate_notes(get_model("gemma-2-2b"), eager))
+    assert not any("no SDPA path" in n for n in estimate_notes(get_model("gemma-3-4b"), sdpa))
+    assert any("vision tower" in n for n in estimate_notes(get_model("gemma-3-4b"), sdpa))
