@@ -116,7 +116,7 @@ _PATTERN_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("family,n_layers", [("gemma2", 9), ("gemma3", 14)])
+@pytest.mark.parametrize("family,n_layers", [("gemma2", 9), ("gemma3", 14), ("gemma3", 26)])
 @pytest.mark.parametrize("opts", _PATTERN_OPTIONS, ids=lambda o: "-".join(str(v) for v in o.values()))
 def test_the_folded_sliding_global_pattern_gives_the_bytes_of_running_every_layer(
         family: str, n_layers: int, opts: dict[str, Any]) -> None:
@@ -143,3 +143,11 @@ def test_notes_say_gemma2_sdpa_is_counted_as_eager_and_gemma3_vision_is_left_out
     assert not any("no SDPA path" in n for n in estimate_notes(get_model("gemma-2-2b"), eager))
     assert not any("no SDPA path" in n for n in estimate_notes(get_model("gemma-3-4b"), sdpa))
     assert any("vision tower" in n for n in estimate_notes(get_model("gemma-3-4b"), sdpa))
+
+
+def test_gemma3_simulates_its_period_once_after_a_prefix_holding_both_kinds() -> None:
+    from trainmem_nb.step.layers import layer_plan
+
+    plan = layer_plan(get_model("gemma-3-1b"))  # 26 layers: 0-5, then 6-11 standing for 6-23, then 24-25
+    assert (len(plan.kinds), plan.block, plan.reps) == (14, (6, 12), 3)
+    assert plan.labels[6].startswith("layers 6-23 (3 x")

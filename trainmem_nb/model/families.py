@@ -129,6 +129,11 @@ class Description:
     #: Hugging Face implements SDPA for it (``_supports_sdpa``); without, a run that asks for no
     #: implementation gets eager attention, so ``attention='sdpa'`` is run (and measured) as eager
     sdpa: bool = True
+    #: the step simulates a repeating period of several layers once, after a prefix holding every kind
+    #: and before the last layers (`trainmem_nb.model.layers.compress_between`), instead of three
+    #: times: Gemma 3's 5:1 pattern, 14 simulated layers instead of 20 (checked against running every
+    #: layer, tests/test_olmo2_gemma2_gemma3.py)
+    period_once: bool = False
 
     @property
     def composed(self) -> bool:
@@ -211,7 +216,7 @@ DESCRIPTIONS: dict[Family, Description] = {
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, qk_norm="head",
         # Gemma3Attention passes no softcap to its attention function: only the final logits are capped
-        rotary_per_kind=True, sliding_period=6, softcaps=("final",)),
+        rotary_per_kind=True, sliding_period=6, softcaps=("final",), period_once=True),
 }
 
 
