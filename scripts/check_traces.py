@@ -55,6 +55,11 @@ SHAPES = {
     "starcoder2": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=1024, vocab=1000, sliding_window=32),
     "starcoder2-nowin": dict(family="starcoder2", n_layers=3, hidden=256, n_heads=4, ffn=1024,
                              vocab=1000, tie_embeddings=False),
+    "olmo2": dict(n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1000),
+    "gemma2": dict(n_layers=4, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=1000,
+                   sliding_window=32),
+    "gemma3": dict(n_layers=8, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=1000,
+                   sliding_window=32),
 }
 
 

@@ -64,6 +64,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                               sliding_window=64),
     "starcoder2-untied-nobias": dict(family="starcoder2", n_layers=2, hidden=128, n_heads=4, ffn=256, vocab=512,
                                      tie_embeddings=False, qkv_bias=False, out_bias=False, mlp_bias=False),
+    "olmo2-gqa": dict(family="olmo2", n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, ffn=256, vocab=512),
+    "gemma2-window": dict(family="gemma2", n_layers=4, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+                          vocab=512, sliding_window=64),
+    "gemma3-5to1": dict(family="gemma3", n_layers=8, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+                        vocab=512, sliding_window=64),
 }
 
 BASE: dict[str, Any] = dict(micro_batch=2, seq_len=128, precision="bf16-mixed", optimizer="adamw")

@@ -22,6 +22,9 @@ __all__ = ['Program', 'Segment', 'TimelinePoint', 'activations_at_forward_end', 
            'forward_activation_events', 'peak_with_churn', 'timeline']
 
 CAT_INDEX = {k: i for i, k in enumerate(DETAIL_KEYS)}
+#: the categories whose bytes `peak_with_churn` weighs (the churn the caching allocator keeps cached)
+_CHURN_PREFIXES = ("activations/", "transient/")
+_CHURN_CATS = frozenset(i for i, k in enumerate(DETAIL_KEYS) if k.startswith(_CHURN_PREFIXES))
 
 
 class Segment(NamedTuple):
@@ -40,11 +43,14 @@ class Segment(NamedTuple):
     which: tuple[tuple[int, int], ...] = ()  # per event: (index into sizes_of, sign)
     #: the distinct (index into sizes_of, sign) pairs of the one-term events, then one slot per
     #: several-term event; `gather` picks every event's signed bytes from a table of them (in C)
-    pairs: tuple[tuple[int, int], ...] = ()
+    pairs: tuple[tuple[int, int, bool], ...] = ()
     gather: Callable[[list[float]], tuple[float, ...]] | None = None
     #: per event, the tensor it allocates or frees (a token unique in the program; 0: unnamed, as the
     #: optimizer's and engines' grouped events are), for replaying the step through the caching allocator
     tokens: tuple[int, ...] = ()
+    #: per table slot (the pairs, then the several-term events): does it hold activation or transient
+    #: bytes, which `peak_with_churn` weighs (a pair's slot is split by it, so the weights apply to the table)
+    churn: tuple[bool, ...] = ()
 
 
 def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...],
@@ -59,10 +65,11 @@ def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, 
     distinct: dict[tuple[int, float], int] = {}
     which = tuple((distinct.setdefault((max(i, 0), c), len(distinct)), k) for i, c, k in fast)
     general = tuple(j for j, f in enumerate(fast) if f[0] < 0)
-    slot: dict[tuple[int, int], int] = {}
-    index = [slot.setdefault(w, len(slot)) for w in which]
+    slot: dict[tuple[int, int, bool], int] = {}
+    index = [slot.setdefault((*w, e[0] in _CHURN_CATS), len(slot)) for w, e in zip(which, events, strict=True)]
     for g_index, j in enumerate(general):  # several-term sizes: a slot of their own, after the pairs
         index[j] = len(slot) + g_index
+    churn = (*(c for _u, _k, c in slot), *(events[j][0] in _CHURN_CATS for j in general))
     gather: Callable[[list[float]], tuple[float, ...]] | None = None
     if len(index) == 1:
         only = index[0]
@@ -71,7 +78,7 @@ def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, 
         gather = itemgetter(*index)
     return Segment(phase, label, repeat, events, fast, general,
                    tuple((cat, i, c, k) for (cat, i, c), k in net.items() if k), tuple(distinct), which,
-                   tuple(slot), gather, tokens)
+                   tuple(slot), gather, tokens, churn)
 
 
 @dataclass(frozen=True)
@@ -128,11 +135,17 @@ _TERMS: dict[Sz, tuple[int, float]] = {}
 def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> tuple[float, ...]:
     """Signed, 512-B-rounded bytes of each event at (b, s): a table of the distinct (size, sign) pairs
     and several-term sizes, then every event's entry picked from it."""
+    return seg.gather(_table(seg, b, s, mono)) if seg.gather is not None else ()
+
+
+def _table(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> list[float]:
+    """The signed, rounded bytes of each of `seg`'s table slots at (b, s) (`Segment.pairs`, then the
+    several-term events)."""
     vals = [-(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for i, c in seg.sizes_of]
-    table = [k * vals[u] for u, k in seg.pairs]
+    table = [k * vals[u] for u, k, _c in seg.pairs]
     for j in seg.general:
         table.append(seg.fast[j][2] * _round(seg.events[j][2].at(b, s)))
-    return seg.gather(table) if seg.gather is not None else ()
+    return table
 
 
 def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
@@ -180,15 +193,17 @@ def peak_with_churn(prog: Program, micro_batch: int, seq_len: int, fraction: flo
     Repeated segments are handled as in `evaluate`."""
     b, s = micro_batch, seq_len
     mono = (1, b, s, b * s, s * s, b * s * s)
-    weight = [1 + fraction if k.startswith(("activations/", "transient/")) else 1.0 for k in DETAIL_KEYS]
+    weight = [1 + fraction if k.startswith(_CHURN_PREFIXES) else 1.0 for k in DETAIL_KEYS]
     total = float(sum(w * v for w, v in zip(weight, _init_bytes(prog, b, s), strict=True)))
     best = total
+    w = 1 + fraction
     for seg in prog.segments:
         n = seg.repeat
-        if n <= 0 or not seg.events:
+        if n <= 0 or not seg.events or seg.gather is None:
             continue
-        sizes = [weight[cat] * d for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True)]
-        run = list(accumulate(sizes))
+        # weigh the table's slots (a few dozen), then gather every event's weighted bytes (in C)
+        table = [v * w if c else 1.0 * v for v, c in zip(_table(seg, b, s, mono), seg.churn, strict=True)]
+        run = list(accumulate(seg.gather(table)))
         net, pmax = run[-1], max(run)
         best = max(best, total + ((n - 1) * net if net > 0 else 0) + pmax)
         total += net * n

@@ -17,7 +17,7 @@ __all__ = ["estimate_notes"]
 def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None) -> tuple[str, ...]:
     """Notes on a step of `m` trained as `t` on layout `p`: a LoRA base counted in fp32 under a mixed
     recipe, QLoRA leaving an MoE model's fused expert tensors unquantized, FSDP ranks outnumbering the
-    experts."""
+    experts, SDPA counted as eager where transformers has none (Gemma 2), Gemma 3's vision tower left out."""
     notes = []
     if p is not None and p.engine is Engine.FSDP and m.is_moe and p.shard_degree > m.n_experts // p.ep:
         notes.append(
@@ -40,4 +40,17 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
                 f"qlora on {m.name}: bitsandbytes quantizes nn.Linear layers only, and transformers stores the "
                 f"{m.n_experts} experts of each layer as fused 3-D parameters: {format_bytes(size)} of expert "
                 f"weights stay in {8 * t.param_bytes}-bit, not NF4")
+    from ..model.families import describe
+    from ..spec.choices import Attention
+
+    d = describe(m.family)
+    if t.attention is Attention.SDPA and not d.sdpa:
+        notes.append(
+            f"{m.family.value} has no SDPA path in transformers ({d.hf_class}: _supports_sdpa = False, as SDPA "
+            "has no logit soft-capping): attention='sdpa' is counted as the eager attention Hugging Face runs "
+            "by default, whose (b, heads, s, s) scores dominate at long sequences; attention='flash' counts "
+            "FlashAttention-2, which soft-caps")
+    if m.family.value == "gemma3":
+        notes.append("gemma3: the language model only (Gemma3ForCausalLM); the 4B-27B checkpoints are multimodal "
+                     "and their SigLIP vision tower and projector are not counted")
     return tuple(notes)

@@ -192,6 +192,16 @@ def _small_shapes() -> list[ModelSpec]:
            sliding_window=32),
         _m("starcoder2", "starcoder2-small-untied-nobias", n_layers=4, hidden=256, n_heads=8, n_kv_heads=2, ffn=1024,
            vocab=2048, tie_embeddings=False, qkv_bias=False, out_bias=False, mlp_bias=False),
+        _m("olmo2", "olmo2-tiny", n_layers=2, hidden=64, n_heads=4, ffn=176, vocab=512),
+        _m("olmo2", "olmo2-small-gqa", n_layers=4, hidden=256, n_heads=8, n_kv_heads=2, ffn=688, vocab=2048),
+        _m("gemma2", "gemma2-tiny", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=512, vocab=1024,
+           sliding_window=32),
+        _m("gemma2", "gemma2-small-nocap", n_layers=4, hidden=256, n_heads=4, n_kv_heads=1, head_dim=64, ffn=1024,
+           vocab=4096, sliding_window=48, attn_softcap=0.0, final_softcap=0.0),
+        _m("gemma3", "gemma3-tiny", n_layers=3, hidden=128, n_heads=4, n_kv_heads=1, head_dim=32, ffn=512, vocab=1024,
+           sliding_window=32, layer_types=("sliding_attention", "full_attention", "sliding_attention")),
+        _m("gemma3", "gemma3-small-5to1", n_layers=8, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=1024,
+           vocab=4096, sliding_window=48),
     ]
 
 
@@ -350,6 +360,13 @@ def full_matrix() -> list[CaseSpec]:
     for fam in ("phi", "starcoder2"):  # the families of issue 12: the first sweep's picks plus both checkpointings
         opts = _sweep_options()
         cases += _cases("options", [sweep_models[fam]], [opts[i] for i in (0, 1, 2, 4, 7, 11, 12, 13, 14, 16, 17)])
+    # olmo2, gemma2, gemma3 at real widths with few layers (gemma's layer types cut to match): the
+    # baseline, both checkpointing policies, eager attention, LoRA on q/v and all-linear
+    for preset, layers in (("olmo-2-1b", 2), ("gemma-2-2b", 2), ("gemma-3-1b", 6)):
+        types = _preset(preset).layer_types[:layers]
+        model = _preset(preset, n_layers=layers, layer_types=types, name=f"{preset}-{layers}L")
+        opts = _sweep_options()
+        cases += _cases("options", [model], [opts[i] for i in (0, 11, 12, 13, 16, 17)])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     cases += harness_matrix()
     ids = [c.id for c in cases]

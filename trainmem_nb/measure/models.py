@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["hf_config_object", "hf_model_class", "hf_param_shapes", "instantiate"]
+__all__ = ["hf_config_object", "hf_model_class", "hf_param_shapes", "instantiate", "language_model_config"]
 
 
 def hf_config_object(config: Mapping[str, Any], **overrides: Any) -> Any:
@@ -29,10 +29,24 @@ def hf_model_class(model_type: str) -> Any:
     return getattr(transformers, describe(SUPPORTED_MODEL_TYPES[model_type]).hf_class)
 
 
+def language_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The config of the model trainmem_nb builds: a multimodal Gemma 3 config (``model_type``
+    ``gemma3``) becomes its ``text_config`` as a ``gemma3_text`` config (the vision tower and the
+    projector are not modelled); any other config is itself."""
+    if config.get("model_type") != "gemma3":
+        return config
+    text = dict(config.get("text_config") or {})
+    text["model_type"] = "gemma3_text"
+    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
+    return text
+
+
 def hf_param_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of every parameter (tied ones once) of the model built on the meta device."""
+    """``{name: shape}`` of every parameter (tied ones once) of the model built on the meta device
+    (of a multimodal Gemma 3 config, its language model: `language_model_config`)."""
     import torch
 
+    config = language_model_config(config)
     cfg = hf_config_object(config)
     cls = hf_model_class(config["model_type"])
     with torch.device("meta"):

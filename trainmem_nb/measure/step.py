@@ -111,9 +111,11 @@ def _dropout_overrides(m: ModelSpec, p: float | None) -> dict[str, Any]:
     return dict.fromkeys(describe(m.family).dropout_keys, p)
 
 
-def _attn_impl(t: TrainingSpec) -> str:
+def _attn_impl(t: TrainingSpec, m: ModelSpec | None = None) -> str:
     if t.attention is Attention.FLASH:
         return "flash_attention_2"
+    if t.attention is Attention.SDPA and m is not None and not describe(m.family).sdpa:
+        return "eager"  # no SDPA for the class (Gemma 2): what Hugging Face runs when none is asked for
     return t.attention.value
 
 
@@ -269,7 +271,7 @@ def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[s
     _sanitize_token_ids(cfg, m.vocab)
     torch_device = "cuda" if device == "cuda" else "cpu"
     with torch.device(torch_device):
-        model = instantiate(cfg, cfg_dict["model_type"], _attn_impl(t), model_dtype(t))
+        model = instantiate(cfg, cfg_dict["model_type"], _attn_impl(t, m), model_dtype(t))
     model.train()
     if t.checkpointing is not Checkpointing.NONE:
         kwargs: dict[str, Any] = {"use_reentrant": False}

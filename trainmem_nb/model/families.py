@@ -42,6 +42,9 @@ class Family(_Choice):
     QWEN3_MOE = "qwen3_moe"  #: Qwen3 attention, top-k routed experts (renormalised if norm_topk_prob), dense layers
     PHI = "phi"  #: phi-1.5/phi-2: one LayerNorm feeding parallel attention and MLP, partial rotary, biased head
     STARCODER2 = "starcoder2"  #: LayerNorm with bias, GELU c_fc/c_proj MLP, biases, GQA, rotary, sliding window
+    OLMO2 = "olmo2"  #: norms after attention and MLP (no pre-norms), full-width q/k RMSNorm
+    GEMMA2 = "gemma2"  #: sandwich norms, logit soft-capping, alternating sliding/global layers
+    GEMMA3 = "gemma3"  #: sandwich norms, per-head q/k norms, 5:1 sliding/global, a rotary base per kind
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -82,7 +85,9 @@ class Description:
     embedding: str = "embed_tokens.weight"
     # -- the parts of a decoder composed by `trainmem_nb.recipes.decoder` ------------------------------
     #: the decoder layer's placement of norms and residuals (`trainmem_nb.recipes.layers.LAYERS`):
-    #: ``"pre"`` (a norm before attention and before the MLP, each added to the residual stream)
+    #: ``"pre"`` (a norm before attention and before the MLP, each added to the residual stream), ``"post"``
+    #: (a norm on each sublayer's output before its residual add, none before: OLMo 2) or ``"sandwich"``
+    #: (both: input, post-attention, pre-feedforward and post-feedforward norms, Gemma 2/3)
     layer: str = "pre"
     #: the attention module (`trainmem_nb.recipes.attention.ATTENTIONS`): ``"gqa"`` (q/k/v projections,
     #: grouped-query attention, ``o_proj``)
@@ -95,8 +100,9 @@ class Description:
     #: whose renormalisation is optional and whose weights are cast back to the logits' dtype)
     moe: str = "mixtral"
     #: RMSNorm variant (`trainmem_nb.recipes.norms.RMS_NORMS`): ``"llama"`` (normalise in fp32, cast back,
-    #: then ``* weight``) or ``"gemma"`` (``* (1 + weight)`` in fp32, then cast); unused by a model whose
-    #: norm is ``nn.LayerNorm`` (``ModelSpec.norm == "layernorm"``, with its bias when ``norm_bias``)
+    #: then ``* weight``), ``"gemma"`` (``* (1 + weight)`` in fp32, then cast) or ``"olmo2"`` (``weight *``
+    #: the fp32 normalised states, then cast back); unused by a model whose norm is ``nn.LayerNorm``
+    #: (``ModelSpec.norm == "layernorm"``, with its bias when ``norm_bias``)
     norm: str = "llama"
     #: the token embeddings are multiplied by ``sqrt(hidden)`` (a buffer in the model's dtype)
     embed_scale: bool = False
@@ -110,9 +116,6 @@ class Description:
     fused_gate_up: bool = False
     #: dropout on the attention and MLP outputs before each residual add
     residual_dropout: bool = False
-    #: an RMSNorm over each head's dims of the query and the key (``q_norm``/``k_norm``, weights of
-    #: ``head_dim``) between the projection and rotary (Qwen3)
-    qk_norm: bool = False
     #: attention kinds whose mask the model builds even when no layer uses it (Qwen3Model always
     #: builds ``causal_mask_mapping["full_attention"]``, then the sliding one if a layer slides)
     always_masks: tuple[str, ...] = ()
@@ -126,6 +129,36 @@ class Description:
     #: dropout on the token embeddings before the layers, whose output is the first layer's input only:
     #: ``inputs_embeds`` stays bound until the model returns (Starcoder2's ``embedding_dropout``)
     embed_dropout: bool = False
+    #: q/k RMSNorms in the attention: ``""`` none; ``"full"`` over the whole projection width before the
+    #: heads view (OLMo 2: ``q_norm(q_proj(x))``); ``"head"`` per head on the (b, heads, s, d) views (Gemma 3);
+    #: ``"head_view"`` per head on the projection's (b, s, heads, d) view, before the transpose and
+    #: rotary (Qwen3: ``q_norm(q_proj(x).view(hidden_shape)).transpose(1, 2)``)
+    qk_norm: str = ""
+    #: the rotary module returns fp32 cos/sin (no cast to the hidden states' dtype) and
+    #: ``apply_rotary_pos_emb`` casts its results back to q's and k's dtypes (OLMo 2)
+    rotary_fp32: bool = False
+    #: the model builds both a causal and a sliding-window mask whatever its layer types (Gemma 2/3's
+    #: ``causal_mask_mapping``)
+    both_masks: bool = False
+    #: one rotary cos/sin pair per attention kind of the model's layer types (Gemma 3: a local and a
+    #: global base)
+    rotary_per_kind: bool = False
+    #: without ``layer_types``, every n-th layer is global and the others slide (the configuration's
+    #: default ``layer_types``: Gemma 2 alternates, 2; Gemma 3's ``sliding_window_pattern`` is 6); 0: the
+    #: `sliding_mask` rule
+    sliding_period: int = 0
+    #: the soft-cappings its modeling code applies (``"attention"``: the attention logits, Gemma 2;
+    #: ``"final"``: the output logits, Gemma 2 and 3); a spec's ``attn_softcap`` / ``final_softcap``
+    #: must be 0 for a family without them
+    softcaps: tuple[str, ...] = ()
+    #: Hugging Face implements SDPA for it (``_supports_sdpa``); without, a run that asks for no
+    #: implementation gets eager attention, so ``attention='sdpa'`` is run (and measured) as eager
+    sdpa: bool = True
+    #: the step simulates a repeating period of several layers once, after a prefix holding every kind
+    #: and before the last layers (`trainmem_nb.model.layers.compress_between`), instead of three
+    #: times: Gemma 3's 5:1 pattern, 14 simulated layers instead of 20 (checked against running every
+    #: layer, tests/test_olmo2_gemma2_gemma3.py)
+    period_once: bool = False
 
     @property
     def composed(self) -> bool:
@@ -193,7 +226,7 @@ DESCRIPTIONS: dict[Family, Description] = {
     Family.QWEN3: Description(
         Family.QWEN3, ("qwen3",), "Qwen3ForCausalLM", "Qwen3DecoderLayer", "decoder", _RMS_DECODER,
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        qk_norm=True, always_masks=("full",)),
+        qk_norm="head_view", always_masks=("full",)),
     # modeling_smollm3.py: SmolLM3Attention applies rotary only where config.no_rope_layers[i] is 1;
     # SmolLM3Config ties the embeddings by default (configuration_smollm3.py line 94)
     Family.SMOLLM3: Description(
@@ -211,7 +244,7 @@ DESCRIPTIONS: dict[Family, Description] = {
         Family.QWEN3_MOE, ("qwen3_moe",), "Qwen3MoeForCausalLM", "Qwen3MoeDecoderLayer", "decoder",
         {**_RMS_DECODER, "n_experts": 128, "experts_top_k": 8, "norm_topk_prob": False},
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        qk_norm=True, sliding_mask=True, moe="qwen3_moe"),
+        qk_norm="head_view", sliding_mask=True, moe="qwen3_moe"),
     # modeling_phi.py: PhiAttention's q/k/v/dense all have bias=True, PhiMLP's fc1/fc2 nn.Linear's
     # default bias, both LayerNorms affine with bias, lm_head bias=True; configuration_phi.py:
     # hidden_act "gelu_new" (line 71), partial_rotary_factor 0.5 (line 87), tie_word_embeddings False (line 76)
@@ -233,6 +266,27 @@ DESCRIPTIONS: dict[Family, Description] = {
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
         dropout_keys=("attention_dropout", "residual_dropout", "embedding_dropout"),
         mlp="starcoder2", sliding_mask=True, module_dropout=True, embed_dropout=True),
+    Family.OLMO2: Description(
+        Family.OLMO2, ("olmo2",), "Olmo2ForCausalLM", "Olmo2DecoderLayer", "decoder", _RMS_DECODER,
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        layer="post", norm="olmo2", qk_norm="full", rotary_fp32=True),
+    Family.GEMMA2: Description(
+        Family.GEMMA2, ("gemma2",), "Gemma2ForCausalLM", "Gemma2DecoderLayer", "decoder",
+        # Gemma2Config's defaults (configuration_gemma2.py: soft-capping 50.0 / 30.0, sliding_window 4096)
+        {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True, "attn_softcap": 50.0,
+         "final_softcap": 30.0, "sliding_window": 4096},
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, sliding_period=2,
+        # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping", modeling_gemma2.py)
+        softcaps=("attention", "final"), sdpa=False),
+    Family.GEMMA3: Description(
+        Family.GEMMA3, ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", "Gemma3DecoderLayer", "decoder",
+        # Gemma3TextConfig's default window (configuration_gemma3.py: sliding_window 4096)
+        {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True, "sliding_window": 4096},
+        tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, qk_norm="head",
+        # Gemma3Attention passes no softcap to its attention function: only the final logits are capped
+        rotary_per_kind=True, sliding_period=6, softcaps=("final",), period_once=True),
 }
 
 

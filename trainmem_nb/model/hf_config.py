@@ -285,6 +285,84 @@ def _read_starcoder2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
             "hidden_dropout": _float(cfg, "residual_dropout", family=f, default=0.0),
             "embd_dropout": _float(cfg, "embedding_dropout", family=f, default=0.0),
             "qkv_bias": bias, "out_bias": bias, "mlp_bias": bias}
+def _read_olmo2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Olmo2Config (configuration_olmo2.py): ``attention_bias`` biases q/k/v and ``o_proj`` alike."""
+    bias = _flag(cfg, "attention_bias", False)
+    return {**_read_decoder(cfg, f), "qkv_bias": bias, "out_bias": bias}
+
+
+def _softcap(cfg: Mapping[str, Any], key: str, default: float | None, f: Family) -> float:
+    """A soft-capping value: absent means the configuration's default, null means none (0)."""
+    if key not in cfg:
+        return default or 0.0
+    return 0.0 if cfg[key] is None else _float(cfg, key, family=f, default=0.0)
+
+
+def _layer_types(cfg: Mapping[str, Any], n_layers: int, period: int, f: Family) -> tuple[str, ...]:
+    """``layer_types`` as given, else the configuration's default: every `period`-th layer global
+    (Gemma2Config / Gemma3TextConfig ``__post_init__``); none (the spec's own default, the family's
+    `sliding_period`) when that is the family's default period."""
+    types = cfg.get("layer_types")
+    if types is None:
+        if period == DESCRIPTIONS[f].sliding_period:
+            return ()
+        return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(n_layers))
+    if not isinstance(types, list) or any(t not in ("full_attention", "sliding_attention") for t in types):
+        raise SpecError(f"config.json layer_types={show_value(types)} must list 'full_attention' / "
+                        f"'sliding_attention' per layer")
+    return tuple(types)
+
+
+def _read_gemma_sliding(cfg: Mapping[str, Any], f: Family, defaults: Mapping[str, Any], period: int,
+                        softcaps: tuple[float | None, float | None]) -> dict[str, Any]:
+    """Gemma2Config / Gemma3TextConfig: the decoder keys with the configuration's defaults, the window
+    and layer types, ``query_pre_attn_scalar`` and the two soft-capping values."""
+    if cfg.get("use_bidirectional_attention"):
+        raise SpecError("config.json use_bidirectional_attention=true (an encoder-style Gemma) is not supported")
+    full = {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
+    kw = _read_decoder(full, f)
+    if kw["activation"] == "gelu":
+        kw["activation"] = "gelu_pytorch_tanh"
+    window = cfg["sliding_window"] if "sliding_window" in cfg else defaults["sliding_window"]
+    kw["sliding_window"] = 0 if window is None else whole_number(window, "config.json sliding_window", 1, _CONFIG_INT_MAX)
+    kw["layer_types"] = _layer_types(cfg, kw["n_layers"], period, f)
+    scalar = _float(full, "query_pre_attn_scalar", family=f, default=256.0)
+    kw["query_pre_attn_scalar"] = 0.0 if scalar == kw["head_dim"] else scalar  # 0: head_dim ** -0.5
+    kw["attn_softcap"] = _softcap(cfg, "attn_logit_softcapping", softcaps[0], f)
+    kw["final_softcap"] = _softcap(cfg, "final_logit_softcapping", softcaps[1], f)
+    return kw
+
+
+#: Gemma2Config's defaults (configuration_gemma2.py, transformers 5.x): the keys official configs may omit.
+_GEMMA2_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 8192, "query_pre_attn_scalar": 256, "sliding_window": 4096}
+#: Gemma3TextConfig's defaults (configuration_gemma3.py): the multimodal configs' ``text_config`` omits most.
+_GEMMA3_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+    "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131072, "query_pre_attn_scalar": 256, "sliding_window": 4096}
+
+
+def _read_gemma2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Gemma2Config: alternating sliding/global layers, soft-capping 50 (attention) and 30 (final logits)."""
+    return _read_gemma_sliding(cfg, f, _GEMMA2_DEFAULTS, 2, (50.0, 30.0))
+
+
+def _read_gemma3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """Gemma3TextConfig (``gemma3_text``), or the language model of a multimodal ``gemma3`` config (its
+    ``text_config``; the vision tower and projector are not modelled): five sliding layers per global
+    one (``sliding_window_pattern``, default 6), no soft-capping by default."""
+    if cfg.get("model_type") == "gemma3":
+        text = cfg.get("text_config") or {}
+        if not isinstance(text, Mapping):
+            raise SpecError("config.json text_config must be an object (the Gemma 3 language model's config)")
+        cfg = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))}
+    period = _int(cfg, "sliding_window_pattern", family=f, default=6)
+    kw = _read_gemma_sliding(cfg, f, _GEMMA3_DEFAULTS, period, (None, None))
+    kw["attn_softcap"] = 0.0  # Gemma3Attention never passes attn_logit_softcapping to its attention function
+    return kw
 
 
 #: The config reader of every family.
@@ -292,12 +370,13 @@ READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.LLAMA: _read_llama, Family.MISTRAL: _read_mistral, Family.QWEN2: _read_qwen2, Family.GEMMA: _read_gemma,
     Family.PHI3: _read_phi3, Family.MIXTRAL: _read_mixtral, Family.GPT2: _read_gpt2, Family.OPT: _read_opt,
     Family.BERT: _read_bert, Family.GPT_NEOX: _read_gpt_neox,
+    Family.OLMO2: _read_olmo2, Family.GEMMA2: _read_gemma2, Family.GEMMA3: _read_gemma3,
 }
 READERS[Family.PHI] = _read_phi
 READERS[Family.STARCODER2] = _read_starcoder2
 
 
-def _layer_types(cfg: Mapping[str, Any], n_layers: int, window: int, max_window_default: int) -> tuple[str, ...]:
+def _qwen_layer_types(cfg: Mapping[str, Any], n_layers: int, window: int, max_window_default: int) -> tuple[str, ...]:
     """Each layer's attention when a sliding window is in use (Qwen3Config.__post_init__,
     configuration_qwen3.py lines 90-96: ``layer_types`` as given, else ``sliding_attention`` from layer
     ``max_window_layers`` on); ``()`` when every layer attends fully (the spec's default)."""
@@ -322,7 +401,7 @@ def _read_qwen3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
                         "vocab_size": 151936, **cfg}, f)
     bias = _flag(cfg, "attention_bias", False)
     window = _sliding_window(cfg, False)
-    types = _layer_types(cfg, kw["n_layers"], window, 28)
+    types = _qwen_layer_types(cfg, kw["n_layers"], window, 28)
     # a window no layer uses is kept (it round-trips through `_write_qwen3`) but changes nothing
     return {**kw, "qkv_bias": bias, "out_bias": bias, "sliding_window": window, "layer_types": types}
 
@@ -345,7 +424,7 @@ def _read_smollm3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     types = cfg.get("layer_types")
     if types is None and window:
         types = ["full_attention" if r else "sliding_attention" for r in rope]
-    types = _layer_types({"layer_types": types}, n, window, 0) if types is not None else ()
+    types = _qwen_layer_types({"layer_types": types}, n, window, 0) if types is not None else ()
     return {**kw, "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False),
             "nope_layers": tuple(i for i, r in enumerate(rope) if not r), "sliding_window": window,
             "layer_types": types}
@@ -541,6 +620,20 @@ def _write_starcoder2(m: Any) -> dict[str, Any]:
         raise SpecError("starcoder2 has one use_bias for every projection: qkv_bias, out_bias and mlp_bias must agree")
     return {**_write_windowed(m), "residual_dropout": m.hidden_dropout, "embedding_dropout": m.embd_dropout,
             "use_bias": m.qkv_bias}
+def _write_olmo2(m: Any) -> dict[str, Any]:
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias}
+
+
+def _write_gemma_sliding(m: Any) -> dict[str, Any]:
+    """Gemma2Config / Gemma3TextConfig keys: explicit layer types, the window, scaling and soft-caps."""
+    # without layer_types the configuration computes the family's default pattern, as the spec does
+    out = {**_write_decoder(m), "model_type": "gemma3_text" if m.family is Family.GEMMA3 else "gemma2",
+           "hidden_activation": m.activation, "sliding_window": m.sliding_window,
+           "layer_types": list(m.layer_types) or None,
+           # Gemma2Config types it int (a strict dataclass field)
+           "query_pre_attn_scalar": round(m.query_pre_attn_scalar) if m.query_pre_attn_scalar else m.head_dim,
+           "attn_logit_softcapping": m.attn_softcap or None, "final_logit_softcapping": m.final_softcap or None}
+    return out
 
 
 #: The config writer of every family (`to_hf_config`).
@@ -548,6 +641,7 @@ WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
     Family.GEMMA: _write_decoder, Family.PHI3: _write_phi3, Family.MIXTRAL: _write_mixtral, Family.GPT2: _write_gpt2,
     Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
+    Family.OLMO2: _write_olmo2, Family.GEMMA2: _write_gemma_sliding, Family.GEMMA3: _write_gemma_sliding,
 }
 
 

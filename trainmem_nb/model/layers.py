@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["LayerKind", "LayerPattern", "compress"]
+__all__ = ["LayerKind", "LayerPattern", "compress", "compress_between"]
 
 
 class LayerKind(NamedTuple):
@@ -77,3 +77,40 @@ def compress(kinds: tuple[LayerKind, ...]) -> LayerPattern:
             if cand.simulated < best.simulated:
                 best = cand
     return best
+
+
+def compress_between(kinds: tuple[LayerKind, ...]) -> LayerPattern | None:
+    """A decomposition ``prefix + period * repeats + suffix`` whose period is simulated once, between a
+    prefix and a non-empty suffix, standing for all its repetitions (`trainmem_nb.step.layers.layer_plan`
+    with a description's ``period_once``). Every simulated neighbour is a real one of the same kind (the
+    layer before the period is of its last layer's kind, the one after it of its first layer's), and the
+    prefix holds a layer of every kind in the period, so that what all layers of a kind share (its rotary
+    cos/sin, its mask) is last used, in backward, outside the repeated period. Fewest simulated layers
+    (ties: the shortest period); None when no period repeats twice.
+
+    >>> s, f = LayerKind("sliding"), LayerKind("full")
+    >>> p = compress_between(((s,) * 5 + (f,)) * 4 + (s, s))
+    >>> len(p.prefix), len(p.period), p.repeats, len(p.suffix)
+    (6, 6, 3, 2)
+    """
+    n = len(kinds)
+    best: tuple[int, int, int, int] | None = None  # (simulated, period, prefix, repeats)
+    for a in range(1, min(MAX_PREFIX, n - 2) + 1):
+        for p in range(1, min(MAX_PERIOD, (n - a - 1) // 2) + 1):
+            period = kinds[a:a + p]
+            if kinds[a - 1] != period[-1] or not set(period) <= set(kinds[:a]):
+                continue
+            r = 1
+            while a + (r + 1) * p <= n - 1 and kinds[a + r * p:a + (r + 1) * p] == period:
+                r += 1
+            while r >= 2 and kinds[a + r * p] != period[0]:
+                r -= 1
+            if r < 2:
+                continue
+            cand = (n - (r - 1) * p, p, a, r)
+            if best is None or cand[:2] < best[:2]:
+                best = cand
+    if best is None:
+        return None
+    _sim, p, a, r = best
+    return LayerPattern(kinds[:a], kinds[a:a + p], r, kinds[a + r * p:])

@@ -155,9 +155,18 @@ def _gqa_params(m: ModelSpec, n: int) -> list[ParamTensor]:
                 *_linear("layers.self_attn.qkv_proj", q + 2 * kv, h, m.qkv_bias, n)]
     items = [*_linear("layers.self_attn.q_proj", q, h, m.qkv_bias, n), *_linear("layers.self_attn.k_proj", kv, h, m.qkv_bias, n),
              *_linear("layers.self_attn.v_proj", kv, h, m.qkv_bias, n), *_linear("layers.self_attn.o_proj", h, q, m.out_bias, n)]
-    if DESCRIPTIONS[m.family].qk_norm:  # Qwen3Attention registers q_norm, k_norm after o_proj
-        items += [*_norm("layers.self_attn.q_norm", m.head_dim, False, n), *_norm("layers.self_attn.k_norm", m.head_dim, False, n)]
     return items
+
+
+def _qk_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The q/k RMSNorm weights a description's ``qk_norm`` adds after ``o_proj`` (registered last in
+    ``Olmo2Attention`` / ``Gemma3Attention`` / ``Qwen3Attention.__init__``): the projection widths
+    (``"full"``) or one head (``"head"``, ``"head_view"``)."""
+    mode = DESCRIPTIONS[m.family].qk_norm
+    if not mode:
+        return []
+    q, k = (m.q_dim, m.kv_dim) if mode == "full" else (m.head_dim, m.head_dim)
+    return [*_norm("layers.self_attn.q_norm", q, False, n), *_norm("layers.self_attn.k_norm", k, False, n)]
 
 
 def _gated_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
@@ -191,6 +200,18 @@ def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
             *_norm("layers.post_attention_layernorm", m.hidden, m.norm_bias, n)]
 
 
+def _post_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The "post" layer's norms (``Olmo2DecoderLayer``): after attention and after the MLP."""
+    return [*_norm("layers.post_attention_layernorm", m.hidden, m.norm_bias, n),
+            *_norm("layers.post_feedforward_layernorm", m.hidden, m.norm_bias, n)]
+
+
+def _sandwich_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The "sandwich" layer's four norms (``Gemma2DecoderLayer`` / ``Gemma3DecoderLayer``)."""
+    return [t for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                           "post_feedforward_layernorm") for t in _norm(f"layers.{name}", m.hidden, m.norm_bias, n)]
+
+
 #: Each part's parameters, by the name a description gives it (the parts of `trainmem_nb.recipes.decoder`).
 _ATTENTION_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"gqa": _gqa_params}
 _MLP_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"gated": _gated_params}
@@ -203,7 +224,8 @@ def _qwen3_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
 _MLP_PARAMS["starcoder2"] = _starcoder2_mlp_params
 _MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params,
                                                                                "qwen3_moe": _qwen3_moe_params}
-_LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"pre": _pre_norm_params}
+_LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {
+    "pre": _pre_norm_params, "post": _post_norm_params, "sandwich": _sandwich_norm_params}
 
 
 def _decoder_params(m: ModelSpec) -> list[ParamTensor]:
@@ -217,6 +239,7 @@ def _decoder_params(m: ModelSpec) -> list[ParamTensor]:
     moe, dense = ("moe", "dense") if n_moe and n_dense else ("", "")
     items = [ParamTensor("embed_tokens.weight", (V, h), 1, False, False)]
     items += _ATTENTION_PARAMS[d.attention](m, L)
+    items += _qk_norm_params(m, L)
     if n_moe:
         items += _MOE_PARAMS[d.moe](m, n_moe, moe)
     if n_dense:
@@ -276,11 +299,17 @@ def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
     ``position_ids``/``token_type_ids`` (int64), Gemma's ``embed_scale``; tiny but allocated."""
     fam = m.family
     out: list[tuple[str, int, int]] = []
-    if m.positions == "rotary":
+    d = DESCRIPTIONS[fam]
+    if m.positions == "rotary" and d.rotary_per_kind:
+        # Gemma3RotaryEmbedding: ``{layer_type}_inv_freq`` and its ``_original_inv_freq`` clone for each
+        # layer type the model has (modeling_gemma3.py, Gemma3RotaryEmbedding.__init__)
+        kinds = len({k.attention for k in m.layer_kinds})
+        out.append(("rotary_emb.inv_freq", 4 * (m.rotary_dims // 2), 2 * kinds))
+    elif m.positions == "rotary":
         # one rotary module at model level holds inv_freq and original_inv_freq (a clone):
         # (rotary_dims // 2,) fp32 each
         out.append(("rotary_emb.inv_freq", 4 * (m.rotary_dims // 2), 2))
-    if fam is Family.GEMMA:
+    if d.embed_scale:
         out.append(("embed_tokens.embed_scale", 4, 1))
     if fam is Family.BERT:
         out.append(("embeddings.position_ids", 8 * m.max_positions, 1))

@@ -136,6 +136,15 @@ class ModelSpec(SpecModel):
                 f"from {_divisors_near(self.n_heads, self.n_kv_heads)}"
             )
         self._check_layer_pattern()
+        if DESCRIPTIONS[self.family].both_masks and not self.sliding_window:
+            # masking_utils.create_sliding_window_causal_mask: "Could not find a `sliding_window` argument"
+            raise SpecError(f"family {self.family.value!r} builds a sliding-window mask for every model: give "
+                            f"sliding_window > 0 (its configuration's default is 4096)")
+        caps = DESCRIPTIONS[self.family].softcaps
+        for field, cap in (("attn_softcap", "attention"), ("final_softcap", "final")):
+            if getattr(self, field) and cap not in caps:
+                raise SpecError(f"{field}={getattr(self, field):g}: family {self.family.value!r} has no {cap} "
+                                f"logit soft-capping (gemma2 caps attention and final logits, gemma3 final ones)")
         if self.family in (Family.MIXTRAL, Family.QWEN3_MOE) or self.n_experts:
             if self.n_experts < 1 or self.experts_top_k < 1:
                 raise SpecError(
@@ -290,5 +299,8 @@ def _layer_kinds(family: Family, n_layers: int, window: int, layer_types: tuple[
     when the family builds sliding-window masks and the model has a window)."""
     default = "sliding" if window and DESCRIPTIONS[family].sliding_mask else "full"
     attention = [t.split("_")[0] for t in layer_types] if layer_types else [default] * n_layers
+    period = DESCRIPTIONS[family].sliding_period
+    if period and window and not layer_types:  # the config's default layer_types (gemma2, gemma3)
+        attention = ["sliding" if (i + 1) % period else "full" for i in range(n_layers)]
     no_rope, dense_set = set(nope), set(dense)
     return tuple(LayerKind(attention[i], i not in no_rope, moe and i not in dense_set) for i in range(n_layers))

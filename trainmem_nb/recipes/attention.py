@@ -47,10 +47,25 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
         vv = ops.heads_view(g, vs, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
         g.drop(qs, ks, vs)
         local: list[T] = [qkv]
+    elif rec.d.qk_norm == "full":
+        # Olmo2Attention: ``q_norm(q_proj(x))``, ``k_norm(k_proj(x))`` over the projection widths, then
+        # the three views as heads
+        q0 = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim)
+        q = rec.norm(g, q0, p["self_attn.q_norm.weight"], "q_norm")
+        g.drop(q0)
+        k0 = rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim)
+        k = rec.norm(g, k0, p["self_attn.k_norm.weight"], "k_norm")
+        g.drop(k0)
+        v = rec.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim)
+        qv = ops.heads_view(g, q, "q view")
+        kv = ops.heads_view(g, k, "k view", clone_grad=m.n_kv_heads > 1)
+        vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
+        g.drop(q, k, v)
+        local = []
     else:
         # with q/k norms the transpose follows the norm: the copy of the transposed gradient moves to
         # the view before the norm (its element-wise backward keeps the gradient's layout)
-        qkn = rec.d.qk_norm
+        qkn = rec.d.qk_norm == "head_view"
         # without rotary (a NoPE layer) q and k reach the kernel as views of the projections, and their
         # gradients come back like the value's (SDPA's flash kernel: in the projections' layout)
         q_clone = kind.rope or rec.t.attention is Attention.EAGER or rec.sdpa_falls_back_to_math
@@ -65,13 +80,20 @@ def self_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, 
         vv = ops.heads_view(g, v, "v view", clone_grad=rec.value_grad_contiguous(kind) and m.n_kv_heads > 1)
         g.drop(v)
         local = []
+    if rec.d.qk_norm == "head":
+        # Gemma3Attention: ``q_norm`` / ``k_norm`` over each head of the (b, heads, s, d) views
+        qn = rec.norm(g, qv, p["self_attn.q_norm.weight"], "q_norm", rows=m.n_heads)
+        g.drop(qv)  # ``query_states = self.q_norm(query_states)`` rebinds the view
+        kn = rec.norm(g, kv, p["self_attn.k_norm.weight"], "k_norm", rows=m.n_kv_heads)
+        g.drop(kv)
+        qv, kv = qn, kn
     cos, sin = sh.rotary(kind)
     if cos is None or sin is None:  # a NoPE layer (SmolLM3's ``if self.use_rope``): q and k as projected
         qr, kr = g.hold(qv), g.hold(kv)
     elif rec.d.rotary == "cat":
         qr, kr = apply_rotary_partial(g, rec.ctx, qv, kv, cos, sin, m.rotary_dims / m.head_dim, cat_each=True)
     else:
-        qr, kr = apply_rotary_pair(g, qv, kv, cos, sin)
+        qr, kr = apply_rotary_pair(g, qv, kv, cos, sin, cast_back=rec.d.rotary_fp32)
     g.drop(qv, kv)
     o = attention_kernel(rec, g, qr, kr, vv, sh.attention_mask(kind), kind)
     out = rec.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden)
@@ -89,8 +111,8 @@ def head_norm(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T], name: str, cl
     family's RMSNorm over each head's dims of the projection viewed as (b, s, heads, d), whose output
     the caller transposes; the projection itself is a temporary. The gradient reaches the view in the
     transposed layout, so its backward (a reshape) copies it (`clone_grad`: more than one head).
-    Without `qk_norm`: `x` unchanged."""
-    if not rec.d.qk_norm:
+    Without ``qk_norm == "head_view"``: `x` unchanged."""
+    if rec.d.qk_norm != "head_view":
         return x
     heads = rec.m.n_heads if name == "q_norm" else rec.m.n_kv_heads
     v = ops.heads_view(g, x, f"{name} view", clone_grad=clone_grad)
@@ -103,7 +125,7 @@ def head_norm(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T], name: str, cl
 def attention_kernel(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | None, kind: LayerKind) -> T:
     """The attention implementation HF dispatches to: eager, SDPA's math fallback, or SDPA."""
     if rec.t.attention is Attention.EAGER:
-        return eager_attention(rec, g, q, k, v, mask, qk_contiguous=rec.qk_contiguous)
+        return eager_attention(rec, g, q, k, v, mask, qk_contiguous=rec.qk_contiguous, softcap=rec.m.attn_softcap > 0)
     if rec.sdpa_falls_back_to_math:
         return math_attention(rec, g, q, k, v, masked=rec.masked(kind), qk_contiguous=rec.qk_contiguous)
     if rec.masked(kind):
@@ -191,7 +213,7 @@ def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool 
 
 
 def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | None,
-                    qk_contiguous: bool = False) -> T:
+                    qk_contiguous: bool = False, softcap: bool = False) -> T:
     """HF ``eager_attention_forward``: ``repeat_kv`` for GQA, then the eager kernel
     (`trainmem_nb.engine.ops.eager_attention`: ``q @ k^T * scaling + mask``, fp32 softmax cast back to
     q's dtype in one expression, dropout, ``@ v``, transposed back contiguous); the attention weights
@@ -200,7 +222,8 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     ``matmul`` copies operands whose (b, heads) cannot fold into one batch dim (b > 1): the query and
     key in the projections' layout (not `qk_contiguous`), the key and value when not repeated, and an
     expanded key/value (one kv head: ``repeat_kv`` made a view) unless autocast's cast already made a
-    contiguous copy; with b == 1 nothing is copied and neither is the output's gradient."""
+    contiguous copy; with b == 1 nothing is copied and neither is the output's gradient. `softcap`:
+    Gemma 2's ``attn_logit_softcapping`` (``/ softcap``, ``tanh``, ``* softcap`` after the scaling)."""
     m, ctx = rec.m, rec.ctx
     n_rep = m.n_heads // m.n_kv_heads
     fold = ctx.batch1
@@ -212,7 +235,7 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     out, pd = ops.eager_attention(g, ctx, q, kx, vx, mask, per_token_sq(m.n_heads), rec.dropout_attn,
                                   copy_q=copy_qk, copy_k=(copy_qk and copy_kv) or copy_expanded,
                                   copy_v=copy_kv or copy_expanded, grad_copy=not fold, softmax_dt=F32, probs_dt=q.dt,
-                                  one_expression=True, label="eager")
+                                  one_expression=True, softcap=softcap, label="eager")
     g.drop(kx, vx)  # locals of eager_attention_forward
     rec.attn_weights.append(pd)
     return out

@@ -35,6 +35,8 @@ class Shared:
     extra: list[T] = field(default_factory=list)
     #: the mask of each attention kind (``"full"``, ``"sliding"``) when the model builds one per kind
     masks: dict[str, T | None] = field(default_factory=dict)
+    #: the cos/sin of each attention kind when the model has one rotary base per kind (Gemma 3)
+    rotaries: dict[str, tuple[T, T]] = field(default_factory=dict)
 
     def attention_mask(self, kind: LayerKind) -> T | None:
         """The mask a layer of `kind` gets."""
@@ -42,12 +44,21 @@ class Shared:
 
     def rotary(self, kind: LayerKind) -> tuple[T | None, T | None]:
         """The rotary cos/sin a layer of `kind` applies (none on a NoPE layer)."""
-        return (self.cos, self.sin) if kind.rope else (None, None)
+        if not kind.rope:
+            return None, None
+        return self.rotaries[kind.attention] if self.rotaries else (self.cos, self.sin)
 
     def layer_inputs(self, kind: LayerKind) -> list[T]:
         """The tensors a layer call receives besides its input, in the order the call passes them
         (a checkpointed layer's frame keeps them until its recomputation is done)."""
-        return [t for t in (*self.extra, self.attention_mask(kind), self.cos, self.sin) if t is not None]
+        cos, sin = self.rotaries[kind.attention] if self.rotaries else (self.cos, self.sin)
+        return [t for t in (*self.extra, self.attention_mask(kind), cos, sin) if t is not None]
+
+    def rotary_tensors(self) -> list[T | None]:
+        """Every rotary cos/sin the model computed, in the order it computed them."""
+        if self.rotaries:
+            return [t for pair in self.rotaries.values() for t in pair]
+        return [self.cos, self.sin]
 
     def all_masks(self) -> list[T | None]:
         """Every mask the model built, in the order it built them."""
@@ -74,7 +85,7 @@ class Recipe:
         if a_w is not None:
             return ops.lora_linear(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), a_w,
                                    p[f"{module}.lora_B.weight"], in_features, out_features, self.t.lora_rank,
-                                   self.t.lora_dropout, module)
+                                   self.t.lora_dropout, module, cache_input=bool(kw.get("cache_input", False)))
         return ops.linear(g, self.ctx, x, p[f"{module}.weight"], in_features, out_features, p.get(f"{module}.bias"),
                           module, **kw)  # type: ignore[arg-type]
 

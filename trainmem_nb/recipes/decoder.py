@@ -45,6 +45,9 @@ class DecoderRecipe(Recipe):
             # the dropout's output is the first layer's input only (``hidden_states`` rebinds in the
             # layer loop); ``inputs_embeds`` is kept in `embed_locals` (read by `compile_step`)
             self.embed_output_kept = False
+        if not self.d.sdpa and t.attention is Attention.SDPA:
+            # no SDPA for this class (Gemma 2): Hugging Face runs eager attention by default
+            self.t = t.model_copy(update={"attention": Attention.EAGER})
 
     # -- the kernels' switches ------------------------------------------------------------------
     @property
@@ -77,9 +80,18 @@ class DecoderRecipe(Recipe):
                 or (self.masked(kind) and self.m.n_heads > self.m.n_kv_heads))
 
     # -- the model ------------------------------------------------------------------------------
-    def norm(self, g: Graph, x: T, w: T, label: str, heads: int = 1) -> T:
-        """The family's RMSNorm (over each of `heads` groups of a token's features: per-head q/k norms)."""
-        return self._norm(g, x, w, label, heads)
+    def linear(self, g: Graph, x: T, p: dict[str, T], module: str, in_features: int, out_features: int,
+               **kw: object) -> T:
+        """`Recipe.linear`; a projection fed by a leaf activation that requires grad (the embedding
+        output under peft's ``enable_input_require_grads``, which OLMo 2's first layer projects without
+        a norm before) shares autocast's cached cast of it (``cache_input``)."""
+        if self.ctx.autocast is not None and any(x is leaf for leaf in g.input_leaves):
+            kw["cache_input"] = True
+        return super().linear(g, x, p, module, in_features, out_features, **kw)
+
+    def norm(self, g: Graph, x: T, w: T, label: str, rows: int = 1) -> T:
+        """The family's RMSNorm (over `rows` vectors per token: per-head q/k norms)."""
+        return self._norm(g, x, w, label, rows=rows) if rows != 1 else self._norm(g, x, w, label)
 
     def norm_module(self, g: Graph, x: T, p: dict[str, T], name: str) -> T:
         """The norm module `name` (``input_layernorm``, ``norm``...) on `x`: ``nn.LayerNorm`` (with its
@@ -102,8 +114,9 @@ class DecoderRecipe(Recipe):
         pos = g.alloc(per_seq(1), I64, "cache_position")
         g.drop(ar)
         sh.extra.append(pos)
-        attention = sorted({k.attention for k in self.m.layer_kinds} | set(self.d.always_masks),
-                           key=("full", "sliding").index)
+        kinds = sorted({k.attention for k in self.m.layer_kinds} | set(self.d.always_masks),
+                       key=("full", "sliding").index)
+        attention = ["full", "sliding"] if self.d.both_masks else kinds
         if len(attention) == 1:
             sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
         else:  # one mask per attention kind, the full one first (the models' ``causal_mask_mapping``)
@@ -113,7 +126,12 @@ class DecoderRecipe(Recipe):
             peft_input_leaf(g, self.t, x)  # the hook is on embed_tokens, whose output is not the layers' input
             self.embed_locals = [x]
             x = ops.dropout(g, self.ctx, x, self.dropout_embd, "embedding_dropout")
-        sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt)
+        if self.d.rotary_per_kind:
+            # Gemma3TextModel: ``position_embeddings[layer_type] = self.rotary_emb(x, position_ids,
+            # layer_type)`` for each layer type (a set: its order varies, the sizes do not)
+            sh.rotaries = {a: rotary_cos_sin(g, self.m.rotary_dims, x.dt) for a in kinds}
+        else:
+            sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt, to_dtype=not self.d.rotary_fp32)
         return x, sh
 
     def embed_tokens(self, g: Graph, ids: T, p: dict[str, T]) -> T:
@@ -175,4 +193,12 @@ class DecoderRecipe(Recipe):
             raw = logits
             logits = ops.scalar_op(g, raw, "logits / logits_scaling")
             g.drop(raw)
+        if m.final_softcap:
+            # Gemma 2: ``logits / cap``, ``tanh`` (saves its result), ``* cap``, each rebinding ``logits``
+            ld = ops.scalar_op(g, logits, "logits / final_softcap")
+            g.drop(logits)
+            lt = ops.unary_saving_output(g, ld, "logits tanh")
+            g.drop(ld)
+            logits = ops.scalar_op(g, lt, "logits * final_softcap")
+            g.drop(lt)
         return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits

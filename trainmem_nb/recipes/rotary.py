@@ -8,11 +8,12 @@ from ..engine.ops import F32, Ctx
 from ..engine.tape import Graph, T, per_seq
 
 
-def rotary_cos_sin(g: Graph, rotary_dims: int, x_dt: int) -> tuple[T, T]:
+def rotary_cos_sin(g: Graph, rotary_dims: int, x_dt: int, to_dtype: bool = True) -> tuple[T, T]:
     """A rotary embedding module's forward (LlamaRotaryEmbedding, GPTNeoXRotaryEmbedding):
     ``position_ids[..., None].float() * inv_freq``, ``cat``, ``cos``/``sin`` times ``attention_scaling``
     (fp32, (1, s, rotary_dims)), cast to the hidden states' dtype on return (a no-op under autocast,
-    whose hidden states are fp32); the fp32 locals die when the function returns."""
+    whose hidden states are fp32; not at all without `to_dtype`: Olmo2RotaryEmbedding returns fp32);
+    the fp32 locals die when the function returns."""
     d = rotary_dims
     pos_f = g.alloc(per_seq(1), F32, "position_ids float")
     freqs = g.alloc(per_seq(d / 2), F32, "freqs")
@@ -24,7 +25,8 @@ def rotary_cos_sin(g: Graph, rotary_dims: int, x_dt: int) -> tuple[T, T]:
         scaled = g.alloc(per_seq(d), F32, f"{name} * attention_scaling")
         g.drop(raw)
         full.append(scaled)
-    out = [ops.cast(g, full[0], x_dt, "cos to dtype"), ops.cast(g, full[1], x_dt, "sin to dtype")]
+    cast_dt = x_dt if to_dtype else F32
+    out = [ops.cast(g, full[0], cast_dt, "cos to dtype"), ops.cast(g, full[1], cast_dt, "sin to dtype")]
     g.drop(freqs, emb, full[0], full[1])
     return out[0], out[1]
 
@@ -41,9 +43,16 @@ def apply_rotary(g: Graph, x: T, cos: T, sin: T, name: str) -> T:
     return out
 
 
-def apply_rotary_pair(g: Graph, q: T, k: T, cos: T, sin: T) -> tuple[T, T]:
-    """Llama's ``apply_rotary_pos_emb(q, k, cos, sin)``: `apply_rotary` on q, then on k."""
-    return apply_rotary(g, q, cos, sin, "q"), apply_rotary(g, k, cos, sin, "k")
+def apply_rotary_pair(g: Graph, q: T, k: T, cos: T, sin: T, cast_back: bool = False) -> tuple[T, T]:
+    """Llama's ``apply_rotary_pos_emb(q, k, cos, sin)``: `apply_rotary` on q, then on k; with
+    `cast_back` (OLMo 2) ``return q_embed.to(q_type), k_embed.to(k_type)`` (copies when fp32 cos/sin
+    promoted them; the promoted results die when the function returns)."""
+    qe, ke = apply_rotary(g, q, cos, sin, "q"), apply_rotary(g, k, cos, sin, "k")
+    if not cast_back:
+        return qe, ke
+    qc, kc = ops.cast(g, qe, q.dt, "q_embed.to(q_type)"), ops.cast(g, ke, k.dt, "k_embed.to(k_type)")
+    g.drop(qe, ke)
+    return qc, kc
 
 
 def apply_rotary_partial(g: Graph, ctx: Ctx, q: T, k: T, cos: T, sin: T, frac: float,

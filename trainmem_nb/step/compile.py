@@ -191,7 +191,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     else:
         h = x  # sent to the next stage; its gradient comes back in backward
     # the base model returns: its locals (inputs_embeds, position ids, masks, cos/sin) go
-    for sh in (*shared.extra, embeds if kept else None, *shared.all_masks(), shared.cos, shared.sin):
+    for sh in (*shared.extra, embeds if kept else None, *shared.all_masks(), *shared.rotary_tensors()):
         if sh is not None:
             g.drop(sh)
     if hooks.last_stage:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from ..model.layers import LayerKind, LayerPattern, compress
+from ..model.families import DESCRIPTIONS
+from ..model.layers import LayerKind, LayerPattern, compress, compress_between
 from ..model.params import ParamTensor
 from ..model.spec import ModelSpec
 
@@ -40,6 +41,9 @@ def layer_plan(m: ModelSpec, unrolled: bool = False) -> LayerPlan:
     """The layers the step of `m` simulates (see the module docstring); `unrolled`: every layer."""
     kinds = m.layer_kinds
     pattern = LayerPattern(kinds, (), 0, ()) if unrolled else compress(kinds)
+    once = compress_between(kinds) if DESCRIPTIONS[m.family].period_once and not unrolled else None
+    if once is not None and len(once.prefix) + len(once.period) + len(once.suffix) < pattern.simulated:
+        return _plan_between(once, len({k.moe for k in kinds}) > 1)
     period, a = pattern.period, len(pattern.prefix)
     sim = (*pattern.prefix, *period, *period, *period, *pattern.suffix) if period else pattern.prefix
     # the layer index each simulated layer stands for (the middle period: its first repetition's)
@@ -58,3 +62,15 @@ def layer_plan(m: ModelSpec, unrolled: bool = False) -> LayerPlan:
     mixed_mlp = len({k.moe for k in kinds}) > 1
     units = tuple(f"L{i}" + (("/moe" if k.moe else "/dense") if mixed_mlp else "") for i, k in enumerate(sim))
     return LayerPlan(tuple(sim), units, tuple(labels), (lo, hi), max(0, pattern.repeats - 2))
+
+
+def _plan_between(pattern: LayerPattern, mixed_mlp: bool) -> LayerPlan:
+    """The plan of a `compress_between` decomposition: the prefix, the period once (the block, standing
+    for its ``repeats`` repetitions), the suffix."""
+    a, p, r = len(pattern.prefix), len(pattern.period), pattern.repeats
+    sim = (*pattern.prefix, *pattern.period, *pattern.suffix)
+    real = [*range(a + p), *(a + r * p + j for j in range(len(pattern.suffix)))]
+    labels = [f"layer {real[i]}" for i in range(len(sim))]
+    labels[a] = f"layers {a}-{a + r * p - 1} ({r} x {' / '.join(k.tag for k in pattern.period)})"
+    units = tuple(f"L{i}" + (("/moe" if k.moe else "/dense") if mixed_mlp else "") for i, k in enumerate(sim))
+    return LayerPlan(sim, units, tuple(labels), (a, a + p), r)

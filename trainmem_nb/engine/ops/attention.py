@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 from ..tape import Graph, Sz, T
 from .core import BOOL, F32, ONE, Ctx, cast
-from .elementwise import add, dropout, scalar_op, softmax
+from .elementwise import add, dropout, scalar_op, softmax, unary_saving_output
 from .linear import bmm
 from .shape import clone, heads_view, repeat_kv
 
@@ -133,7 +133,7 @@ def sdpa_math(g: Graph, ctx: Ctx, q: T, k: T, v: T, scores_n: Sz, p: float, *, c
 def eager_attention(g: Graph, ctx: Ctx, q: T, k: T, v: T, mask: T | None, scores_n: Sz, p: float, *,
                     copy_q: bool, copy_k: bool, copy_v: bool, grad_copy: bool, softmax_dt: int | None = None,
                     cast_back: bool = True, one_expression: bool = False, probs_dt: int | None = None,
-                    label: str = "eager") -> tuple[T, T]:
+                    softcap: bool = False, label: str = "eager") -> tuple[T, T]:
     """A family's ``eager_attention_forward`` after any ``repeat_kv``: ``matmul(q, k^T) * scaling (+ mask)``,
     ``softmax`` (in `softmax_dt` when the code asks for it), cast back to the value's dtype
     (`cast_back`, to `probs_dt` when the code names the query's dtype; without it autocast's matmul
@@ -145,7 +145,9 @@ def eager_attention(g: Graph, ctx: Ctx, q: T, k: T, v: T, mask: T | None, scores
     ``matmul`` copies operands whose batch dims cannot fold into one batch dim (`copy_q`, `copy_k`,
     `copy_v`: strided views with b > 1, or an expanded key/value); the gradient reaching the result's
     transpose is strided, so the view's backward copies it (`grad_copy`). Autocast casts right to left
-    (key before query, value before probabilities); CUDA autocast runs a softmax without dtype in fp32."""
+    (key before query, value before probabilities); CUDA autocast runs a softmax without dtype in fp32.
+    With `softcap` the scaled scores are soft-capped before the mask (Gemma 2: ``w / cap``, ``tanh``,
+    ``* cap``, each rebinding the scores' name; ``tanh`` saves its result)."""
     cd = ctx.autocast
     kc = cast(g, k, cd, f"{label} matmul key cast") if cd else g.hold(k)
     qc = cast(g, q, cd, f"{label} matmul query cast") if cd else g.hold(q)
@@ -155,6 +157,13 @@ def eager_attention(g: Graph, ctx: Ctx, q: T, k: T, v: T, mask: T | None, scores
     g.drop(q2, k2, qc, kc)  # matmul's operands and their copies die when matmul returns
     w = scalar_op(g, scores, f"{label} * scaling")
     g.drop(scores)
+    if softcap:
+        wd = scalar_op(g, w, f"{label} / softcap")
+        g.drop(w)
+        wt = unary_saving_output(g, wd, f"{label} tanh")
+        g.drop(wd)
+        w = scalar_op(g, wt, f"{label} * softcap")
+        g.drop(wt)
     if mask is not None:
         w2 = add(g, w, mask, f"{label} + mask")
         g.drop(w)

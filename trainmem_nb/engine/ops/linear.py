@@ -12,10 +12,13 @@ from .core import Ctx, autocast_weight, cast
 
 # -- matmuls ------------------------------------------------------------------------------------
 def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, b: T | None = None,
-           label: str = "linear", grad_w_first: bool | None = None, w_leaf: bool = True) -> T:
+           label: str = "linear", grad_w_first: bool | None = None, w_leaf: bool = True,
+           cache_input: bool = False) -> T:
     """``F.linear(x, w, b)`` on (tokens, in) activations: ``mm``/``addmm`` (cuBLAS/MKL) output of
     (tokens, out). Saves x if the weight needs a gradient and the weight if x does; under autocast
-    the saved copies are the 16-bit casts (`w_leaf`: whether autocast may cache the weight's)."""
+    the saved copies are the 16-bit casts (`w_leaf`: whether autocast may cache the weight's;
+    `cache_input`: x is a leaf that requires grad, so autocast caches its cast too, as
+    ``at::autocast::cached_cast`` does for any such leaf: one copy shared by every linear it feeds)."""
     if w.nf4:
         return linear_4bit(g, x, w, in_features, out_features, b, label)
     if ctx.autocast is None:
@@ -25,7 +28,7 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
     else:  # autocast casts the arguments right to left (C++ evaluation order): bias, weight, input
         bc = autocast_weight(g, ctx, b) if b is not None else None
         wc = autocast_weight(g, ctx, w, w_leaf)
-        xc = cast(g, x, ctx.autocast, f"{label} input cast")
+        xc = _cached_input_cast(g, ctx, x, label) if cache_input else cast(g, x, ctx.autocast, f"{label} input cast")
     ins = [xc, wc] + ([bc] if bc is not None else [])
     saved = [wc if xc.rg else None, xc if wc.rg else None]  # released weight first, then input
     g.before_outputs(ins, saved)
@@ -50,6 +53,17 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
     g.record(label, ins, [out], saved, bwd)
     g.drop(xc, wc, bc)
     return out
+
+
+def _cached_input_cast(g: Graph, ctx: Ctx, x: T, label: str) -> T:
+    """Autocast's cached 16-bit copy of a leaf activation (kept until the autocast region ends)."""
+    assert ctx.autocast is not None
+    if x.dt == ctx.autocast:
+        return g.hold(x)
+    key = id(x)
+    if key not in ctx.wcache:
+        ctx.wcache[key] = cast(g, x, ctx.autocast, f"{label} input cast (cached)")
+    return g.hold(ctx.wcache[key])
 
 
 def linear_4bit(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T | None, label: str) -> T:

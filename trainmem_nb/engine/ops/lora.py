@@ -13,16 +13,19 @@ from .shape import heads_view
 
 # -- fine-tuning adapters -----------------------------------------------------------------------
 def lora_linear(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, a_w: T, b_w: T, in_features: int, out_features: int,
-                rank: int, dropout_p: float, label: str) -> T:
+                rank: int, dropout_p: float, label: str, cache_input: bool = False) -> T:
     """peft ``lora.Linear.forward``: ``result = base(x)``; ``x`` cast to the adapter dtype (fp32 by
     default); ``result = result + lora_B(lora_A(dropout(x))) * scaling``; cast back to the base
-    result's dtype (peft/tuners/lora/layer.py)."""
-    result = linear(g, ctx, x, w, in_features, out_features, b, f"{label}.base_layer")
-    return lora_update(g, ctx, x, result, a_w, b_w, in_features, out_features, rank, dropout_p, label)
+    result's dtype (peft/tuners/lora/layer.py). `cache_input`: x is a leaf autocast caches the cast of
+    (`linear`)."""
+    result = linear(g, ctx, x, w, in_features, out_features, b, f"{label}.base_layer", cache_input=cache_input)
+    return lora_update(g, ctx, x, result, a_w, b_w, in_features, out_features, rank, dropout_p, label,
+                       cache_input=cache_input)
 
 
 def lora_update(g: Graph, ctx: Ctx, x: T, result: T, a_w: T, b_w: T, in_features: int, out_features: int,
-                rank: int, dropout_p: float, label: str, reshape_grad: bool | None = None) -> T:
+                rank: int, dropout_p: float, label: str, reshape_grad: bool | None = None,
+                cache_input: bool = False) -> T:
     """What peft's ``lora.Linear.forward`` adds to its base layer's `result` (the caller's, which this
     takes over): ``x`` cast to the adapter dtype, ``lora_B(lora_A(dropout(x))) * scaling`` added, the
     sum cast back to the result's dtype. With `reshape_grad` not None, ``lora_B``'s output is viewed as
@@ -30,7 +33,8 @@ def lora_update(g: Graph, ctx: Ctx, x: T, result: T, a_w: T, b_w: T, in_features
     result_dt = result.dt
     xa = cast(g, x, a_w.dt, f"{label} lora input cast")
     d = dropout(g, ctx, xa, dropout_p, f"{label}.lora_dropout")
-    a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A")
+    # the adapter sees x itself (the same leaf) when neither the dtype cast nor dropout made a copy
+    a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A", cache_input=cache_input and d is x)
     bb = linear(g, ctx, a, b_w, rank, out_features, None, f"{label}.lora_B")
     if reshape_grad is not None:
         b0 = bb
