@@ -34,6 +34,9 @@ SHAPES = {
     "gpt_neox": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
     "opt": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000, max_positions=1024),
     "bert": dict(n_layers=3, hidden=256, n_heads=4, ffn=1024, vocab=1000),
+    "gpt_oss": dict(n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=64, vocab=1000,
+                    n_experts=4, experts_top_k=2, sliding_window=32,
+                    layer_types=("sliding_attention", "full_attention", "sliding_attention")),
 }
 
 
@@ -68,6 +71,17 @@ def first_divergence(m: ModelSpec, t: TrainingSpec) -> str | None:
     return None
 
 
+def _number(v: object) -> object:
+    """A command-line value as the spec takes it: digits as an int, a decimal as a float, else as given."""
+    if isinstance(v, str):
+        for kind in (int, float):
+            try:
+                return kind(v)
+            except ValueError:
+                pass
+    return v
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--families", default=",".join(SHAPES))
@@ -86,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         m = ModelSpec.model_validate({"name": name, **shape})
         for combo in itertools.product(*(vals for _k, vals in grid)):
             opts = {"device": "cpu", "seq_len": a.seq, **fixed, **dict(zip([k for k, _ in grid], combo, strict=True))}
+            opts = {k: _number(v) for k, v in opts.items()}
             t = TrainingSpec.model_validate(opts)
             where = first_divergence(m, t)
             label = " ".join(f"{k}={v}" for k, v in opts.items() if k not in ("device", "seq_len"))

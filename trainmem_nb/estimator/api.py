@@ -76,6 +76,16 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
         )
     if t.attention.value == "flash" and t.device.value == "cpu":
         raise SpecError("attention='flash' (flash-attention 2) runs only on CUDA; use attention='sdpa' with device='cpu'")
+    from ..model.families import describe
+
+    if not describe(m.family).sdpa and t.attention.value != "eager":
+        raise SpecError(f"attention={t.attention.value!r} on {m.family.value}: transformers 5.24 runs this family's "
+                        "attention sinks only in its eager attention (GptOssPreTrainedModel._supports_sdpa = False; "
+                        "flash needs the kernels-community sinks kernels); use attention='eager'")
+    if m.family.value == "gpt_oss" and t.checkpointing.value == "selective":
+        raise SpecError("checkpointing='selective' on gpt_oss fails in PyTorch: the policy caches grouped_mm's "
+                        "output, which the experts then add their bias to in place (\"Tensor cached during selective "
+                        "activation checkpoint has been mutated\"); use checkpointing='selective-op' or 'full'")
     if t.method.value != "full":
         from ..model.params import lora_modules, lora_moe_params
 

@@ -36,6 +36,7 @@ class Family(_Choice):
     GPT_NEOX = "gpt_neox"  #: Pythia; fused qkv, partial rotary, parallel residual
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
+    GPT_OSS = "gpt_oss"  #: attention sinks, alternating sliding/full layers, biased top-k MoE, clamped SwiGLU
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -94,12 +95,19 @@ class Description:
     #: ``create_sliding_window_causal_mask``); otherwise the mask is causal
     sliding_mask: bool = False
     #: how rotary embeddings are applied: ``"elementwise"`` (``x * cos + rotate_half(x) * sin`` in the
-    #: projections' layout) or ``"cat"`` (rotary and pass-through parts concatenated: contiguous q/k)
+    #: projections' layout) or ``"cat"`` (rotary and pass-through parts concatenated: contiguous q/k), or
+    #: ``"chunk"`` (gpt_oss: cos/sin of half the head, ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``)
     rotary: str = "elementwise"
     #: one ``gate_up_proj`` chunked into gate and up instead of two projections
     fused_gate_up: bool = False
     #: dropout on the attention and MLP outputs before each residual add
     residual_dropout: bool = False
+    #: Hugging Face runs the family with ``attn_implementation="sdpa"`` (False: the model class refuses
+    #: it, ``_supports_sdpa = False``, as gpt_oss does: its sinks need the eager path)
+    sdpa: bool = True
+    #: attention kinds whose mask the model builds whatever its layers use (gpt_oss's
+    #: ``causal_mask_mapping`` always holds a full and a sliding-window mask)
+    mask_kinds: tuple[str, ...] = ()
 
     @property
     def composed(self) -> bool:
@@ -162,6 +170,15 @@ DESCRIPTIONS: dict[Family, Description] = {
         dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
         input_side=("embeddings.",), heads=("cls.predictions.decoder.weight",),
         embedding="embeddings.word_embeddings.weight"),
+    # modeling_gpt_oss.py (transformers 5.24): q/k/v/o biases (configuration_gpt_oss.py attention_bias=True),
+    # per-head sinks, eager attention only (``_supports_sdpa = False``), layer_types alternating sliding/full
+    # attention, a biased router and biased expert stacks (grouped_mm), half-width rotary cos/sin
+    Family.GPT_OSS: Description(
+        Family.GPT_OSS, ("gpt_oss",), "GptOssForCausalLM", "GptOssDecoderLayer", "decoder",
+        {**_RMS_DECODER, "qkv_bias": True, "out_bias": True, "n_experts": 128, "experts_top_k": 4},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        attention="sinks", moe="gpt_oss", norm="gpt_oss", rotary="chunk", sdpa=False,
+        mask_kinds=("full", "sliding")),
 }
 
 

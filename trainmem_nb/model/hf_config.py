@@ -249,12 +249,42 @@ def _read_mixtral(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
             "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=2)}
 
 
+def _layer_types(cfg: Mapping[str, Any], n_layers: int, default: Callable[[int], str]) -> tuple[str, ...]:
+    """``layer_types`` (one ``"full_attention"`` / ``"sliding_attention"`` per layer), or the family's
+    default pattern when the config omits it."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return tuple(default(i) for i in range(n_layers))
+    if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
+        raise SpecError(f"config.json layer_types={show_value(types)} must be a list of layer type names")
+    bad = [t for t in types if t not in ("full_attention", "sliding_attention")]
+    if bad:
+        raise SpecError(f"config.json layer_types has {bad[0]!r}; supported: full_attention, sliding_attention")
+    return tuple(types)
+
+
+def _read_gpt_oss(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """GptOssConfig (configuration_gpt_oss.py, transformers 5.24): head_dim 64 (line 56), sliding_window
+    128 (59), attention_bias True (77), 128 experts (52), top-4 (67), vocab 201088 (53), 131072 positions
+    (63); without layer_types, even layers slide and odd ones attend fully (``__post_init__``, line 85).
+    ``intermediate_size`` is each expert's width; hidden_act is unused (the experts' clamped SwiGLU)."""
+    kw = _read_decoder({"head_dim": 64, "vocab_size": 201088, "max_position_embeddings": 131072, **cfg}, f)
+    bias = _flag(cfg, "attention_bias", True)
+    window = _sliding_window({**cfg, "sliding_window": cfg.get("sliding_window", 128)}, True)
+    types = _layer_types(cfg, kw["n_layers"], lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")
+    return {**kw, "activation": "silu", "qkv_bias": bias, "out_bias": bias, "sliding_window": window,
+            "layer_types": types,
+            "n_experts": _int(cfg, "num_local_experts", "num_experts", family=f, default=128),
+            "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=4)}
+
+
 #: The config reader of every family.
 READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.LLAMA: _read_llama, Family.MISTRAL: _read_mistral, Family.QWEN2: _read_qwen2, Family.GEMMA: _read_gemma,
     Family.PHI3: _read_phi3, Family.MIXTRAL: _read_mixtral, Family.GPT2: _read_gpt2, Family.OPT: _read_opt,
     Family.BERT: _read_bert, Family.GPT_NEOX: _read_gpt_neox,
 }
+READERS[Family.GPT_OSS] = _read_gpt_oss
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
@@ -400,9 +430,16 @@ def _write_mixtral(m: Any) -> dict[str, Any]:
     return {**_write_windowed(m), "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
 
 
+def _write_gpt_oss(m: Any) -> dict[str, Any]:
+    types = list(m.layer_types) or ["full_attention"] * m.n_layers  # the spec's default kind (`_layer_kinds`)
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "sliding_window": m.sliding_window or None,
+            "layer_types": types, "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
+
+
 #: The config writer of every family (`to_hf_config`).
 WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
     Family.GEMMA: _write_decoder, Family.PHI3: _write_phi3, Family.MIXTRAL: _write_mixtral, Family.GPT2: _write_gpt2,
     Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
 }
+WRITERS[Family.GPT_OSS] = _write_gpt_oss

@@ -176,6 +176,25 @@ def _mixtral_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
             ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n, True, True, kind)]
 
 
+def _sinks_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The "sinks" attention module of `n` layers (``GptOssAttention``): its own ``sinks`` (one logit per
+    query head, registered on the module itself, so listed first), then q/k/v/o with their biases."""
+    return [ParamTensor("layers.self_attn.sinks", (m.n_heads,), n, False, True), *_gqa_params(m, n)]
+
+
+def _gpt_oss_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "gpt_oss" MoE block of `n` layers (``GptOssMLP``): the router's weight and bias, then the
+    expert stacks stored (in, out) (``is_transposed=True``) with a bias per expert: ``gate_up_proj``
+    (E, h, 2f) with its gate and up columns interleaved, ``down_proj`` (E, f, h)."""
+    E, h, ef = m.n_experts, m.hidden, m.expert_width
+    return [ParamTensor("layers.mlp.router.weight", (E, h), n, True, True, kind),
+            ParamTensor("layers.mlp.router.bias", (E,), n, False, True, kind),
+            ParamTensor("layers.mlp.experts.gate_up_proj", (E, h, 2 * ef), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.gate_up_proj_bias", (E, 2 * ef), n, False, True, kind),
+            ParamTensor("layers.mlp.experts.down_proj", (E, ef, h), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.down_proj_bias", (E, h), n, False, True, kind)]
+
+
 def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
     """The "pre" layer's norms: before attention and before the MLP."""
     return [*_norm("layers.input_layernorm", m.hidden, m.norm_bias, n),
@@ -184,8 +203,10 @@ def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
 
 #: Each part's parameters, by the name a description gives it (the parts of `trainmem_nb.recipes.decoder`).
 _ATTENTION_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"gqa": _gqa_params}
+_ATTENTION_PARAMS["sinks"] = _sinks_params
 _MLP_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"gated": _gated_params}
 _MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params}
+_MOE_PARAMS["gpt_oss"] = _gpt_oss_moe_params
 _LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"pre": _pre_norm_params}
 
 
@@ -250,6 +271,11 @@ def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
     return tuple(out)
 
 
+#: Router weights: used by ``F.linear`` but held by custom modules (not ``nn.Linear``), so neither peft's
+#: ``all-linear`` nor the bitsandbytes integration replaces them (mixtral's ``gate``, gpt_oss's ``router``).
+_ROUTERS = ("mlp.gate.weight", "mlp.router.weight")
+
+
 def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     """The in-layer modules LoRA adapts: ``'qv'``, ``'all-linear'`` (every 2-D matmul weight in the
     layers, as peft's ``all-linear`` picks nn.Linear/Conv1D layers but not the output head), or
@@ -260,7 +286,7 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     text = targets.strip().lower()
     linears = [p.name[len("layers."):-len(".weight")] for p in param_inventory(m)
                if p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
-               and not p.name.endswith("mlp.gate.weight")]
+               and not p.name.endswith(_ROUTERS)]
     if text == "qv":
         return DESCRIPTIONS[m.family].lora_qv
     if text in ("all-linear", "all_linear", "all"):
@@ -402,7 +428,7 @@ def quantized(p: ParamTensor) -> bool:
     layers inside the transformer blocks; embeddings, norms and the LM head (``lm_head`` is in
     ``get_keys_to_not_convert``) stay in the model's dtype, as do mixtral's 3-D expert tensors and its
     router's weight (``MixtralTopKRouter`` is not an nn.Linear in transformers 5)."""
-    return (p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", "mlp.gate.weight"))
+    return (p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", *_ROUTERS))
             and ".lora_" not in p.name)
 
 

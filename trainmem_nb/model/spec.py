@@ -146,7 +146,7 @@ class ModelSpec(SpecModel):
                     f"experts_top_k={self.experts_top_k} exceeds n_experts={self.n_experts}; "
                     f"choose experts_top_k between 1 and {self.n_experts}"
                 )
-            if self.family is not Family.MIXTRAL:
+            if self.family not in (Family.MIXTRAL, Family.GPT_OSS):
                 raise SpecError(
                     f"n_experts={self.n_experts} is only supported for family 'mixtral' (got {self.family.value!r})"
                 )

@@ -90,12 +90,13 @@ class DecoderRecipe(Recipe):
         pos = g.alloc(per_seq(1), I64, "cache_position")
         g.drop(ar)
         sh.extra.append(pos)
-        attention = sorted({k.attention for k in self.m.layer_kinds}, key=("full", "sliding").index)
+        attention = sorted({k.attention for k in self.m.layer_kinds} | set(self.d.mask_kinds),
+                           key=("full", "sliding").index)
         if len(attention) == 1:
             sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
         else:  # one mask per attention kind, the full one first (the models' ``causal_mask_mapping``)
             sh.masks = {a: self.attention_mask(g, x.dt, LayerKind(a)) for a in attention}
-        sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt)
+        sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt, self.d.rotary != "chunk")
         return x, sh
 
     def embed_tokens(self, g: Graph, ids: T, p: dict[str, T]) -> T:

@@ -156,5 +156,89 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     return out
 
 
+def gpt_oss_moe(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """``GptOssMLP.forward`` (modeling_gpt_oss.py): ``reshape(-1, h)`` (a view), the router
+    (``GptOssTopKRouter``: ``F.linear(h, weight, bias)``, ``topk`` of the logits, ``softmax`` of the
+    top values in their dtype), the experts, ``reshape`` back; the router logits are a local until it
+    returns, the routing scores go back to the layer."""
+    m = rec.m
+    k, E = m.experts_top_k, m.n_experts
+    # at::linear runs a biased linear as ``addmm``, whose bias gradient the engine reduces after the node
+    logits = ops.addmm(g, rec.ctx, x, p["mlp.router.weight"], p["mlp.router.bias"], m.hidden, E, "mlp.router",
+                       linear_casts=True)
+    vals, index = ops.topk(g, logits, tok(k), "router topk")
+    scores = ops.softmax(g, vals, None, "router softmax")
+    g.drop(vals)
+    out = gpt_oss_experts(rec, g, x, index, scores, p)
+    g.drop(logits, index)
+    # GptOssDecoderLayer: ``hidden_states, _ = self.mlp(hidden_states)`` rebinds ``_`` from the attention
+    # weights to the routing scores, which stay bound until the layer returns (`pre_norm_layer` drops
+    # `DecoderRecipe.attn_weights` there)
+    g.drop(*rec.attn_weights)
+    rec.attn_weights = [scores]
+    return out
+
+
+def gpt_oss_experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[str, T]) -> T:
+    """``grouped_mm_experts_forward`` (integrations/moe.py; transformers' default experts
+    implementation, `experts`) for ``GptOssExperts`` (``is_transposed=True, has_bias=True``): the sort,
+    gathers, ``histc`` and offsets as for mixtral; each projection is ``grouped_mm`` with the (E, in,
+    out) stack as stored, then ``out.add_(bias[expert_ids_g])`` (the per-row bias gathered from the
+    (E, out) stack, added in place); between them ``GptOssExperts._apply_gate``: the interleaved
+    ``gate_up[..., ::2]`` / ``[..., 1::2]`` (strided views), ``gate.clamp(max=limit)``,
+    ``up.clamp(-limit, limit)``, ``glu = gate * sigmoid(gate * alpha)``, ``(up + 1) * glu``. The routing
+    weights (the router's dtype) multiply the fp32 or 16-bit expert output unsqueezed
+    (`ops.mul_reduce_cast`), then un-permute, ``view(tokens, top_k, h).sum(1)`` and the cast back."""
+    m = rec.m
+    k, h, f, E = m.experts_top_k, m.hidden, m.expert_width, m.n_experts
+    ids_sorted = g.alloc(tok(k), I64, "sort values (expert_ids_g)")
+    perm = g.alloc(tok(k), I64, "sort indices (perm)")
+    rows = g.alloc(tok(k), I64, "perm // top_k")
+    sel = ops.index_rows(g, x, rows, tok(k * h), "hidden_states[perm // top_k]")
+    g.drop(rows)
+    sw = ops.index_rows(g, weights, perm, tok(k), "sample_weights[perm]")
+    hist_in = g.alloc(tok(k), 4, "histc input")
+    tpe = g.alloc(const(E), F32, "tokens_per_expert (histc)")
+    offs = g.alloc(const(E), I32, "offsets (cumsum)")
+    w_gu = p["mlp.experts.gate_up_proj"]
+    b_gu = ops.index_rows(g, p["mlp.experts.gate_up_proj_bias"], ids_sorted, tok(k * 2 * f), "gate_up_proj_bias[ids]")
+    sel_c = ops.cast(g, sel, w_gu.dt, "input.to(weight.dtype)")
+    gu0 = ops.grouped_mm(g, sel_c, w_gu, offs, tok(k * 2 * f), "grouped_mm gate_up_proj")
+    g.drop(sel_c)
+    gu = ops.add_(g, gu0, b_gu, "out.add_(bias)")
+    gate_v, up_v = (ops.slice_view(g, gu, tok(k * f), f"gate_up[..., {i}::2]") for i in (0, 1))
+    gate = ops.clamp(g, gate_v, False, "gate.clamp(max=limit)")
+    up = ops.clamp(g, up_v, True, "up.clamp(-limit, limit)")
+    g.drop(gate_v, up_v)
+    ga = ops.scalar_op(g, gate, "gate * alpha")
+    sig = ops.unary_saving_output(g, ga, "sigmoid")
+    g.drop(ga)
+    glu = ops.mul(g, gate, sig, "gate * sigmoid")
+    g.drop(sig)
+    up1 = ops.scalar_op(g, up, "up + 1", grad_allocs=False)
+    gated = ops.mul(g, up1, glu, "(up + 1) * glu")
+    g.drop(up1, gate, up, glu, gu)  # _apply_gate returns; `proj_out` rebinds
+    w_d = p["mlp.experts.down_proj"]
+    b_d = ops.index_rows(g, p["mlp.experts.down_proj_bias"], ids_sorted, tok(k * h), "down_proj_bias[ids]")
+    g.drop(b_gu)  # `selected_biases` rebinds
+    gated_c = ops.cast(g, gated, w_d.dt, "input.to(weight.dtype)")
+    d0 = ops.grouped_mm(g, gated_c, w_d, offs, tok(k * h), "grouped_mm down_proj")
+    g.drop(gated_c, gated)
+    down = ops.add_(g, d0, b_d, "out.add_(bias)")
+    weighted = ops.mul_reduce_cast(g, down, sw, "proj_out * sample_weights_g")
+    inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
+    ar = g.alloc(tok(k), I64, "arange")
+    g.drop(ar)
+    unperm = ops.index_rows(g, weighted, inv, tok(k * h), "weighted_out[inv_perm]")
+    g.drop(weighted)
+    v3 = ops.heads_view(g, unperm, "view(tokens, top_k, h)", clone_grad=True)
+    summed = ops.sum_keepdim(g, v3, tok(h), "sum over top_k")
+    g.drop(v3)
+    out = ops.cast(g, summed, x.dt, "to(hidden_states.dtype)")
+    g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, b_d, down, unperm, inv, summed)
+    return out
+
+
 #: The mixture-of-experts blocks a description names (`trainmem_nb.model.families.Description.moe`).
 MOES: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {"mixtral": moe_mlp}
+MOES["gpt_oss"] = gpt_oss_moe

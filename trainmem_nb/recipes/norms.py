@@ -13,7 +13,7 @@ from ..engine.ops import F32
 from ..engine.tape import Graph, T
 from .base import tok
 
-__all__ = ["RMS_NORMS", "rms_norm", "rms_norm_gemma"]
+__all__ = ["RMS_NORMS", "rms_norm", "rms_norm_gemma", "rms_norm_gpt_oss"]
 
 
 def rms_norm(g: Graph, x: T, w: T, label: str) -> T:
@@ -59,5 +59,26 @@ def rms_norm_gemma(g: Graph, x: T, w: T, label: str) -> T:
     return out
 
 
+def rms_norm_gpt_oss(g: Graph, x: T, w: T, label: str) -> T:
+    """``GptOssRMSNorm.forward`` (modeling_gpt_oss.py): llama's normalisation in fp32, then
+    ``(self.weight * hidden_states).to(input_dtype)``: the weight multiplies the fp32 result (the
+    product is fp32 and the multiply saves the fp32 normalised states), and only then is it cast."""
+    input_dt = x.dt
+    hs = ops.cast(g, x, F32, f"{label} to fp32")
+    p = ops.pow2(g, hs, f"{label} pow")
+    var = ops.mean_last(g, p, tok(1), f"{label} mean")
+    g.drop(p)
+    ve = ops.scalar_op(g, var, f"{label} +eps", grad_allocs=False)
+    r = ops.rsqrt(g, ve, f"{label} rsqrt")
+    g.drop(ve)
+    hs2 = ops.mul(g, hs, r, f"{label} x*rsqrt")
+    g.drop(r, hs)
+    prod = ops.mul_reduce_cast(g, w, hs2, f"{label} weight*")
+    out = ops.cast(g, prod, input_dt, f"{label} to input dtype")
+    g.drop(prod, hs2, var)
+    return out
+
+
 #: The RMSNorm variants a description names (`trainmem_nb.model.families.Description.norm`).
 RMS_NORMS: dict[str, Callable[[Graph, T, T, str], T]] = {"llama": rms_norm, "gemma": rms_norm_gemma}
+RMS_NORMS["gpt_oss"] = rms_norm_gpt_oss
