@@ -37,6 +37,7 @@ class Family(_Choice):
     OPT = "opt"  #: LayerNorm, ReLU MLP, learned positions (offset 2), tied head
     BERT = "bert"  #: encoder, post-LayerNorm, masked-LM head tied to the word embeddings
     GPT_OSS = "gpt_oss"  #: attention sinks, alternating sliding/full layers, biased top-k MoE, clamped SwiGLU
+    DEEPSEEK_V3 = "deepseek_v3"  #: multi-head latent attention, dense then MoE layers, grouped sigmoid routing, shared experts
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -179,6 +180,15 @@ DESCRIPTIONS: dict[Family, Description] = {
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         attention="sinks", moe="gpt_oss", norm="gpt_oss", rotary="chunk", sdpa=False,
         mask_kinds=("full", "sliding")),
+    # modeling_deepseek_v3.py (transformers 5.24): multi-head latent attention (low-rank q with q_a_layernorm,
+    # compressed kv with kv_a_layernorm, a shared rope key, interleaved rotary), first_k_dense_replace dense
+    # layers then DeepseekV3MoE (sigmoid group-limited router, grouped_mm experts, shared experts)
+    Family.DEEPSEEK_V3: Description(
+        Family.DEEPSEEK_V3, ("deepseek_v3",), "DeepseekV3ForCausalLM", "DeepseekV3DecoderLayer", "decoder",
+        {**_RMS_DECODER, "n_experts": 256, "experts_top_k": 8, "n_shared_experts": 1, "n_expert_groups": 8,
+         "topk_groups": 4},
+        tie_default=False, lora_qv=("self_attn.q_b_proj", "self_attn.kv_b_proj"), dropout_keys=("attention_dropout",),
+        attention="mla", moe="deepseek", norm="deepseek"),
 }
 
 

@@ -278,6 +278,38 @@ def _read_gpt_oss(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
             "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=4)}
 
 
+def _read_deepseek_v3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """DeepseekV3Config (configuration_deepseek_v3.py, transformers 5.24, lines 81-116): vocab 129280,
+    intermediate_size 18432 (the dense layers), moe_intermediate_size 2048, 256 routed experts, top-8, one
+    shared expert, n_group 8, topk_group 4, first_k_dense_replace 3, q_lora_rank 1536 (null: a plain
+    q_proj), kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, 4096 positions,
+    no attention bias, rope_interleave true; ``head_dim`` is the rope head dim (``__post_init__``)."""
+    defaults = {"vocab_size": 129280, "max_position_embeddings": 4096}
+    kw = _read_decoder({**defaults, **cfg, "head_dim": None}, f)
+    if _flag(cfg, "rope_interleave", True) is not True:
+        raise SpecError("deepseek_v3 with rope_interleave=false is not modelled (its rotary is the interleaved one "
+                        "by default); remove the key or set it to true")
+    rope = _int(cfg, "qk_rope_head_dim", family=f, default=64)
+    n_layers = kw["n_layers"]
+    k_dense = _int(cfg, "first_k_dense_replace", family=f, default=3, minimum=0)
+    bias = _flag(cfg, "attention_bias", False)
+    return {**kw, "head_dim": rope, "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": _int(cfg, "qk_nope_head_dim", family=f, default=128),
+            "v_head_dim": _int(cfg, "v_head_dim", family=f, default=128),
+            "kv_lora_rank": _int(cfg, "kv_lora_rank", family=f, default=512),
+            "q_lora_rank": _int(cfg, "q_lora_rank", family=f, default=1536) if "q_lora_rank" not in cfg
+            or cfg["q_lora_rank"] is not None else 0,
+            "qkv_bias": bias, "out_bias": bias,
+            "expert_ffn": _int(cfg, "moe_intermediate_size", family=f, default=2048),
+            "n_experts": _int(cfg, "n_routed_experts", family=f, default=256),
+            "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=8),
+            "n_shared_experts": _int(cfg, "n_shared_experts", family=f, default=1, minimum=0),
+            "n_expert_groups": _int(cfg, "n_group", family=f, default=8),
+            "topk_groups": _int(cfg, "topk_group", family=f, default=4),
+            "norm_topk_prob": _flag(cfg, "norm_topk_prob", True),
+            "dense_layers": tuple(range(min(k_dense, n_layers)))}
+
+
 #: The config reader of every family.
 READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.LLAMA: _read_llama, Family.MISTRAL: _read_mistral, Family.QWEN2: _read_qwen2, Family.GEMMA: _read_gemma,
@@ -285,6 +317,7 @@ READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.BERT: _read_bert, Family.GPT_NEOX: _read_gpt_neox,
 }
 READERS[Family.GPT_OSS] = _read_gpt_oss
+READERS[Family.DEEPSEEK_V3] = _read_deepseek_v3
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
@@ -436,6 +469,20 @@ def _write_gpt_oss(m: Any) -> dict[str, Any]:
             "layer_types": types, "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
 
 
+def _write_deepseek_v3(m: Any) -> dict[str, Any]:
+    dense = len(m.dense_layers)
+    if tuple(m.dense_layers) != tuple(range(dense)):
+        raise SpecError(f"deepseek_v3 makes its first layers dense (first_k_dense_replace); dense_layers="
+                        f"{m.dense_layers} is not a prefix 0..k-1")
+    return {**{k: v for k, v in _write_decoder(m).items() if k != "head_dim"},
+            "moe_intermediate_size": m.expert_width, "n_routed_experts": m.n_experts,
+            "num_experts_per_tok": m.experts_top_k, "n_shared_experts": m.n_shared_experts,
+            "n_group": m.n_expert_groups, "topk_group": m.topk_groups, "norm_topk_prob": m.norm_topk_prob,
+            "first_k_dense_replace": dense, "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+            "qk_rope_head_dim": m.qk_rope_head_dim, "qk_nope_head_dim": m.qk_nope_head_dim,
+            "v_head_dim": m.v_head_dim, "attention_bias": m.qkv_bias, "rope_interleave": True}
+
+
 #: The config writer of every family (`to_hf_config`).
 WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
@@ -443,3 +490,4 @@ WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
 }
 WRITERS[Family.GPT_OSS] = _write_gpt_oss
+WRITERS[Family.DEEPSEEK_V3] = _write_deepseek_v3

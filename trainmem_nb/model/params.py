@@ -37,6 +37,8 @@ class ParamTensor(NamedTuple):
     #: which layers hold it: ``""`` every layer; ``"moe"`` / ``"dense"`` only the layers with that MLP
     #: (a model whose MoE layers and dense layers differ; `count` is then the number of those layers)
     kind: str = ""
+    #: kept in fp32 whatever the model's dtype (deepseek_v3's router: ``_keep_in_fp32_modules_strict``)
+    fp32: bool = False
 
     @property
     def numel(self) -> int:
@@ -195,6 +197,41 @@ def _gpt_oss_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
             ParamTensor("layers.mlp.experts.down_proj_bias", (E, h), n, False, True, kind)]
 
 
+def _mla_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The "mla" attention module of `n` layers (``DeepseekV3Attention``, registration order): ``q_proj``
+    or the low-rank ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``, ``kv_a_proj_with_mqa`` (the kv latent
+    and the shared rope key), ``kv_a_layernorm``, ``kv_b_proj`` (every head's nope key and value),
+    ``o_proj``; ``attention_bias`` adds biases to q_a, kv_a and o."""
+    h, H = m.hidden, m.n_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    a = "layers.self_attn."
+    if m.q_lora_rank:
+        q = [*_linear(a + "q_a_proj", m.q_lora_rank, h, m.qkv_bias, n), *_norm(a + "q_a_layernorm", m.q_lora_rank, False, n),
+             *_linear(a + "q_b_proj", H * qk, m.q_lora_rank, False, n)]
+    else:
+        q = _linear(a + "q_proj", H * qk, h, False, n)
+    return [*q, *_linear(a + "kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, h, m.qkv_bias, n),
+            *_norm(a + "kv_a_layernorm", m.kv_lora_rank, False, n),
+            *_linear(a + "kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False, n),
+            *_linear(a + "o_proj", h, H * m.v_head_dim, m.out_bias, n)]
+
+
+def _deepseek_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "deepseek" MoE block of `n` layers (``DeepseekV3MoE``): the expert stacks (as mixtral's), the
+    router's fp32 weight (``DeepseekV3TopkRouter``, kept in fp32: ``_keep_in_fp32_modules_strict``) and the
+    shared experts, a gated MLP ``n_shared_experts`` experts wide."""
+    E, h, ef = m.n_experts, m.hidden, m.expert_width
+    sf = ef * m.n_shared_experts
+    items = [ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * ef, h), n, True, True, kind),
+             ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n, True, True, kind),
+             ParamTensor("layers.mlp.gate.weight", (E, h), n, True, True, kind, fp32=True)]
+    if sf:
+        items += [*_linear("layers.mlp.shared_experts.gate_proj", sf, h, False, n, kind=kind),
+                  *_linear("layers.mlp.shared_experts.up_proj", sf, h, False, n, kind=kind),
+                  *_linear("layers.mlp.shared_experts.down_proj", h, sf, False, n, kind=kind)]
+    return items
+
+
 def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
     """The "pre" layer's norms: before attention and before the MLP."""
     return [*_norm("layers.input_layernorm", m.hidden, m.norm_bias, n),
@@ -204,9 +241,11 @@ def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
 #: Each part's parameters, by the name a description gives it (the parts of `trainmem_nb.recipes.decoder`).
 _ATTENTION_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"gqa": _gqa_params}
 _ATTENTION_PARAMS["sinks"] = _sinks_params
+_ATTENTION_PARAMS["mla"] = _mla_params
 _MLP_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"gated": _gated_params}
 _MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params}
 _MOE_PARAMS["gpt_oss"] = _gpt_oss_moe_params
+_MOE_PARAMS["deepseek"] = _deepseek_moe_params
 _LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"pre": _pre_norm_params}
 
 
@@ -265,6 +304,8 @@ def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
         out.append(("rotary_emb.inv_freq", 4 * (m.rotary_dims // 2), 2))
     if fam is Family.GEMMA:
         out.append(("embed_tokens.embed_scale", 4, 1))
+    if fam is Family.DEEPSEEK_V3:  # each MoE layer's router: e_score_correction_bias (E,) fp32
+        out.append(("layers.mlp.gate.e_score_correction_bias", 4 * m.n_experts, sum(k.moe for k in m.layer_kinds)))
     if fam is Family.BERT:
         out.append(("embeddings.position_ids", 8 * m.max_positions, 1))
         out.append(("embeddings.token_type_ids", 8 * m.max_positions, 1))
@@ -439,12 +480,12 @@ def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int
     ``lora_dtype='base'``."""
     full = t.method is Method.FULL
     if t.method is Method.QLORA:
-        qout = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else t.param_bytes, False)
-                for p in param_inventory(m)]
+        qout = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else (4 if p.fp32 else t.param_bytes),
+                 False) for p in param_inventory(m)]
         qout += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
         # NF4 weights' bytes per element are fractional: the tape's `dt` is typed int (a float works at run time)
         return qout  # type: ignore[return-value]
-    out = [(p, t.param_bytes, full and _gets_gradient(p, m)) for p in param_inventory(m)]
+    out = [(p, 4 if p.fp32 else t.param_bytes, full and _gets_gradient(p, m)) for p in param_inventory(m)]
     if not full:
         out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
     return out

@@ -146,7 +146,7 @@ class ModelSpec(SpecModel):
                     f"experts_top_k={self.experts_top_k} exceeds n_experts={self.n_experts}; "
                     f"choose experts_top_k between 1 and {self.n_experts}"
                 )
-            if self.family not in (Family.MIXTRAL, Family.GPT_OSS):
+            if self.family not in (Family.MIXTRAL, Family.GPT_OSS, Family.DEEPSEEK_V3):
                 raise SpecError(
                     f"n_experts={self.n_experts} is only supported for family 'mixtral' (got {self.family.value!r})"
                 )
@@ -155,6 +155,8 @@ class ModelSpec(SpecModel):
                 f"family {self.family.value!r} has no grouped-query attention: n_kv_heads must equal "
                 f"n_heads={self.n_heads} (got {self.n_kv_heads})"
             )
+        if self.family is Family.DEEPSEEK_V3:
+            self._check_mla()
         if self.positions == "rotary" and self.rotary_dims < 2:
             raise SpecError(
                 f"rotary_pct={self.rotary_pct} leaves fewer than 2 rotary dimensions of head_dim={self.head_dim}"
@@ -189,6 +191,21 @@ class ModelSpec(SpecModel):
                 raise SpecError(f"{name} has layer {bad[0]}, outside 0..{self.n_layers - 1}")
         if self.dense_layers and not self.n_experts:
             raise SpecError("dense_layers is for mixture-of-experts models; this model has no experts (n_experts=0)")
+
+    def _check_mla(self) -> None:
+        """deepseek_v3: multi-head latent attention needs its ranks and head dims; its rope key is shared
+        by every head (``expand``), so the model has as many kv heads as heads."""
+        if not (self.kv_lora_rank and self.qk_nope_head_dim and self.qk_rope_head_dim and self.v_head_dim):
+            raise SpecError("deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim (MLA)")
+        if self.head_dim != self.qk_rope_head_dim:
+            raise SpecError(f"deepseek_v3: head_dim is the rope head dim (qk_rope_head_dim={self.qk_rope_head_dim}), "
+                            f"got head_dim={self.head_dim}")
+        if self.n_kv_heads != self.n_heads:
+            raise SpecError(f"deepseek_v3: n_kv_heads must equal n_heads={self.n_heads} (MLA expands its keys to "
+                            f"every head), got {self.n_kv_heads}")
+        if self.n_expert_groups and (self.n_experts % self.n_expert_groups or self.topk_groups > self.n_expert_groups):
+            raise SpecError(f"deepseek_v3: n_expert_groups={self.n_expert_groups} must divide n_experts={self.n_experts} "
+                            f"and topk_groups={self.topk_groups} must not exceed it")
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:

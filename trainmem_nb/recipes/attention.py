@@ -302,8 +302,89 @@ def eager_sinks_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: 
     return out, pt
 
 
+def _rotary_interleave(g: Graph, q: T, k: T, cos: T, sin: T) -> tuple[T, T]:
+    """DeepSeek's ``apply_rotary_pos_emb_interleave``: ``q1, q2 = q[..., 0::2], q[..., 1::2]`` and the
+    same for k (four strided slices, all made first), then for q and for k ``cat([x1 * cos - x2 * sin,
+    x2 * cos + x1 * sin], -1)`` with the first half of cos/sin (views); the slices are locals."""
+    halves = [(ops.slice_view(g, x, x.n * 0.5, f"{name}[..., 0::2]"), ops.slice_view(g, x, x.n * 0.5, f"{name}[..., 1::2]"))
+              for name, x in (("q", q), ("k", k))]
+    out = []
+    for name, (x1, x2) in zip("qk", halves, strict=True):
+        a1 = ops.mul(g, x1, cos, f"{name}1 * cos")
+        a2 = ops.mul(g, x2, sin, f"{name}2 * sin")
+        first = ops.sub(g, a1, a2, f"{name} first")
+        g.drop(a1, a2)
+        b1 = ops.mul(g, x2, cos, f"{name}2 * cos")
+        b2 = ops.mul(g, x1, sin, f"{name}1 * sin")
+        second = ops.add(g, b1, b2, f"{name} second")
+        g.drop(b1, b2)
+        out.append(ops.cat2(g, first, second, f"{name}_embed cat"))
+        g.drop(first, second)
+    for x1, x2 in halves:
+        g.drop(x1, x2)
+    return out[0], out[1]
+
+
+def mla_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, T], kind: LayerKind) -> T:
+    """``DeepseekV3Attention.forward`` (modeling_deepseek_v3.py): q from ``q_proj`` or
+    ``q_b_proj(q_a_layernorm(q_a_proj(h)))``, viewed as heads and split into its nope and rope parts;
+    ``kv_a_proj_with_mqa`` split into the kv latent (``kv_a_layernorm``) and the shared rope key;
+    interleaved rotary on q's rope part and on the key (q, then k; the rotated parts are concatenated
+    with their slices: contiguous), ``query = cat(q_pass, q_rot)`` (CPU autocast promotes the 16-bit
+    pass part to the rotated part's dtype), ``expand_kv``: ``kv_b_proj`` viewed as heads, split into the
+    nope key and the value (a view), the rope key expanded to every head and both copied into a new key
+    tensor (`ops.copy_into_new`); then the attention kernel HF dispatches to (eager; SDPA, whose CPU
+    flash kernel needs equal q/k and v head dims, so a different v_head_dim runs its math kernel) and
+    ``o_proj``. The forward's locals die when it returns."""
+    m, t = rec.m, rec.t
+    H, nope, rope, vd, r = m.n_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    qk = nope + rope
+    if m.q_lora_rank:
+        qa = rec.linear(g, h, p, "self_attn.q_a_proj", m.hidden, m.q_lora_rank)
+        qn = rec.norm(g, qa, p["self_attn.q_a_layernorm.weight"], "q_a_layernorm")
+        g.drop(qa)
+        q = rec.linear(g, qn, p, "self_attn.q_b_proj", m.q_lora_rank, H * qk)
+        g.drop(qn)
+    else:
+        q = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, H * qk)
+    qh = ops.heads_view(g, q, "q view", clone_grad=H > 1)
+    g.drop(q)
+    q_pass, q_rot = ops.split(g, qh, (nope / qk, rope / qk), "split q_pass, q_rot")
+    ckv = rec.linear(g, h, p, "self_attn.kv_a_proj_with_mqa", m.hidden, r + rope)
+    kv_nope, k_rot = ops.split(g, ckv, (r / (r + rope), rope / (r + rope)), "split kv_nope, k_rot")
+    kvn = rec.norm(g, kv_nope, p["self_attn.kv_a_layernorm.weight"], "kv_a_layernorm")
+    g.drop(kv_nope)
+    cos, sin = sh.rotary(kind)
+    assert cos is not None and sin is not None
+    ch = g.view(cos, "cos[..., :d/2]", n=cos.n * 0.5)
+    sn = g.view(sin, "sin[..., :d/2]", n=sin.n * 0.5)
+    q_emb, k_emb = _rotary_interleave(g, q_rot, k_rot, ch, sn)
+    g.drop(ch, sn, q_rot, k_rot)
+    query = ops.cat_last(g, rec.ctx, [q_pass, q_emb], "cat q_pass, q_rot")
+    # expand_kv
+    kv = rec.linear(g, kvn, p, "self_attn.kv_b_proj", r, H * (nope + vd))
+    kvh = ops.heads_view(g, kv, "kv view", clone_grad=H > 1)
+    g.drop(kv)
+    k_nope, value = ops.split(g, kvh, (nope / (nope + vd), vd / (nope + vd)), "split k_nope, value")
+    g.drop(kvh)
+    k_exp = ops.expand_view(g, k_emb, k_emb.n * H, "k_rot.expand")
+    key = ops.copy_into_new(g, [k_nope, k_exp], k_nope.dt, "key_states")
+    g.drop(k_nope, k_exp)
+    if t.attention is Attention.EAGER:
+        o = eager_attention(rec, g, query, key, value, sh.attention_mask(kind), qk_contiguous=True)
+    elif qk != vd or rec.sdpa_falls_back_to_math:
+        o = math_attention(rec, g, query, key, value, masked=False, qk_contiguous=True)
+    else:
+        o = sdpa(rec, g, query, key, value)
+    out = rec.linear(g, o, p, "self_attn.o_proj", H * vd, m.hidden)
+    g.drop(o)
+    g.drop(q_pass, ckv, kvn, q_emb, k_emb, query, key, value, qh)  # the forward's locals
+    return out
+
+
 #: The attention modules a description names (`trainmem_nb.model.families.Description.attention`).
 ATTENTIONS: dict[str, Callable[[DecoderRecipe, Graph, T, Shared, dict[str, T], LayerKind], T]] = {
     "gqa": self_attention,
 }
 ATTENTIONS["sinks"] = sinks_attention
+ATTENTIONS["mla"] = mla_attention

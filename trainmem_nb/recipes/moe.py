@@ -83,7 +83,8 @@ def router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tuple[T, T, T
 
 
 
-def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[str, T]) -> T:
+def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[str, T],
+            weighted_mul: Callable[[Graph, T, T, str], T] = ops.mul_both_grads) -> T:
     """``grouped_mm_experts_forward`` (integrations/moe.py) over S = tokens * top_k rows:
     ``sort`` of the expert ids (values and permutation), ``hidden_states[perm // top_k]``,
     ``sample_weights[perm]``, ``histc`` of the sorted ids (fp32 copy on CPU, int32 on CUDA: 4 bytes
@@ -98,7 +99,7 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     weight ``baddbmm(W, lhs, rhs, alpha=scaling)`` (a tensor the size of the expert stack, which
     ``grouped_mm`` saves, and whose gradient its backward computes)."""
     m, t = rec.m, rec.t
-    k, h, f, E = m.experts_top_k, m.hidden, m.ffn, m.n_experts
+    k, h, f, E = m.experts_top_k, m.hidden, m.expert_width, m.n_experts
     scaling = t.lora_alpha / t.lora_rank
     wrapped = [name for name in ("down_proj", "gate_up_proj") if f"mlp.experts.{name}.lora_A.weight" in p]
     factors: dict[str, tuple[T, T]] = {}
@@ -135,7 +136,7 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     g.drop(a, gate, up)
     down = ops.grouped_mm(g, gated, weight("down_proj"), offs, tok(k * h), "grouped_mm down_proj")
     g.drop(gated)
-    weighted = ops.mul_both_grads(g, down, sw, "proj_out * sample_weights_g")
+    weighted = weighted_mul(g, down, sw, "proj_out * sample_weights_g")
     inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
     ar = g.alloc(tok(k), I64, "arange")
     g.drop(ar)
@@ -239,6 +240,93 @@ def gpt_oss_experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p:
     return out
 
 
+def deepseek_moe(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """``DeepseekV3MoE.forward``: the router (`deepseek_router`), the routed experts (mixtral's
+    `experts`: ``grouped_mm_experts_forward`` with (E, out, in) stacks; the routing weights, in the
+    router's dtype, multiply the expert output unsqueezed: `ops.mul_reduce_cast`), ``.view`` back,
+    ``+ shared_experts(residuals)`` (a gated MLP on the block's input)."""
+    logits, weights, index = deepseek_router(rec, g, x, p)
+    routed = experts(rec, g, x, index, weights, p, ops.mul_reduce_cast)
+    if rec.m.n_shared_experts:
+        shared = _shared_experts(rec, g, x, p)
+        out = ops.add(g, routed, shared, "routed + shared_experts")
+        g.drop(routed, shared)
+    else:
+        out = routed
+    g.drop(logits, weights, index)  # the block's locals (``_``: the router logits)
+    return out
+
+
+def _shared_experts(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """``DeepseekV3MLP.forward`` of the shared experts: ``down(act(gate(x)) * up(x))``."""
+    m = rec.m
+    f = m.expert_width * m.n_shared_experts
+    gt = rec.linear(g, x, p, "mlp.shared_experts.gate_proj", m.hidden, f)
+    a = rec.act(g, gt)
+    g.drop(gt)
+    u = rec.linear(g, x, p, "mlp.shared_experts.up_proj", m.hidden, f)
+    pr = ops.mul(g, a, u, "act * up")
+    g.drop(a, u)
+    out = rec.linear(g, pr, p, "mlp.shared_experts.down_proj", f, m.hidden)
+    g.drop(pr)
+    return out
+
+
+def deepseek_router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tuple[T, T, T]:
+    """``DeepseekV3TopkRouter.forward``: ``F.linear(h.type(float32), weight.type(float32))`` (the weight
+    is fp32; autocast still runs the linear in 16 bit), ``sigmoid``, ``+ e_score_correction_bias`` (fp32:
+    promotes), the group scores (``topk(2)`` per group, summed), the top groups (``topk``), their mask
+    (``zeros_like``, ``scatter_``, expanded and reshaped to (tokens, E): a copy, ``bool()``, ``~``),
+    ``masked_fill(-inf)``, ``topk`` of it for the indices, ``scores.gather`` of the weights, renormalised
+    in place (``/= sum + 1e-20``) and times ``routed_scaling_factor``. Only the gathered scores reach the
+    loss: the selection branch records no graph a backward would keep (its nodes die with their outputs).
+    Returns (logits, weights, indices); the other locals die when it returns."""
+    m, ctx = rec.m, rec.ctx
+    k, E = m.experts_top_k, m.n_experts
+    G = m.n_expert_groups or 1
+    tg = m.topk_groups or G
+    flat = ops.alias_view(g, x, "view(-1, h)")  # a view node of its own (its backward runs after the casts')
+    xf = ops.cast(g, flat, F32, "hidden_states.type(float32)")
+    g.drop(flat)
+    w = p["mlp.gate.weight"]
+    logits = ops.linear(g, ctx, xf, w, m.hidden, E, None, "mlp.gate")
+    scores = ops.unary_saving_output(g, logits, "sigmoid")
+    dt_choice = max(scores.dt, F32)
+    choice = g.alloc(tok(E), dt_choice, "scores + e_score_correction_bias")
+    g2v = g.alloc(tok(G * 2), dt_choice, "group topk(2) values")
+    g2i = g.alloc(tok(G * 2), I64, "group topk(2) indices")
+    group_scores = g.alloc(tok(G), dt_choice, "group_scores (sum)")
+    g.drop(g2v)
+    gv = g.alloc(tok(tg), dt_choice, "group topk values")
+    group_idx = g.alloc(tok(tg), I64, "group_idx")
+    g.drop(gv)
+    group_mask = g.alloc(tok(G), dt_choice, "group_mask (zeros_like)")
+    score_mask = g.alloc(tok(E), dt_choice, "score_mask (reshape copy)")
+    sb = g.alloc(tok(E), 1, "score_mask.bool()")
+    inv = g.alloc(tok(E), 1, "~score_mask")
+    g.drop(sb)
+    masked = g.alloc(tok(E), dt_choice, "masked_fill")
+    g.drop(choice)  # `scores_for_choice` rebinds; masked_fill's node keeps the mask while its output lives
+    tv = g.alloc(tok(k), dt_choice, "topk values")
+    index = g.alloc(tok(k), I64, "topk_indices")
+    g.drop(tv)
+    gathered = ops.index_rows(g, scores, index, tok(k), "scores.gather")
+    if m.norm_topk_prob:
+        total = ops.sum_keepdim(g, gathered, tok(1), "topk_weights.sum")
+        den = ops.scalar_op(g, total, "+ 1e-20", grad_allocs=False)
+        g.drop(total)
+        normed = ops.div_(g, gathered, den, "topk_weights /= denominator")
+        g.drop(gathered)  # the same tensor: `/=` rebinds the name
+        gathered = normed
+    else:
+        den = None
+    weights = ops.scalar_op(g, gathered, "* routed_scaling_factor")
+    g.drop(gathered)
+    g.drop(xf, scores, masked, inv, g2i, group_scores, group_idx, group_mask, score_mask, den)
+    return logits, weights, index
+
+
 #: The mixture-of-experts blocks a description names (`trainmem_nb.model.families.Description.moe`).
 MOES: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {"mixtral": moe_mlp}
 MOES["gpt_oss"] = gpt_oss_moe
+MOES["deepseek"] = deepseek_moe

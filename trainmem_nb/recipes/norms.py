@@ -13,10 +13,10 @@ from ..engine.ops import F32
 from ..engine.tape import Graph, T
 from .base import tok
 
-__all__ = ["RMS_NORMS", "rms_norm", "rms_norm_gemma", "rms_norm_gpt_oss"]
+__all__ = ["RMS_NORMS", "rms_norm", "rms_norm_deepseek", "rms_norm_gemma", "rms_norm_gpt_oss"]
 
 
-def rms_norm(g: Graph, x: T, w: T, label: str) -> T:
+def rms_norm(g: Graph, x: T, w: T, label: str, weight_mul: Callable[[Graph, T, T, str], T] = ops.mul) -> T:
     """``LlamaRMSNorm.forward``: upcast to fp32, ``x * rsqrt(mean(x**2) + eps)``, cast back to the
     input's dtype, then ``weight *`` (in the weight's dtype: the multiply saves the cast-back copy)."""
     input_dt = x.dt
@@ -30,9 +30,16 @@ def rms_norm(g: Graph, x: T, w: T, label: str) -> T:
     hs2 = ops.mul(g, hs, r, f"{label} x*rsqrt")
     g.drop(r, hs)
     hs3 = ops.cast(g, hs2, input_dt, f"{label} to input dtype")
-    out = ops.mul(g, w, hs3, f"{label} *weight")
+    out = weight_mul(g, w, hs3, f"{label} *weight")
     g.drop(hs3, hs2, var)
     return out
+
+
+def rms_norm_deepseek(g: Graph, x: T, w: T, label: str) -> T:
+    """``DeepseekV3RMSNorm.forward``: llama's (`rms_norm`); its q_a/kv_a norms take 16-bit projection
+    outputs under autocast, whose fp32-weight multiply's backward reduces the weight's gradient and casts
+    the input's only after both products exist (`ops.mul_reduce_cast`, the engine's order)."""
+    return rms_norm(g, x, w, label, ops.mul_reduce_cast)
 
 
 def rms_norm_gemma(g: Graph, x: T, w: T, label: str) -> T:
@@ -82,3 +89,4 @@ def rms_norm_gpt_oss(g: Graph, x: T, w: T, label: str) -> T:
 #: The RMSNorm variants a description names (`trainmem_nb.model.families.Description.norm`).
 RMS_NORMS: dict[str, Callable[[Graph, T, T, str], T]] = {"llama": rms_norm, "gemma": rms_norm_gemma}
 RMS_NORMS["gpt_oss"] = rms_norm_gpt_oss
+RMS_NORMS["deepseek"] = rms_norm_deepseek

@@ -44,6 +44,8 @@ from .shape import (
     cat2,
     cat_last,
     clone,
+    copy_into_new,
+    expand_view,
     heads_view,
     index_rows,
     repeat_kv,
@@ -63,3 +65,4 @@ __all__ = [
     "softmax", "split", "sum_keepdim", "topk", "unary_saving_input", "unary_saving_output",
 ]
 __all__ += ["add_", "clamp", "mul_reduce_cast", "sub"]  # gpt_oss
+__all__ += ["copy_into_new", "expand_view"]  # deepseek_v3
