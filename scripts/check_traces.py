@@ -41,6 +41,10 @@ SHAPES = {
                         experts_top_k=2, expert_ffn=32, n_shared_experts=1, n_expert_groups=4, topk_groups=2,
                         q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
                         dense_layers=(0,)),
+    "deepseek_v3-eqv": dict(family="deepseek_v3", n_layers=3, hidden=128, n_heads=4, head_dim=16, ffn=256, vocab=1000,
+                            n_experts=8, experts_top_k=2, expert_ffn=32, n_shared_experts=2, n_expert_groups=1,
+                            topk_groups=1, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                            v_head_dim=48, dense_layers=(0, 1), norm_topk_prob=False),
 }
 
 

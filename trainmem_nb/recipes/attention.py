@@ -374,8 +374,10 @@ def mla_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, T
         o = eager_attention(rec, g, query, key, value, sh.attention_mask(kind), qk_contiguous=True)
     elif qk != vd or rec.sdpa_falls_back_to_math:
         o = math_attention(rec, g, query, key, value, masked=False, qk_contiguous=True)
-    else:
-        o = sdpa(rec, g, query, key, value)
+    else:  # the flash kernel's output follows the contiguous query: ``transpose(1, 2).contiguous()`` copies it
+        o0 = sdpa(rec, g, query, key, value)
+        o = ops.clone(g, o0, "attn_output transpose contiguous")
+        g.drop(o0)
     out = rec.linear(g, o, p, "self_attn.o_proj", H * vd, m.hidden)
     g.drop(o)
     g.drop(q_pass, ckv, kvn, q_emb, k_emb, query, key, value, qh)  # the forward's locals

@@ -290,22 +290,31 @@ def deepseek_router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tupl
     g.drop(flat)
     w = p["mlp.gate.weight"]
     logits = ops.linear(g, ctx, xf, w, m.hidden, E, None, "mlp.gate")
+    g.drop(xf)  # an argument temporary (a copy only when the input is 16-bit)
     scores = ops.unary_saving_output(g, logits, "sigmoid")
     dt_choice = max(scores.dt, F32)
     choice = g.alloc(tok(E), dt_choice, "scores + e_score_correction_bias")
     g2v = g.alloc(tok(G * 2), dt_choice, "group topk(2) values")
-    g2i = g.alloc(tok(G * 2), I64, "group topk(2) indices")
+    g2i: T | None = g.alloc(tok(G * 2), I64, "group topk(2) indices")
+    if not g.saving:  # not saved (a checkpointed forward): the indices die with the (values, indices) tuple
+        g.drop(g2i)
+        g2i = None
     group_scores = g.alloc(tok(G), dt_choice, "group_scores (sum)")
     g.drop(g2v)
     gv = g.alloc(tok(tg), dt_choice, "group topk values")
     group_idx = g.alloc(tok(tg), I64, "group_idx")
     g.drop(gv)
     group_mask = g.alloc(tok(G), dt_choice, "group_mask (zeros_like)")
-    score_mask = g.alloc(tok(E), dt_choice, "score_mask (reshape copy)")
+    # the (tokens, G, E/G) expansion reshapes to (tokens, E) as a view only when one of G, E/G is 1
+    score_mask = (g.alloc(tok(E), dt_choice, "score_mask (reshape copy)") if 1 < G < E
+                  else g.view(group_mask, "score_mask (reshape view)", n=tok(E)))
     sb = g.alloc(tok(E), 1, "score_mask.bool()")
-    inv = g.alloc(tok(E), 1, "~score_mask")
+    inv: T | None = g.alloc(tok(E), 1, "~score_mask")
     g.drop(sb)
     masked = g.alloc(tok(E), dt_choice, "masked_fill")
+    if not g.saving:  # masked_fill's mask is saved only when the forward saves
+        g.drop(inv)
+        inv = None
     g.drop(choice)  # `scores_for_choice` rebinds; masked_fill's node keeps the mask while its output lives
     tv = g.alloc(tok(k), dt_choice, "topk values")
     index = g.alloc(tok(k), I64, "topk_indices")
@@ -322,7 +331,7 @@ def deepseek_router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tupl
         den = None
     weights = ops.scalar_op(g, gathered, "* routed_scaling_factor")
     g.drop(gathered)
-    g.drop(xf, scores, masked, inv, g2i, group_scores, group_idx, group_mask, score_mask, den)
+    g.drop(scores, masked, inv, g2i, group_scores, group_idx, group_mask, score_mask, den)
     return logits, weights, index
 
 
