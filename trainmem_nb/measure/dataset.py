@@ -316,8 +316,9 @@ def full_matrix() -> list[CaseSpec]:
 
 def moe_family_cases() -> list[CaseSpec]:
     """gpt_oss (eager attention only: transformers 5.24 refuses SDPA for it; ``selective`` checkpointing
-    fails in PyTorch on its in-place expert biases, so ``selective-op``): small shapes over precisions,
-    optimizers, checkpointing, dropout and LoRA, and two layers of gpt-oss-20b at real widths."""
+    fails in PyTorch on its in-place expert biases, so ``selective-op``) and deepseek_v3: small shapes over
+    precisions, optimizers, checkpointing, attention kernels, dropout and LoRA, and the first layers of
+    gpt-oss-20b and DeepSeek-V3 at real widths."""
     eager: dict[str, Any] = {"attention": "eager"}
     oss = [_m("gpt_oss", "gpt-oss-tiny", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=64,
               vocab=512, n_experts=4, experts_top_k=2, sliding_window=16,
@@ -337,6 +338,25 @@ def moe_family_cases() -> list[CaseSpec]:
     ])
     cases += _cases("presets", [_preset("gpt-oss-20b").layer_slice(0, 2).model_copy(update={"name": "gpt-oss-20b-2L"})],
                     [_t(micro_batch=1, seq_len=256, precision="bf16-mixed", **eager)])
+    # deepseek_v3: MLA (v_head_dim != q/k head dim: SDPA's math kernel on CPU), dense then MoE layers
+    ds = [_m("deepseek_v3", "deepseek-v3-tiny", n_layers=2, hidden=64, n_heads=4, head_dim=8, ffn=128, vocab=512,
+             n_experts=8, experts_top_k=2, expert_ffn=32, n_shared_experts=1, n_expert_groups=4, topk_groups=2,
+             q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             dense_layers=(0,)),
+          _m("deepseek_v3", "deepseek-v3-small-noqlora", n_layers=4, hidden=128, n_heads=4, head_dim=16, ffn=256,
+             vocab=1024, n_experts=8, experts_top_k=3, expert_ffn=32, n_shared_experts=2, n_expert_groups=2,
+             topk_groups=1, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
+             dense_layers=(0, 1), norm_topk_prob=False)]
+    cases += _cases("families", ds, [
+        _t(micro_batch=2, seq_len=64),
+        _t(micro_batch=1, seq_len=128, precision="bf16-mixed", optimizer_impl="for-loop", checkpointing="full"),
+        _t(micro_batch=4, seq_len=32, precision="bf16-true", optimizer_impl="fused", attention="eager"),
+        _t(micro_batch=2, seq_len=64, optimizer="sgd-momentum", checkpointing="selective", dropout=0.1),
+        _t(micro_batch=2, seq_len=64, precision="bf16-mixed", checkpointing="selective-op", grad_accum=2),
+        _t(micro_batch=2, seq_len=64, precision="bf16-mixed", lora_targets="qv", **lora),
+    ])
+    cases += _cases("presets", [_preset("deepseek-v3").layer_slice(0, 4).model_copy(update={"name": "deepseek-v3-4L"})],
+                    [_t(micro_batch=1, seq_len=256, precision="bf16-mixed")])
     return cases
 
 

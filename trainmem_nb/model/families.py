@@ -187,8 +187,8 @@ DESCRIPTIONS: dict[Family, Description] = {
         Family.DEEPSEEK_V3, ("deepseek_v3",), "DeepseekV3ForCausalLM", "DeepseekV3DecoderLayer", "decoder",
         {**_RMS_DECODER, "n_experts": 256, "experts_top_k": 8, "n_shared_experts": 1, "n_expert_groups": 8,
          "topk_groups": 4},
-        tie_default=False, lora_qv=("self_attn.q_b_proj", "self_attn.kv_b_proj"), dropout_keys=("attention_dropout",),
-        attention="mla", moe="deepseek", norm="deepseek"),
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj"),
+        dropout_keys=("attention_dropout",), attention="mla", moe="deepseek", norm="deepseek"),
 }
 
 

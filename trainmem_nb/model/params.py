@@ -328,8 +328,9 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     linears = [p.name[len("layers."):-len(".weight")] for p in param_inventory(m)
                if p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
                and not p.name.endswith(_ROUTERS)]
-    if text == "qv":
-        return DESCRIPTIONS[m.family].lora_qv
+    if text == "qv":  # the family's names that this model has (deepseek_v3: q_proj or q_b_proj)
+        qv = DESCRIPTIONS[m.family].lora_qv
+        return tuple(mod for mod in qv if mod in linears) or qv
     if text in ("all-linear", "all_linear", "all"):
         return tuple(linears)
     names = [n.strip() for n in targets.split(",") if n.strip()]
