@@ -93,7 +93,7 @@ def flops_per_token(m: ModelSpec, t: TrainingSpec) -> tuple[float, float]:
     frozen, trained, in_layers = _matmul_params(m, t)
     # each layer attends over the whole sequence, or over its window (sliding-window layers)
     keys = sum(min(t.seq_len, m.sliding_window) if k.attention == "sliding" else t.seq_len for k in m.layer_kinds)
-    width = m.head_dim or m.hidden // m.n_heads
+    width: float = m.head_dim or m.hidden // m.n_heads
     if m.kv_lora_rank:  # MLA: q.k over the nope + rope dims, probs.v over v_head_dim
         width = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
     attn_fwd = 4.0 * m.n_heads * width * keys
