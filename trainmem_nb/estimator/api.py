@@ -86,6 +86,9 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
         raise SpecError("checkpointing='selective' on gpt_oss fails in PyTorch: the policy caches grouped_mm's "
                         "output, which the experts then add their bias to in place (\"Tensor cached during selective "
                         "activation checkpoint has been mutated\"); use checkpointing='selective-op' or 'full'")
+    if m.family.value == "deepseek_v3" and t.attention.value == "flash":
+        raise SpecError("attention='flash' on deepseek_v3 is not modelled (its v_head_dim differs from the q/k head "
+                        "dim, which flash-attn does not take as is); use attention='sdpa' or 'eager'")
     if m.family.value == "deepseek_v3" and t.method.value != "full":
         names = {n.strip().rsplit(".", 1)[-1] for n in t.lora_targets.lower().split(",")}
         if names & {"all-linear", "all_linear", "all", "gate", "gate_proj", "up_proj", "down_proj"}:
