@@ -372,6 +372,8 @@ def mla_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, T
     g.drop(k_nope, k_exp)
     if t.attention is Attention.EAGER:
         o = eager_attention(rec, g, query, key, value, sh.attention_mask(kind), qk_contiguous=True)
+    elif qk != vd and rec.ctx.cuda:
+        o = _sdpa_mem_efficient(rec, g, query, key, value)
     elif qk != vd or rec.sdpa_falls_back_to_math:
         o = math_attention(rec, g, query, key, value, masked=False, qk_contiguous=True)
     else:  # the flash kernel's output follows the contiguous query: ``transpose(1, 2).contiguous()`` copies it
@@ -381,6 +383,36 @@ def mla_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, T
     out = rec.linear(g, o, p, "self_attn.o_proj", H * vd, m.hidden)
     g.drop(o)
     g.drop(q_pass, ckv, kvn, q_emb, k_emb, query, key, value, qh)  # the forward's locals
+    return out
+
+
+def _sdpa_mem_efficient(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
+    """CUDA SDPA when the value's head dim differs from the query's (MLA): FlashAttention-2 needs equal
+    head dims (sdp_utils.cpp ``check_head_dim_size_flash``), the memory-efficient kernel does not
+    (``check_head_dim_size_mem_efficient``), so it runs ``_efficient_attention_forward``: autocast casts
+    key, query, value; the output is (b, s, heads, v_head_dim) whatever the query's layout (no copy
+    back) with an fp32 logsumexp (b, heads, s); saved: q, k, v, output, logsumexp; backward: the three
+    gradients and the kernel's scratch (`trainmem_nb.engine.ops.attention.cuda_backward_scratch`).
+    Modelled from the sources: no GPU measured it here."""
+    from ..engine.ops.attention import cuda_backward_scratch
+
+    m, ctx = rec.m, rec.ctx
+    cd = ctx.autocast
+    kc = ops.cast(g, k, cd, "sdpa k cast") if cd else g.hold(k)
+    qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
+    vc = ops.cast(g, v, cd, "sdpa v cast") if cd else g.hold(v)
+    lse_n = tok(m.n_heads)
+    out, lse = g.sac_outputs(lambda: (g.alloc(vc.n, qc.dt, "sdpa out"), g.alloc(lse_n, F32, "sdpa logsumexp")),
+                             "attention")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        grads: list[T | None] = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+                                 g.alloc(vc.n, vc.dt, "sdpa grad v")]
+        g.drop(*cuda_backward_scratch(g, qc, kc, lse_n, masked=True))  # masked=True: the memory-efficient kernel
+        return grads
+
+    g.record("sdpa", [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
+    g.drop(lse, qc, kc, vc)
     return out
 
 
