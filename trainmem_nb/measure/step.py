@@ -92,6 +92,9 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
             "method='qlora' cannot be measured here: it needs bitsandbytes CUDA kernels for the NF4 base; "
             "measure method='lora' (the same adapters on a 16-bit base) instead"
         )
+    if not describe(m.family).sdpa and t.attention is not Attention.EAGER:
+        raise RuntimeError(f"attention={t.attention.value!r} cannot be measured for {m.family.value}: transformers "
+                           "refuses it (_supports_sdpa = False: the attention sinks run eagerly); measure attention='eager'")
     if t.attention is Attention.FLASH:
         if device != "cuda":
             raise RuntimeError(
