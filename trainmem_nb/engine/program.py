@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import accumulate
-from operator import itemgetter
+from operator import itemgetter, mul
 from typing import NamedTuple
 
 from ..device import CUDA_BLOCK_BYTES
@@ -42,6 +42,8 @@ class Segment(NamedTuple):
     #: several-term event; `gather` picks every event's signed bytes from a table of them (in C)
     pairs: tuple[tuple[int, int], ...] = ()
     gather: Callable[[list[float]], tuple[float, ...]] | None = None
+    #: picks every event's category weight from a per-category list (`peak_with_churn`, in C)
+    pick_cats: Callable[[list[float]], tuple[float, ...]] | None = None
 
 
 def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...]) -> Segment:
@@ -64,9 +66,16 @@ def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, 
         gather = lambda table: (table[only],)  # noqa: E731  (itemgetter of one index returns no tuple)
     elif index:
         gather = itemgetter(*index)
+    cats = [e[0] for e in events]
+    pick_cats: Callable[[list[float]], tuple[float, ...]] | None = None
+    if len(cats) == 1:
+        only_cat = cats[0]
+        pick_cats = lambda weights: (weights[only_cat],)  # noqa: E731
+    elif cats:
+        pick_cats = itemgetter(*cats)
     return Segment(phase, label, repeat, events, fast, general,
                    tuple((cat, i, c, k) for (cat, i, c), k in net.items() if k), tuple(distinct), which,
-                   tuple(slot), gather)
+                   tuple(slot), gather, pick_cats)
 
 
 @dataclass(frozen=True)
@@ -118,7 +127,24 @@ _TERMS: dict[Sz, tuple[int, float]] = {}
 
 def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> tuple[float, ...]:
     """Signed, 512-B-rounded bytes of each event at (b, s): a table of the distinct (size, sign) pairs
-    and several-term sizes, then every event's entry picked from it."""
+    and several-term sizes, then every event's entry picked from it. The last shapes' results are kept
+    (`_SIZES`): an estimate asks for the same ones in `evaluate` and in `peak_with_churn`."""
+    hit = _SIZES.get(id(seg))
+    if hit is not None and hit[0] is seg and hit[1] == b and hit[2] == s:
+        return hit[3]
+    out = _sizes_of(seg, b, s, mono)
+    if len(_SIZES) >= 4096:
+        _SIZES.clear()
+    _SIZES[id(seg)] = (seg, b, s, out)
+    return out
+
+
+#: `_sizes` of each segment at the last batch shape asked (the segment itself is kept: an id is not reused)
+_SIZES: dict[int, tuple[Segment, int, int, tuple[float, ...]]] = {}
+
+
+def _sizes_of(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> tuple[float, ...]:
+    """`_sizes`, computed."""
     vals = [-(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for i, c in seg.sizes_of]
     table = [k * vals[u] for u, k in seg.pairs]
     for j in seg.general:
@@ -178,7 +204,11 @@ def peak_with_churn(prog: Program, micro_batch: int, seq_len: int, fraction: flo
         n = seg.repeat
         if n <= 0 or not seg.events:
             continue
-        sizes = [weight[cat] * d for (cat, _, _, _), d in zip(seg.events, _sizes(seg, b, s, mono), strict=True)]
+        sizes = _sizes(seg, b, s, mono)
+        if seg.pick_cats is not None:  # the same products as weight[cat] * d per event, taken in C
+            sizes = tuple(map(mul, seg.pick_cats(weight), sizes))
+        else:
+            sizes = tuple(weight[cat] * d for (cat, _, _, _), d in zip(seg.events, sizes, strict=True))
         run = list(accumulate(sizes))
         net, pmax = run[-1], max(run)
         best = max(best, total + ((n - 1) * net if net > 0 else 0) + pmax)
