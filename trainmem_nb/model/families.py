@@ -173,7 +173,9 @@ DESCRIPTIONS: dict[Family, Description] = {
         embedding="embeddings.word_embeddings.weight"),
     # modeling_gpt_oss.py (transformers 5.24): q/k/v/o biases (configuration_gpt_oss.py attention_bias=True),
     # per-head sinks, eager attention only (``_supports_sdpa = False``), layer_types alternating sliding/full
-    # attention, a biased router and biased expert stacks (grouped_mm), half-width rotary cos/sin
+    # attention, a biased router and biased expert stacks (grouped_mm), half-width rotary cos/sin. The released
+    # checkpoints store the experts in MXFP4; training dequantizes them (Mxfp4Config(dequantize=True)), so the
+    # model here holds every weight in the training dtype (bf16 or fp32), as from_config builds it
     Family.GPT_OSS: Description(
         Family.GPT_OSS, ("gpt_oss",), "GptOssForCausalLM", "GptOssDecoderLayer", "decoder",
         {**_RMS_DECODER, "qkv_bias": True, "out_bias": True, "n_experts": 128, "experts_top_k": 4},
