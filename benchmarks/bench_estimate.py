@@ -24,6 +24,11 @@ def main() -> None:
     tm.estimate(m, micro_batch=2, seq_len=2048)  # compile once
     warm = median_ms(lambda i: tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048), 2000)
     print(f"estimate() warm, llama-3-8b:            median {warm:.3f} ms   (goal <= 0.2 ms)")
+    for name, opts in (("deepseek-v3", {}), ("gpt-oss-120b", {"attention": "eager"})):  # 61-layer MLA; 36-layer MoE
+        big = get_model(name)
+        tm.estimate(big, micro_batch=2, seq_len=2048, **opts)
+        took = median_ms(lambda i, big=big, opts=opts: tm.estimate(big, micro_batch=1 + i % 8, seq_len=2048, **opts), 500)
+        print(f"estimate() warm, {name + ':':<24s} median {took:.3f} ms")
 
     def cold(i: int) -> None:
         compile_step.cache_clear()

@@ -60,6 +60,17 @@ SHAPES = {
                    sliding_window=32),
     "gemma3": dict(n_layers=8, hidden=256, n_heads=4, n_kv_heads=2, head_dim=64, ffn=512, vocab=1000,
                    sliding_window=32),
+    "gpt_oss": dict(n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=64, vocab=1000,
+                    n_experts=4, experts_top_k=2, sliding_window=32,
+                    layer_types=("sliding_attention", "full_attention", "sliding_attention")),
+    "deepseek_v3": dict(n_layers=3, hidden=128, n_heads=4, head_dim=16, ffn=256, vocab=1000, n_experts=8,
+                        experts_top_k=2, expert_ffn=32, n_shared_experts=1, n_expert_groups=4, topk_groups=2,
+                        q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
+                        dense_layers=(0,)),
+    "deepseek_v3-eqv": dict(family="deepseek_v3", n_layers=3, hidden=128, n_heads=4, head_dim=16, ffn=256, vocab=1000,
+                            n_experts=8, experts_top_k=2, expert_ffn=32, n_shared_experts=2, n_expert_groups=1,
+                            topk_groups=1, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                            v_head_dim=48, dense_layers=(0, 1), norm_topk_prob=False),
 }
 
 

@@ -69,6 +69,14 @@ SHAPES: dict[str, dict[str, Any]] = {
                           vocab=512, sliding_window=64),
     "gemma3-5to1": dict(family="gemma3", n_layers=8, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
                         vocab=512, sliding_window=64),
+    # gpt_oss runs only eager attention (the sdpa variations record a refusal)
+    "gpt-oss": dict(family="gpt_oss", n_layers=4, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=64, vocab=512,
+                    n_experts=4, experts_top_k=2, sliding_window=16,
+                    layer_types=("sliding_attention", "full_attention") * 2),
+    "deepseek-v3-mla": dict(family="deepseek_v3", n_layers=4, hidden=64, n_heads=4, head_dim=8, ffn=128, vocab=512,
+                            n_experts=8, experts_top_k=2, expert_ffn=32, n_shared_experts=1, n_expert_groups=4,
+                            topk_groups=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                            v_head_dim=16, dense_layers=(0,)),
 }
 
 BASE: dict[str, Any] = dict(micro_batch=2, seq_len=128, precision="bf16-mixed", optimizer="adamw")

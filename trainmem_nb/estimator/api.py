@@ -76,6 +76,26 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
         )
     if t.attention.value == "flash" and t.device.value == "cpu":
         raise SpecError("attention='flash' (flash-attention 2) runs only on CUDA; use attention='sdpa' with device='cpu'")
+    from ..model.families import describe
+
+    if describe(m.family).attention == "sinks" and t.attention.value == "flash":
+        raise SpecError(f"attention='flash' on {m.family.value}: its attention sinks need the kernels-community "
+                        "flash kernels, which are not modelled; use attention='eager' (attention='sdpa' runs eager too: "
+                        "GptOssPreTrainedModel._supports_sdpa = False)")
+    if m.family.value == "gpt_oss" and t.checkpointing.value == "selective":
+        raise SpecError("checkpointing='selective' on gpt_oss fails in PyTorch: the policy caches grouped_mm's "
+                        "output, which the experts then add their bias to in place (\"Tensor cached during selective "
+                        "activation checkpoint has been mutated\"); use checkpointing='selective-op' or 'full'")
+    if m.family.value == "deepseek_v3" and t.attention.value == "flash":
+        raise SpecError("attention='flash' on deepseek_v3 is not modelled (its v_head_dim differs from the q/k head "
+                        "dim, which flash-attn does not take as is); use attention='sdpa' or 'eager'")
+    if m.family.value == "deepseek_v3" and t.method.value != "full":
+        names = {n.strip().rsplit(".", 1)[-1] for n in t.lora_targets.lower().split(",")}
+        if names & {"all-linear", "all_linear", "all", "gate", "gate_proj", "up_proj", "down_proj"}:
+            raise SpecError(f"lora_targets={t.lora_targets!r} on deepseek_v3 is not modelled: peft 0.21 maps it onto "
+                            "the router and the 3-D expert stacks (ParamWrapper, the qwen2_moe conversion); target the "
+                            "attention's linears ('qv', or names such as q_a_proj,q_b_proj,kv_a_proj_with_mqa,"
+                            "kv_b_proj,o_proj)")
     if t.method.value != "full":
         from ..model.params import lora_modules, lora_moe_params
 

@@ -45,11 +45,14 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
 
     d = describe(m.family)
     if t.attention is Attention.SDPA and not d.sdpa:
+        why = ("its attention sinks run in the eager path" if d.attention == "sinks"
+               else "SDPA has no logit soft-capping")
+        flash = ("" if d.attention == "sinks"
+                 else "; attention='flash' counts FlashAttention-2, which soft-caps")
         notes.append(
-            f"{m.family.value} has no SDPA path in transformers ({d.hf_class}: _supports_sdpa = False, as SDPA "
-            "has no logit soft-capping): attention='sdpa' is counted as the eager attention Hugging Face runs "
-            "by default, whose (b, heads, s, s) scores dominate at long sequences; attention='flash' counts "
-            "FlashAttention-2, which soft-caps")
+            f"{m.family.value} has no SDPA path in transformers ({d.hf_class}: _supports_sdpa = False, as {why}): "
+            "attention='sdpa' is counted as the eager attention Hugging Face runs by default, whose (b, heads, s, s) "
+            f"scores dominate at long sequences{flash}")
     if m.family.value == "gemma3":
         notes.append("gemma3: the language model only (Gemma3ForCausalLM); the 4B-27B checkpoints are multimodal "
                      "and their SigLIP vision tower and projector are not counted")

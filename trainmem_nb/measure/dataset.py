@@ -368,11 +368,58 @@ def full_matrix() -> list[CaseSpec]:
         opts = _sweep_options()
         cases += _cases("options", [model], [opts[i] for i in (0, 11, 12, 13, 16, 17)])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
+    cases += moe_family_cases()
     cases += harness_matrix()
     ids = [c.id for c in cases]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
     if dupes:
         raise AssertionError(f"duplicate case ids: {dupes[:3]}")
+    return cases
+
+
+def moe_family_cases() -> list[CaseSpec]:
+    """gpt_oss (eager attention only: transformers 5.24 refuses SDPA for it; ``selective`` checkpointing
+    fails in PyTorch on its in-place expert biases, so ``selective-op``) and deepseek_v3: small shapes over
+    precisions, optimizers, checkpointing, attention kernels, dropout and LoRA, and the first layers of
+    gpt-oss-20b and DeepSeek-V3 at real widths."""
+    eager: dict[str, Any] = {"attention": "eager"}
+    oss = [_m("gpt_oss", "gpt-oss-tiny", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn=64,
+              vocab=512, n_experts=4, experts_top_k=2, sliding_window=16,
+              layer_types=("sliding_attention", "full_attention")),
+           _m("gpt_oss", "gpt-oss-small", n_layers=4, hidden=128, n_heads=8, n_kv_heads=2, head_dim=32, ffn=96,
+              vocab=1024, n_experts=8, experts_top_k=4, sliding_window=32,
+              layer_types=("sliding_attention", "full_attention") * 2)]
+    lora: dict[str, Any] = {"method": "lora", "lora_rank": 8, "lora_alpha": 16}
+    cases = _cases("families", oss, [
+        _t(micro_batch=2, seq_len=64, **eager),
+        _t(micro_batch=1, seq_len=128, precision="bf16-mixed", optimizer_impl="for-loop", checkpointing="full", **eager),
+        _t(micro_batch=4, seq_len=32, precision="bf16-true", optimizer_impl="fused", **eager),
+        _t(micro_batch=2, seq_len=64, optimizer="sgd-momentum", checkpointing="selective-op", dropout=0.1, **eager),
+        _t(micro_batch=2, seq_len=64, precision="bf16-mixed", lora_targets="qv", **lora, **eager),
+        _t(micro_batch=2, seq_len=64, precision="bf16-true", lora_targets="all-linear", checkpointing="full",
+           **lora, **eager),
+    ])
+    cases += _cases("presets", [_preset("gpt-oss-20b").layer_slice(0, 2).model_copy(update={"name": "gpt-oss-20b-2L"})],
+                    [_t(micro_batch=1, seq_len=256, precision="bf16-mixed", **eager)])
+    # deepseek_v3: MLA (v_head_dim != q/k head dim: SDPA's math kernel on CPU), dense then MoE layers
+    ds = [_m("deepseek_v3", "deepseek-v3-tiny", n_layers=2, hidden=64, n_heads=4, head_dim=8, ffn=128, vocab=512,
+             n_experts=8, experts_top_k=2, expert_ffn=32, n_shared_experts=1, n_expert_groups=4, topk_groups=2,
+             q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+             dense_layers=(0,)),
+          _m("deepseek_v3", "deepseek-v3-small-noqlora", n_layers=4, hidden=128, n_heads=4, head_dim=16, ffn=256,
+             vocab=1024, n_experts=8, experts_top_k=3, expert_ffn=32, n_shared_experts=2, n_expert_groups=2,
+             topk_groups=1, q_lora_rank=0, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24,
+             dense_layers=(0, 1), norm_topk_prob=False)]
+    cases += _cases("families", ds, [
+        _t(micro_batch=2, seq_len=64),
+        _t(micro_batch=1, seq_len=128, precision="bf16-mixed", optimizer_impl="for-loop", checkpointing="full"),
+        _t(micro_batch=4, seq_len=32, precision="bf16-true", optimizer_impl="fused", attention="eager"),
+        _t(micro_batch=2, seq_len=64, optimizer="sgd-momentum", checkpointing="selective", dropout=0.1),
+        _t(micro_batch=2, seq_len=64, precision="bf16-mixed", checkpointing="selective-op", grad_accum=2),
+        _t(micro_batch=2, seq_len=64, precision="bf16-mixed", lora_targets="qv", **lora),
+    ])
+    cases += _cases("presets", [_preset("deepseek-v3").layer_slice(0, 4).model_copy(update={"name": "deepseek-v3-4L"})],
+                    [_t(micro_batch=1, seq_len=256, precision="bf16-mixed")])
     return cases
 
 

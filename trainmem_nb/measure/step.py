@@ -92,6 +92,9 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
             "method='qlora' cannot be measured here: it needs bitsandbytes CUDA kernels for the NF4 base; "
             "measure method='lora' (the same adapters on a 16-bit base) instead"
         )
+    if describe(m.family).attention == "sinks" and t.attention is Attention.FLASH:
+        raise RuntimeError(f"attention='flash' cannot be measured for {m.family.value}: its attention sinks need the "
+                           "kernels-community flash kernels; measure attention='eager'")
     if t.attention is Attention.FLASH:
         if device != "cuda":
             raise RuntimeError(

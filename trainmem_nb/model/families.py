@@ -45,6 +45,8 @@ class Family(_Choice):
     OLMO2 = "olmo2"  #: norms after attention and MLP (no pre-norms), full-width q/k RMSNorm
     GEMMA2 = "gemma2"  #: sandwich norms, logit soft-capping, alternating sliding/global layers
     GEMMA3 = "gemma3"  #: sandwich norms, per-head q/k norms, 5:1 sliding/global, a rotary base per kind
+    GPT_OSS = "gpt_oss"  #: attention sinks, alternating sliding/full layers, biased top-k MoE, clamped SwiGLU
+    DEEPSEEK_V3 = "deepseek_v3"  #: multi-head latent attention, dense then MoE layers, grouped sigmoid routing, shared experts
 
 
 #: Activation functions the recipes implement (Hugging Face ``ACT2FN`` names).
@@ -110,14 +112,16 @@ class Description:
     #: ``create_sliding_window_causal_mask``); otherwise the mask is causal
     sliding_mask: bool = False
     #: how rotary embeddings are applied: ``"elementwise"`` (``x * cos + rotate_half(x) * sin`` in the
-    #: projections' layout) or ``"cat"`` (rotary and pass-through parts concatenated: contiguous q/k)
+    #: projections' layout) or ``"cat"`` (rotary and pass-through parts concatenated: contiguous q/k), or
+    #: ``"chunk"`` (gpt_oss: cos/sin of half the head, ``cat(x1 * cos - x2 * sin, x2 * cos + x1 * sin)``)
     rotary: str = "elementwise"
     #: one ``gate_up_proj`` chunked into gate and up instead of two projections
     fused_gate_up: bool = False
     #: dropout on the attention and MLP outputs before each residual add
     residual_dropout: bool = False
     #: attention kinds whose mask the model builds even when no layer uses it (Qwen3Model always
-    #: builds ``causal_mask_mapping["full_attention"]``, then the sliding one if a layer slides)
+    #: builds ``causal_mask_mapping["full_attention"]``, then the sliding one if a layer slides; Gemma 2/3's
+    #: and gpt_oss's ``causal_mask_mapping`` always hold a full and a sliding-window mask)
     always_masks: tuple[str, ...] = ()
     #: Granite's scalar multipliers, each a real multiply even at 1.0: ``inputs_embeds *
     #: embedding_multiplier``, ``residual + h * residual_multiplier`` after attention and after the MLP,
@@ -137,9 +141,6 @@ class Description:
     #: the rotary module returns fp32 cos/sin (no cast to the hidden states' dtype) and
     #: ``apply_rotary_pos_emb`` casts its results back to q's and k's dtypes (OLMo 2)
     rotary_fp32: bool = False
-    #: the model builds both a causal and a sliding-window mask whatever its layer types (Gemma 2/3's
-    #: ``causal_mask_mapping``)
-    both_masks: bool = False
     #: one rotary cos/sin pair per attention kind of the model's layer types (Gemma 3: a local and a
     #: global base)
     rotary_per_kind: bool = False
@@ -153,6 +154,7 @@ class Description:
     softcaps: tuple[str, ...] = ()
     #: Hugging Face implements SDPA for it (``_supports_sdpa``); without, a run that asks for no
     #: implementation gets eager attention, so ``attention='sdpa'`` is run (and measured) as eager
+    #: (Gemma 2), or refused where the eager path is what the model needs (gpt_oss's sinks)
     sdpa: bool = True
     #: the step simulates a repeating period of several layers once, after a prefix holding every kind
     #: and before the last layers (`trainmem_nb.model.layers.compress_between`), instead of three
@@ -276,7 +278,7 @@ DESCRIPTIONS: dict[Family, Description] = {
         {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True, "attn_softcap": 50.0,
          "final_softcap": 30.0, "sliding_window": 4096},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, sliding_period=2,
+        layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, always_masks=("full", "sliding"), sliding_period=2,
         # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping", modeling_gemma2.py)
         softcaps=("attention", "final"), sdpa=False),
     Family.GEMMA3: Description(
@@ -284,9 +286,29 @@ DESCRIPTIONS: dict[Family, Description] = {
         # Gemma3TextConfig's default window (configuration_gemma3.py: sliding_window 4096)
         {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True, "sliding_window": 4096},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, both_masks=True, qk_norm="head",
+        layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, always_masks=("full", "sliding"), qk_norm="head",
         # Gemma3Attention passes no softcap to its attention function: only the final logits are capped
         rotary_per_kind=True, sliding_period=6, softcaps=("final",), period_once=True),
+    # modeling_gpt_oss.py (transformers 5.24): q/k/v/o biases (configuration_gpt_oss.py attention_bias=True),
+    # per-head sinks, eager attention only (``_supports_sdpa = False``), layer_types alternating sliding/full
+    # attention, a biased router and biased expert stacks (grouped_mm), half-width rotary cos/sin. The released
+    # checkpoints store the experts in MXFP4; training dequantizes them (Mxfp4Config(dequantize=True)), so the
+    # model here holds every weight in the training dtype (bf16 or fp32), as from_config builds it
+    Family.GPT_OSS: Description(
+        Family.GPT_OSS, ("gpt_oss",), "GptOssForCausalLM", "GptOssDecoderLayer", "decoder",
+        {**_RMS_DECODER, "qkv_bias": True, "out_bias": True, "n_experts": 128, "experts_top_k": 4},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        attention="sinks", moe="gpt_oss", norm="olmo2", rotary="chunk", sdpa=False,
+        always_masks=("full", "sliding")),
+    # modeling_deepseek_v3.py (transformers 5.24): multi-head latent attention (low-rank q with q_a_layernorm,
+    # compressed kv with kv_a_layernorm, a shared rope key, interleaved rotary), first_k_dense_replace dense
+    # layers then DeepseekV3MoE (sigmoid group-limited router, grouped_mm experts, shared experts)
+    Family.DEEPSEEK_V3: Description(
+        Family.DEEPSEEK_V3, ("deepseek_v3",), "DeepseekV3ForCausalLM", "DeepseekV3DecoderLayer", "decoder",
+        {**_RMS_DECODER, "n_experts": 256, "experts_top_k": 8, "n_shared_experts": 1, "n_expert_groups": 8,
+         "topk_groups": 4},
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj"),
+        dropout_keys=("attention_dropout",), attention="mla", moe="deepseek", norm="deepseek"),
 }
 
 

@@ -285,6 +285,8 @@ def _read_starcoder2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
             "hidden_dropout": _float(cfg, "residual_dropout", family=f, default=0.0),
             "embd_dropout": _float(cfg, "embedding_dropout", family=f, default=0.0),
             "qkv_bias": bias, "out_bias": bias, "mlp_bias": bias}
+
+
 def _read_olmo2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     """Olmo2Config (configuration_olmo2.py): ``attention_bias`` biases q/k/v and ``o_proj`` alike."""
     bias = _flag(cfg, "attention_bias", False)
@@ -365,14 +367,81 @@ def _read_gemma3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     return kw
 
 
+def _patterned_layer_types(cfg: Mapping[str, Any], n_layers: int, default: Callable[[int], str]) -> tuple[str, ...]:
+    """``layer_types`` (one ``"full_attention"`` / ``"sliding_attention"`` per layer), or the family's
+    default pattern when the config omits it."""
+    types = cfg.get("layer_types")
+    if types is None:
+        return tuple(default(i) for i in range(n_layers))
+    if not isinstance(types, (list, tuple)) or not all(isinstance(t, str) for t in types):
+        raise SpecError(f"config.json layer_types={show_value(types)} must be a list of layer type names")
+    bad = [t for t in types if t not in ("full_attention", "sliding_attention")]
+    if bad:
+        raise SpecError(f"config.json layer_types has {bad[0]!r}; supported: full_attention, sliding_attention")
+    return tuple(types)
+
+
+def _read_gpt_oss(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """GptOssConfig (configuration_gpt_oss.py, transformers 5.24): head_dim 64 (line 56), sliding_window
+    128 (59), attention_bias True (77), 128 experts (52), top-4 (67), vocab 201088 (53), 131072 positions
+    (63); without layer_types, even layers slide and odd ones attend fully (``__post_init__``, line 85).
+    ``intermediate_size`` is each expert's width; hidden_act is unused (the experts' clamped SwiGLU)."""
+    kw = _read_decoder({"head_dim": 64, "vocab_size": 201088, "max_position_embeddings": 131072, **cfg}, f)
+    bias = _flag(cfg, "attention_bias", True)
+    window = _sliding_window({**cfg, "sliding_window": cfg.get("sliding_window", 128)}, True)
+    types = _patterned_layer_types(cfg, kw["n_layers"], lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")
+    return {**kw, "activation": "silu", "qkv_bias": bias, "out_bias": bias, "sliding_window": window,
+            "layer_types": types,
+            "n_experts": _int(cfg, "num_local_experts", "num_experts", family=f, default=128),
+            "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=4)}
+
+
+def _read_deepseek_v3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
+    """DeepseekV3Config (configuration_deepseek_v3.py, transformers 5.24, lines 81-116): vocab 129280,
+    intermediate_size 18432 (the dense layers), moe_intermediate_size 2048, 256 routed experts, top-8, one
+    shared expert, n_group 8, topk_group 4, first_k_dense_replace 3, q_lora_rank 1536 (null: a plain
+    q_proj), kv_lora_rank 512, qk_rope_head_dim 64, qk_nope_head_dim 128, v_head_dim 128, 4096 positions,
+    no attention bias, rope_interleave true; ``head_dim`` is the rope head dim (``__post_init__``)."""
+    defaults = {"vocab_size": 129280, "max_position_embeddings": 4096}
+    kw = _read_decoder({**defaults, **cfg, "head_dim": None}, f)
+    if _flag(cfg, "rope_interleave", True) is not True:
+        raise SpecError("deepseek_v3 with rope_interleave=false is not modelled (its rotary is the interleaved one "
+                        "by default); remove the key or set it to true")
+    rope = _int(cfg, "qk_rope_head_dim", family=f, default=64)
+    n_layers = kw["n_layers"]
+    k_dense = _int(cfg, "first_k_dense_replace", family=f, default=3, minimum=0)
+    bias = _flag(cfg, "attention_bias", False)
+    return {**kw, "head_dim": rope, "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": _int(cfg, "qk_nope_head_dim", family=f, default=128),
+            "v_head_dim": _int(cfg, "v_head_dim", family=f, default=128),
+            "kv_lora_rank": _int(cfg, "kv_lora_rank", family=f, default=512),
+            "q_lora_rank": _int(cfg, "q_lora_rank", family=f, default=1536) if "q_lora_rank" not in cfg
+            or cfg["q_lora_rank"] is not None else 0,
+            "qkv_bias": bias, "out_bias": bias,
+            "expert_ffn": _int(cfg, "moe_intermediate_size", family=f, default=2048),
+            "n_experts": _int(cfg, "n_routed_experts", family=f, default=256),
+            "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=8),
+            "n_shared_experts": _int(cfg, "n_shared_experts", family=f, default=1, minimum=0),
+            "n_expert_groups": _int(cfg, "n_group", family=f, default=8),
+            "topk_groups": _int(cfg, "topk_group", family=f, default=4),
+            "norm_topk_prob": _flag(cfg, "norm_topk_prob", True),
+            "dense_layers": tuple(range(min(k_dense, n_layers)))}
+
+
 #: The config reader of every family.
+
+
 READERS: dict[Family, Callable[[Mapping[str, Any], Family], dict[str, Any]]] = {
     Family.LLAMA: _read_llama, Family.MISTRAL: _read_mistral, Family.QWEN2: _read_qwen2, Family.GEMMA: _read_gemma,
     Family.PHI3: _read_phi3, Family.MIXTRAL: _read_mixtral, Family.GPT2: _read_gpt2, Family.OPT: _read_opt,
     Family.BERT: _read_bert, Family.GPT_NEOX: _read_gpt_neox,
     Family.OLMO2: _read_olmo2, Family.GEMMA2: _read_gemma2, Family.GEMMA3: _read_gemma3,
 }
+
+
 READERS[Family.PHI] = _read_phi
+
+
 READERS[Family.STARCODER2] = _read_starcoder2
 
 
@@ -462,6 +531,12 @@ def _read_qwen3_moe(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
 
 READERS.update({Family.QWEN3: _read_qwen3, Family.SMOLLM3: _read_smollm3, Family.GRANITE: _read_granite,
                 Family.QWEN3_MOE: _read_qwen3_moe})
+
+
+READERS[Family.GPT_OSS] = _read_gpt_oss
+
+
+READERS[Family.DEEPSEEK_V3] = _read_deepseek_v3
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to
@@ -620,6 +695,8 @@ def _write_starcoder2(m: Any) -> dict[str, Any]:
         raise SpecError("starcoder2 has one use_bias for every projection: qkv_bias, out_bias and mlp_bias must agree")
     return {**_write_windowed(m), "residual_dropout": m.hidden_dropout, "embedding_dropout": m.embd_dropout,
             "use_bias": m.qkv_bias}
+
+
 def _write_olmo2(m: Any) -> dict[str, Any]:
     return {**_write_decoder(m), "attention_bias": m.qkv_bias}
 
@@ -636,7 +713,29 @@ def _write_gemma_sliding(m: Any) -> dict[str, Any]:
     return out
 
 
+def _write_gpt_oss(m: Any) -> dict[str, Any]:
+    types = list(m.layer_types) or ["full_attention"] * m.n_layers  # the spec's default kind (`_layer_kinds`)
+    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "sliding_window": m.sliding_window or None,
+            "layer_types": types, "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
+
+
+def _write_deepseek_v3(m: Any) -> dict[str, Any]:
+    dense = len(m.dense_layers)
+    if tuple(m.dense_layers) != tuple(range(dense)):
+        raise SpecError(f"deepseek_v3 makes its first layers dense (first_k_dense_replace); dense_layers="
+                        f"{m.dense_layers} is not a prefix 0..k-1")
+    return {**{k: v for k, v in _write_decoder(m).items() if k != "head_dim"},
+            "moe_intermediate_size": m.expert_width, "n_routed_experts": m.n_experts,
+            "num_experts_per_tok": m.experts_top_k, "n_shared_experts": m.n_shared_experts,
+            "n_group": m.n_expert_groups, "topk_group": m.topk_groups, "norm_topk_prob": m.norm_topk_prob,
+            "first_k_dense_replace": dense, "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
+            "qk_rope_head_dim": m.qk_rope_head_dim, "qk_nope_head_dim": m.qk_nope_head_dim,
+            "v_head_dim": m.v_head_dim, "attention_bias": m.qkv_bias, "rope_interleave": True}
+
+
 #: The config writer of every family (`to_hf_config`).
+
+
 WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
     Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
     Family.GEMMA: _write_decoder, Family.PHI3: _write_phi3, Family.MIXTRAL: _write_mixtral, Family.GPT2: _write_gpt2,
@@ -677,5 +776,15 @@ def _write_qwen3_moe(m: Any) -> dict[str, Any]:
 
 WRITERS.update({Family.QWEN3: _write_qwen3, Family.SMOLLM3: _write_smollm3, Family.GRANITE: _write_granite,
                 Family.QWEN3_MOE: _write_qwen3_moe})
+
+
 WRITERS[Family.PHI] = _write_phi
+
+
 WRITERS[Family.STARCODER2] = _write_starcoder2
+
+
+WRITERS[Family.GPT_OSS] = _write_gpt_oss
+
+
+WRITERS[Family.DEEPSEEK_V3] = _write_deepseek_v3

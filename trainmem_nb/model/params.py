@@ -37,6 +37,8 @@ class ParamTensor(NamedTuple):
     #: which layers hold it: ``""`` every layer; ``"moe"`` / ``"dense"`` only the layers with that MLP
     #: (a model whose MoE layers and dense layers differ; `count` is then the number of those layers)
     kind: str = ""
+    #: kept in fp32 whatever the model's dtype (deepseek_v3's router: ``_keep_in_fp32_modules_strict``)
+    fp32: bool = False
 
     @property
     def numel(self) -> int:
@@ -194,6 +196,60 @@ def _mixtral_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
             ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n, True, True, kind)]
 
 
+def _sinks_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The "sinks" attention module of `n` layers (``GptOssAttention``): its own ``sinks`` (one logit per
+    query head, registered on the module itself, so listed first), then q/k/v/o with their biases."""
+    return [ParamTensor("layers.self_attn.sinks", (m.n_heads,), n, False, True), *_gqa_params(m, n)]
+
+
+def _gpt_oss_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "gpt_oss" MoE block of `n` layers (``GptOssMLP``): the router's weight and bias, then the
+    expert stacks stored (in, out) (``is_transposed=True``) with a bias per expert: ``gate_up_proj``
+    (E, h, 2f) with its gate and up columns interleaved, ``down_proj`` (E, f, h)."""
+    E, h, ef = m.n_experts, m.hidden, m.expert_width
+    return [ParamTensor("layers.mlp.router.weight", (E, h), n, True, True, kind),
+            ParamTensor("layers.mlp.router.bias", (E,), n, False, True, kind),
+            ParamTensor("layers.mlp.experts.gate_up_proj", (E, h, 2 * ef), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.gate_up_proj_bias", (E, 2 * ef), n, False, True, kind),
+            ParamTensor("layers.mlp.experts.down_proj", (E, ef, h), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.down_proj_bias", (E, h), n, False, True, kind)]
+
+
+def _mla_params(m: ModelSpec, n: int) -> list[ParamTensor]:
+    """The "mla" attention module of `n` layers (``DeepseekV3Attention``, registration order): ``q_proj``
+    or the low-rank ``q_a_proj`` / ``q_a_layernorm`` / ``q_b_proj``, ``kv_a_proj_with_mqa`` (the kv latent
+    and the shared rope key), ``kv_a_layernorm``, ``kv_b_proj`` (every head's nope key and value),
+    ``o_proj``; ``attention_bias`` adds biases to q_a, kv_a and o."""
+    h, H = m.hidden, m.n_heads
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    a = "layers.self_attn."
+    if m.q_lora_rank:
+        q = [*_linear(a + "q_a_proj", m.q_lora_rank, h, m.qkv_bias, n), *_norm(a + "q_a_layernorm", m.q_lora_rank, False, n),
+             *_linear(a + "q_b_proj", H * qk, m.q_lora_rank, False, n)]
+    else:
+        q = _linear(a + "q_proj", H * qk, h, False, n)
+    return [*q, *_linear(a + "kv_a_proj_with_mqa", m.kv_lora_rank + m.qk_rope_head_dim, h, m.qkv_bias, n),
+            *_norm(a + "kv_a_layernorm", m.kv_lora_rank, False, n),
+            *_linear(a + "kv_b_proj", H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, False, n),
+            *_linear(a + "o_proj", h, H * m.v_head_dim, m.out_bias, n)]
+
+
+def _deepseek_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
+    """The "deepseek" MoE block of `n` layers (``DeepseekV3MoE``): the expert stacks (as mixtral's), the
+    router's fp32 weight (``DeepseekV3TopkRouter``, kept in fp32: ``_keep_in_fp32_modules_strict``) and the
+    shared experts, a gated MLP ``n_shared_experts`` experts wide."""
+    E, h, ef = m.n_experts, m.hidden, m.expert_width
+    sf = ef * m.n_shared_experts
+    items = [ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * ef, h), n, True, True, kind),
+             ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n, True, True, kind),
+             ParamTensor("layers.mlp.gate.weight", (E, h), n, True, True, kind, fp32=True)]
+    if sf:
+        items += [*_linear("layers.mlp.shared_experts.gate_proj", sf, h, False, n, kind=kind),
+                  *_linear("layers.mlp.shared_experts.up_proj", sf, h, False, n, kind=kind),
+                  *_linear("layers.mlp.shared_experts.down_proj", h, sf, False, n, kind=kind)]
+    return items
+
+
 def _pre_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
     """The "pre" layer's norms: before attention and before the MLP."""
     return [*_norm("layers.input_layernorm", m.hidden, m.norm_bias, n),
@@ -214,6 +270,8 @@ def _sandwich_norm_params(m: ModelSpec, n: int) -> list[ParamTensor]:
 
 #: Each part's parameters, by the name a description gives it (the parts of `trainmem_nb.recipes.decoder`).
 _ATTENTION_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {"gqa": _gqa_params}
+_ATTENTION_PARAMS["sinks"] = _sinks_params
+_ATTENTION_PARAMS["mla"] = _mla_params
 _MLP_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"gated": _gated_params}
 def _qwen3_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     """The "qwen3_moe" block of `n` layers: Qwen3MoeSparseMoeBlock registers the experts, then the router."""
@@ -222,8 +280,9 @@ def _qwen3_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
 
 
 _MLP_PARAMS["starcoder2"] = _starcoder2_mlp_params
-_MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {"mixtral": _mixtral_moe_params,
-                                                                               "qwen3_moe": _qwen3_moe_params}
+_MOE_PARAMS: dict[str, Callable[[ModelSpec, int, str], list[ParamTensor]]] = {
+    "mixtral": _mixtral_moe_params, "qwen3_moe": _qwen3_moe_params, "gpt_oss": _gpt_oss_moe_params,
+    "deepseek": _deepseek_moe_params}
 _LAYER_PARAMS: dict[str, Callable[[ModelSpec, int], list[ParamTensor]]] = {
     "pre": _pre_norm_params, "post": _post_norm_params, "sandwich": _sandwich_norm_params}
 
@@ -311,10 +370,17 @@ def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
         out.append(("rotary_emb.inv_freq", 4 * (m.rotary_dims // 2), 2))
     if d.embed_scale:
         out.append(("embed_tokens.embed_scale", 4, 1))
+    if fam is Family.DEEPSEEK_V3:  # each MoE layer's router: e_score_correction_bias (E,) fp32
+        out.append(("layers.mlp.gate.e_score_correction_bias", 4 * m.n_experts, sum(k.moe for k in m.layer_kinds)))
     if fam is Family.BERT:
         out.append(("embeddings.position_ids", 8 * m.max_positions, 1))
         out.append(("embeddings.token_type_ids", 8 * m.max_positions, 1))
     return tuple(out)
+
+
+#: Router weights: used by ``F.linear`` but held by custom modules (not ``nn.Linear``), so neither peft's
+#: ``all-linear`` nor the bitsandbytes integration replaces them (mixtral's ``gate``, gpt_oss's ``router``).
+_ROUTERS = ("mlp.gate.weight", "mlp.router.weight")
 
 
 def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
@@ -327,13 +393,14 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     text = targets.strip().lower()
     linears = [p.name[len("layers."):-len(".weight")] for p in param_inventory(m)
                if p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
-               and not p.name.endswith("mlp.gate.weight")]
+               and not p.name.endswith(_ROUTERS)]
     if m.family is Family.QWEN3_MOE:
         # peft maps the v4 expert names onto the 3-D experts and drops them from target_modules, so a dense
         # layer's MLP projections of the same names are not adapted (`_convert_peft_config_moe`)
         linears = [mod for mod in linears if mod not in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
-    if text == "qv":
-        return DESCRIPTIONS[m.family].lora_qv
+    if text == "qv":  # the family's names that this model has (deepseek_v3: q_proj or q_b_proj)
+        qv = DESCRIPTIONS[m.family].lora_qv
+        return tuple(mod for mod in qv if mod in linears) or qv
     if text in ("all-linear", "all_linear", "all"):
         return tuple(linears)
     names = [n.strip() for n in targets.split(",") if n.strip()]
@@ -484,7 +551,7 @@ def quantized(p: ParamTensor) -> bool:
     layers inside the transformer blocks; embeddings, norms and the LM head (``lm_head`` is in
     ``get_keys_to_not_convert``) stay in the model's dtype, as do mixtral's 3-D expert tensors and its
     router's weight (``MixtralTopKRouter`` is not an nn.Linear in transformers 5)."""
-    return (p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", "mlp.gate.weight"))
+    return (p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", *_ROUTERS))
             and ".lora_" not in p.name)
 
 
@@ -495,12 +562,12 @@ def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int
     ``lora_dtype='base'``."""
     full = t.method is Method.FULL
     if t.method is Method.QLORA:
-        qout = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else t.param_bytes, False)
-                for p in param_inventory(m)]
+        qout = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else (4 if p.fp32 else t.param_bytes),
+                 False) for p in param_inventory(m)]
         qout += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
         # NF4 weights' bytes per element are fractional: the tape's `dt` is typed int (a float works at run time)
         return qout  # type: ignore[return-value]
-    out = [(p, t.param_bytes, full and _gets_gradient(p, m)) for p in param_inventory(m)]
+    out = [(p, 4 if p.fp32 else t.param_bytes, full and _gets_gradient(p, m)) for p in param_inventory(m)]
     if not full:
         out += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
     return out

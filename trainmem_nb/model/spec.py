@@ -136,7 +136,7 @@ class ModelSpec(SpecModel):
                 f"from {_divisors_near(self.n_heads, self.n_kv_heads)}"
             )
         self._check_layer_pattern()
-        if DESCRIPTIONS[self.family].both_masks and not self.sliding_window:
+        if "sliding" in DESCRIPTIONS[self.family].always_masks and not self.sliding_window:
             # masking_utils.create_sliding_window_causal_mask: "Could not find a `sliding_window` argument"
             raise SpecError(f"family {self.family.value!r} builds a sliding-window mask for every model: give "
                             f"sliding_window > 0 (its configuration's default is 4096)")
@@ -156,7 +156,7 @@ class ModelSpec(SpecModel):
                     f"experts_top_k={self.experts_top_k} exceeds n_experts={self.n_experts}; "
                     f"choose experts_top_k between 1 and {self.n_experts}"
                 )
-            if self.family not in (Family.MIXTRAL, Family.QWEN3_MOE):
+            if self.family not in (Family.MIXTRAL, Family.QWEN3_MOE, Family.GPT_OSS, Family.DEEPSEEK_V3):
                 raise SpecError(
                     f"n_experts={self.n_experts} is only supported for families 'mixtral' and 'qwen3_moe' "
                     f"(got {self.family.value!r})"
@@ -169,6 +169,8 @@ class ModelSpec(SpecModel):
         if self.qk_layernorm and self.family is not Family.PHI:
             raise SpecError(f"qk_layernorm is phi's (PhiAttention's q/k LayerNorms); family {self.family.value!r} "
                             "has no such option")
+        if self.family is Family.DEEPSEEK_V3:
+            self._check_mla()
         if self.positions == "rotary" and self.rotary_dims < 2:
             raise SpecError(
                 f"rotary_pct={self.rotary_pct} leaves fewer than 2 rotary dimensions of head_dim={self.head_dim}"
@@ -203,6 +205,21 @@ class ModelSpec(SpecModel):
                 raise SpecError(f"{name} has layer {bad[0]}, outside 0..{self.n_layers - 1}")
         if self.dense_layers and not self.n_experts:
             raise SpecError("dense_layers is for mixture-of-experts models; this model has no experts (n_experts=0)")
+
+    def _check_mla(self) -> None:
+        """deepseek_v3: multi-head latent attention needs its ranks and head dims; its rope key is shared
+        by every head (``expand``), so the model has as many kv heads as heads."""
+        if not (self.kv_lora_rank and self.qk_nope_head_dim and self.qk_rope_head_dim and self.v_head_dim):
+            raise SpecError("deepseek_v3 needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim (MLA)")
+        if self.head_dim != self.qk_rope_head_dim:
+            raise SpecError(f"deepseek_v3: head_dim is the rope head dim (qk_rope_head_dim={self.qk_rope_head_dim}), "
+                            f"got head_dim={self.head_dim}")
+        if self.n_kv_heads != self.n_heads:
+            raise SpecError(f"deepseek_v3: n_kv_heads must equal n_heads={self.n_heads} (MLA expands its keys to "
+                            f"every head), got {self.n_kv_heads}")
+        if self.n_expert_groups and (self.n_experts % self.n_expert_groups or self.topk_groups > self.n_expert_groups):
+            raise SpecError(f"deepseek_v3: n_expert_groups={self.n_expert_groups} must divide n_experts={self.n_experts} "
+                            f"and topk_groups={self.topk_groups} must not exceed it")
 
     @property
     def layer_kinds(self) -> tuple[LayerKind, ...]:

@@ -69,7 +69,7 @@ def _matmul_params(m: ModelSpec, t: TrainingSpec) -> tuple[float, float, float]:
         if not p.matmul:
             continue
         n: float = p.numel * p.count
-        if "experts" in p.name and m.n_experts:
+        if ".experts." in p.name and m.n_experts:  # the routed experts (deepseek's shared ones see every token)
             n *= m.experts_top_k / m.n_experts
         total += n
         in_layers += n if p.in_layer else 0
@@ -93,7 +93,10 @@ def flops_per_token(m: ModelSpec, t: TrainingSpec) -> tuple[float, float]:
     frozen, trained, in_layers = _matmul_params(m, t)
     # each layer attends over the whole sequence, or over its window (sliding-window layers)
     keys = sum(min(t.seq_len, m.sliding_window) if k.attention == "sliding" else t.seq_len for k in m.layer_kinds)
-    attn_fwd = 4.0 * m.n_heads * (m.head_dim or m.hidden // m.n_heads) * keys
+    width: float = m.head_dim or m.hidden // m.n_heads
+    if m.kv_lora_rank:  # MLA: q.k over the nope + rope dims, probs.v over v_head_dim
+        width = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) / 2
+    attn_fwd = 4.0 * m.n_heads * width * keys
     model = 4.0 * frozen + 6.0 * trained + 3.0 * attn_fwd
     if t.checkpointing is Checkpointing.FULL:
         return model, model + 2.0 * in_layers + attn_fwd

@@ -13,7 +13,7 @@ options, the op context, dropout rates) and the layer's kind (its mask).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..engine import ops
@@ -241,7 +241,235 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     return out
 
 
+#: gpt_oss's biased projections: the bias gradient is reduced by the engine (`ops.linear`)
+_REDUCED = {"bias_grad_reduced": True}
+
+
+def _rotary_chunk(g: Graph, x: T, cos: T, sin: T, name: str) -> T:
+    """gpt_oss ``_apply_rotary_emb``: ``first_half, second_half = torch.chunk(x, 2, dim=-1)`` (views),
+    ``first_half * cos - second_half * sin``, ``second_half * cos + first_half * sin`` (cos/sin are half
+    a head wide; the products promote to their dtype), ``torch.cat`` of the two: a contiguous
+    (b, heads, s, head_dim) tensor."""
+    x1, x2 = ops.split(g, x, (0.5, 0.5), f"{name} chunk")
+    a1 = ops.mul(g, x1, cos, f"{name} first_half * cos")
+    a2 = ops.mul(g, x2, sin, f"{name} second_half * sin")
+    first = ops.sub(g, a1, a2, f"{name} first_")
+    g.drop(a1, a2)
+    b1 = ops.mul(g, x2, cos, f"{name} second_half * cos")
+    b2 = ops.mul(g, x1, sin, f"{name} first_half * sin")
+    second = ops.add(g, b1, b2, f"{name} second_")
+    g.drop(b1, b2)
+    out = ops.cat2(g, first, second, f"{name} cat")
+    g.drop(first, second, x1, x2)
+    return out
+
+
+def sinks_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, T], kind: LayerKind) -> T:
+    """``GptOssAttention.forward`` (modeling_gpt_oss.py): biased q/k/v projections viewed as heads,
+    chunked rotary (`_rotary_chunk`, q then k), ``eager_attention_forward`` with the layer's sinks
+    (`eager_sinks_attention`; transformers 5.24 runs gpt_oss only eagerly: ``_supports_sdpa = False``),
+    ``o_proj``. The attention weights stay bound in the decoder layer until it returns."""
+    m = rec.m
+    q = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, m.q_dim, **_REDUCED)
+    qv = ops.heads_view(g, q, "q view", clone_grad=m.n_heads > 1)
+    g.drop(q)
+    k = rec.linear(g, h, p, "self_attn.k_proj", m.hidden, m.kv_dim, **_REDUCED)
+    kv = ops.heads_view(g, k, "k view", clone_grad=m.n_kv_heads > 1)
+    g.drop(k)
+    v = rec.linear(g, h, p, "self_attn.v_proj", m.hidden, m.kv_dim, **_REDUCED)
+    vv = ops.heads_view(g, v, "v view", clone_grad=m.n_kv_heads > 1)
+    g.drop(v)
+    cos, sin = sh.rotary(kind)
+    assert cos is not None and sin is not None
+    qr = _rotary_chunk(g, qv, cos, sin, "q")
+    kr = _rotary_chunk(g, kv, cos, sin, "k")
+    g.drop(qv, kv)
+    o, weights = eager_sinks_attention(rec, g, qr, kr, vv, sh.attention_mask(kind), p["self_attn.sinks"])
+    rec.attn_weights.append(weights)
+    out = rec.linear(g, o, p, "self_attn.o_proj", m.q_dim, m.hidden, **_REDUCED)
+    g.drop(o)
+    g.drop(qr, kr, vv)
+    return out
+
+
+def eager_sinks_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | None, sinks: T) -> tuple[T, T]:
+    """gpt_oss ``eager_attention_forward``: ``repeat_kv``; ``matmul(q, k^T) * scaling + mask`` (the
+    masked logits stay bound as ``attn_weights`` until that name is rebound); the sinks, viewed
+    (1, heads, 1, 1) and expanded to (b, heads, s, 1), concatenated as one more key column (CPU
+    autocast promotes the parts to the widest dtype first); ``combined - combined.max(-1).values``;
+    ``softmax`` in that dtype (``combined_logits`` stays bound until return); the sink column sliced
+    off (a view), dropout, ``.to(value.dtype)``, ``matmul`` with v and the transposed result made
+    contiguous. q and k come contiguous from the rotary ``cat``; matmul copies only a value in the
+    projection's layout (no repeat, b > 1) or an expanded one-kv-head key/value."""
+    m, ctx = rec.m, rec.ctx
+    H = m.n_heads
+    n_rep = H // m.n_kv_heads
+    fold = ctx.batch1
+    copy_expanded = n_rep > 1 and m.n_kv_heads == 1 and not fold and not ctx.autocast
+    copy_v = (n_rep == 1 and not fold) or copy_expanded
+    kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key", m.n_kv_heads)
+    vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads)
+    cd = ctx.autocast
+    kc = ops.cast(g, kx, cd, "eager matmul key cast") if cd else g.hold(kx)
+    qc = ops.cast(g, q, cd, "eager matmul query cast") if cd else g.hold(q)
+    k2 = ops.clone(g, kc, "eager key^T contiguous") if copy_expanded else g.hold(kc)
+    scores = ops.bmm(g, ctx, qc, k2, per_token_sq(H), "eager q @ k^T", grad_b_first=True)
+    g.drop(k2, qc, kc)
+    w = ops.scalar_op(g, scores, "eager * scaling")
+    g.drop(scores)
+    if mask is not None:
+        w2 = ops.add(g, w, mask, "eager + mask")
+        g.drop(w)
+        w = w2
+    sv = ops.alias_view(g, sinks, "sinks reshape")
+    se = g.view(sv, "sinks expand", n=tok(H))
+
+    def expand_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(sv.n, sv.dt, "sinks expand backward sum_to")]
+
+    g.record("sinks expand", [sv], [se], [], expand_bwd)
+    g.drop(sv)
+    combined = ops.cat_last(g, ctx, [w, se], "cat logits, sinks")
+    g.drop(se)
+    mx, idx = ops.topk(g, combined, tok(H), "combined max")
+    g.drop(idx)  # ``.values`` of the temporary (values, indices) tuple: the indices go unless saved
+    shifted = ops.sub(g, combined, mx, "combined - max")
+    g.drop(mx, combined)
+    probs = ops.softmax(g, shifted, None, "eager softmax")
+    scores_v = ops.slice_view(g, probs, per_token_sq(H), "probs[..., :-1]")
+    pd = ops.dropout(g, ctx, scores_v, rec.dropout_attn, "eager attn dropout")
+    pt = ops.cast(g, pd, vx.dt, "probs to value dtype")
+    g.drop(pd, w)  # `attn_weights` rebinds: the masked logits go
+    vc = ops.cast(g, vx, cd, "eager matmul value cast") if cd else g.hold(vx)
+    pc = ops.cast(g, pt, cd, "eager matmul probs cast") if cd else g.hold(pt)
+    v2 = ops.clone(g, vc, "eager value contiguous") if copy_v else g.hold(vc)
+    o3 = ops.bmm(g, ctx, pc, v2, vx.n, "eager probs @ v", grad_b_first=True)
+    g.drop(pc, vc, v2)
+    o = ops.heads_view(g, o3, "eager matmul unsafe_view", clone_grad=not fold)
+    g.drop(o3)
+    out = ops.clone(g, o, "eager attn_output transpose contiguous")
+    g.drop(o)
+    g.drop(kx, vx, shifted, probs, scores_v)  # the function's locals
+    return out, pt
+
+
+def _rotary_interleave(g: Graph, q: T, k: T, cos: T, sin: T) -> tuple[T, T]:
+    """DeepSeek's ``apply_rotary_pos_emb_interleave``: ``q1, q2 = q[..., 0::2], q[..., 1::2]`` and the
+    same for k (four strided slices, all made first), then for q and for k ``cat([x1 * cos - x2 * sin,
+    x2 * cos + x1 * sin], -1)`` with the first half of cos/sin (views); the slices are locals."""
+    halves = [(ops.slice_view(g, x, x.n * 0.5, f"{name}[..., 0::2]"), ops.slice_view(g, x, x.n * 0.5, f"{name}[..., 1::2]"))
+              for name, x in (("q", q), ("k", k))]
+    out = []
+    for name, (x1, x2) in zip("qk", halves, strict=True):
+        a1 = ops.mul(g, x1, cos, f"{name}1 * cos")
+        a2 = ops.mul(g, x2, sin, f"{name}2 * sin")
+        first = ops.sub(g, a1, a2, f"{name} first")
+        g.drop(a1, a2)
+        b1 = ops.mul(g, x2, cos, f"{name}2 * cos")
+        b2 = ops.mul(g, x1, sin, f"{name}1 * sin")
+        second = ops.add(g, b1, b2, f"{name} second")
+        g.drop(b1, b2)
+        out.append(ops.cat2(g, first, second, f"{name}_embed cat"))
+        g.drop(first, second)
+    for x1, x2 in halves:
+        g.drop(x1, x2)
+    return out[0], out[1]
+
+
+def mla_attention(rec: DecoderRecipe, g: Graph, h: T, sh: Shared, p: dict[str, T], kind: LayerKind) -> T:
+    """``DeepseekV3Attention.forward`` (modeling_deepseek_v3.py): q from ``q_proj`` or
+    ``q_b_proj(q_a_layernorm(q_a_proj(h)))``, viewed as heads and split into its nope and rope parts;
+    ``kv_a_proj_with_mqa`` split into the kv latent (``kv_a_layernorm``) and the shared rope key;
+    interleaved rotary on q's rope part and on the key (q, then k; the rotated parts are concatenated
+    with their slices: contiguous), ``query = cat(q_pass, q_rot)`` (CPU autocast promotes the 16-bit
+    pass part to the rotated part's dtype), ``expand_kv``: ``kv_b_proj`` viewed as heads, split into the
+    nope key and the value (a view), the rope key expanded to every head and both copied into a new key
+    tensor (`ops.copy_into_new`); then the attention kernel HF dispatches to (eager; SDPA, whose CPU
+    flash kernel needs equal q/k and v head dims, so a different v_head_dim runs its math kernel) and
+    ``o_proj``. The forward's locals die when it returns."""
+    m, t = rec.m, rec.t
+    H, nope, rope, vd, r = m.n_heads, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank
+    qk = nope + rope
+    if m.q_lora_rank:
+        qa = rec.linear(g, h, p, "self_attn.q_a_proj", m.hidden, m.q_lora_rank)
+        qn = rec.norm(g, qa, p["self_attn.q_a_layernorm.weight"], "q_a_layernorm")
+        g.drop(qa)
+        q = rec.linear(g, qn, p, "self_attn.q_b_proj", m.q_lora_rank, H * qk)
+        g.drop(qn)
+    else:
+        q = rec.linear(g, h, p, "self_attn.q_proj", m.hidden, H * qk)
+    qh = ops.heads_view(g, q, "q view", clone_grad=H > 1)
+    g.drop(q)
+    q_pass, q_rot = ops.split(g, qh, (nope / qk, rope / qk), "split q_pass, q_rot")
+    ckv = rec.linear(g, h, p, "self_attn.kv_a_proj_with_mqa", m.hidden, r + rope)
+    kv_nope, k_rot = ops.split(g, ckv, (r / (r + rope), rope / (r + rope)), "split kv_nope, k_rot")
+    kvn = rec.norm(g, kv_nope, p["self_attn.kv_a_layernorm.weight"], "kv_a_layernorm")
+    g.drop(kv_nope)
+    cos, sin = sh.rotary(kind)
+    assert cos is not None and sin is not None
+    ch = g.view(cos, "cos[..., :d/2]", n=cos.n * 0.5)
+    sn = g.view(sin, "sin[..., :d/2]", n=sin.n * 0.5)
+    q_emb, k_emb = _rotary_interleave(g, q_rot, k_rot, ch, sn)
+    g.drop(ch, sn, q_rot, k_rot)
+    query = ops.cat_last(g, rec.ctx, [q_pass, q_emb], "cat q_pass, q_rot")
+    # expand_kv
+    kv = rec.linear(g, kvn, p, "self_attn.kv_b_proj", r, H * (nope + vd))
+    kvh = ops.heads_view(g, kv, "kv view", clone_grad=H > 1)
+    g.drop(kv)
+    k_nope, value = ops.split(g, kvh, (nope / (nope + vd), vd / (nope + vd)), "split k_nope, value")
+    g.drop(kvh)
+    k_exp = ops.expand_view(g, k_emb, k_emb.n * H, "k_rot.expand")
+    key = ops.copy_into_new(g, [k_nope, k_exp], k_nope.dt, "key_states")
+    g.drop(k_nope, k_exp)
+    if t.attention is Attention.EAGER:
+        o = eager_attention(rec, g, query, key, value, sh.attention_mask(kind), qk_contiguous=True)
+    elif qk != vd and rec.ctx.cuda:
+        o = _sdpa_mem_efficient(rec, g, query, key, value)
+    elif qk != vd or rec.sdpa_falls_back_to_math:
+        o = math_attention(rec, g, query, key, value, masked=False, qk_contiguous=True)
+    else:  # the flash kernel's output follows the contiguous query: ``transpose(1, 2).contiguous()`` copies it
+        o0 = sdpa(rec, g, query, key, value)
+        o = ops.clone(g, o0, "attn_output transpose contiguous")
+        g.drop(o0)
+    out = rec.linear(g, o, p, "self_attn.o_proj", H * vd, m.hidden)
+    g.drop(o)
+    g.drop(q_pass, ckv, kvn, q_emb, k_emb, query, key, value, qh)  # the forward's locals
+    return out
+
+
+def _sdpa_mem_efficient(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T) -> T:
+    """CUDA SDPA when the value's head dim differs from the query's (MLA): FlashAttention-2 needs equal
+    head dims (sdp_utils.cpp ``check_head_dim_size_flash``), the memory-efficient kernel does not
+    (``check_head_dim_size_mem_efficient``), so it runs ``_efficient_attention_forward``: autocast casts
+    key, query, value; the output is (b, s, heads, v_head_dim) whatever the query's layout (no copy
+    back) with an fp32 logsumexp (b, heads, s); saved: q, k, v, output, logsumexp; backward: the three
+    gradients and the kernel's scratch (`trainmem_nb.engine.ops.attention.cuda_backward_scratch`).
+    Modelled from the sources: no GPU measured it here."""
+    from ..engine.ops.attention import cuda_backward_scratch
+
+    m, ctx = rec.m, rec.ctx
+    cd = ctx.autocast
+    kc = ops.cast(g, k, cd, "sdpa k cast") if cd else g.hold(k)
+    qc = ops.cast(g, q, cd, "sdpa q cast") if cd else g.hold(q)
+    vc = ops.cast(g, v, cd, "sdpa v cast") if cd else g.hold(v)
+    lse_n = tok(m.n_heads)
+    out, lse = g.sac_outputs(lambda: (g.alloc(vc.n, qc.dt, "sdpa out"), g.alloc(lse_n, F32, "sdpa logsumexp")),
+                             "attention")
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        grads: list[T | None] = [g.alloc(qc.n, qc.dt, "sdpa grad q"), g.alloc(kc.n, kc.dt, "sdpa grad k"),
+                                 g.alloc(vc.n, vc.dt, "sdpa grad v")]
+        g.drop(*cuda_backward_scratch(g, qc, kc, lse_n, masked=True))  # masked=True: the memory-efficient kernel
+        return grads
+
+    g.record("sdpa", [qc, kc, vc], [out, lse], [kc, qc, vc, lse, out], bwd)
+    g.drop(lse, qc, kc, vc)
+    return out
+
+
 #: The attention modules a description names (`trainmem_nb.model.families.Description.attention`).
 ATTENTIONS: dict[str, Callable[[DecoderRecipe, Graph, T, Shared, dict[str, T], LayerKind], T]] = {
     "gqa": self_attention,
 }
+ATTENTIONS["sinks"] = sinks_attention
+ATTENTIONS["mla"] = mla_attention

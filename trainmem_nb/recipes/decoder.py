@@ -114,9 +114,8 @@ class DecoderRecipe(Recipe):
         pos = g.alloc(per_seq(1), I64, "cache_position")
         g.drop(ar)
         sh.extra.append(pos)
-        kinds = sorted({k.attention for k in self.m.layer_kinds} | set(self.d.always_masks),
-                       key=("full", "sliding").index)
-        attention = ["full", "sliding"] if self.d.both_masks else kinds
+        kinds = sorted({k.attention for k in self.m.layer_kinds}, key=("full", "sliding").index)
+        attention = sorted(set(kinds) | set(self.d.always_masks), key=("full", "sliding").index)
         if len(attention) == 1:
             sh.mask = self.attention_mask(g, x.dt, self.m.layer_kinds[0])
         else:  # one mask per attention kind, the full one first (the models' ``causal_mask_mapping``)
@@ -126,12 +125,13 @@ class DecoderRecipe(Recipe):
             peft_input_leaf(g, self.t, x)  # the hook is on embed_tokens, whose output is not the layers' input
             self.embed_locals = [x]
             x = ops.dropout(g, self.ctx, x, self.dropout_embd, "embedding_dropout")
+        cat = self.d.rotary != "chunk"
         if self.d.rotary_per_kind:
             # Gemma3TextModel: ``position_embeddings[layer_type] = self.rotary_emb(x, position_ids,
             # layer_type)`` for each layer type (a set: its order varies, the sizes do not)
-            sh.rotaries = {a: rotary_cos_sin(g, self.m.rotary_dims, x.dt) for a in kinds}
+            sh.rotaries = {a: rotary_cos_sin(g, self.m.rotary_dims, x.dt, cat) for a in kinds}
         else:
-            sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt, to_dtype=not self.d.rotary_fp32)
+            sh.cos, sh.sin = rotary_cos_sin(g, self.m.rotary_dims, x.dt, cat, to_dtype=not self.d.rotary_fp32)
         return x, sh
 
     def embed_tokens(self, g: Graph, ids: T, p: dict[str, T]) -> T:

@@ -83,7 +83,8 @@ def router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tuple[T, T, T
 
 
 
-def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[str, T]) -> T:
+def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[str, T],
+            weighted_mul: Callable[[Graph, T, T, str], T] = ops.mul_both_grads) -> T:
     """``grouped_mm_experts_forward`` (integrations/moe.py) over S = tokens * top_k rows:
     ``sort`` of the expert ids (values and permutation), ``hidden_states[perm // top_k]``,
     ``sample_weights[perm]``, ``histc`` of the sorted ids (fp32 copy on CPU, int32 on CUDA: 4 bytes
@@ -135,7 +136,7 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     g.drop(a, gate, up)
     down = ops.grouped_mm(g, gated, weight("down_proj"), offs, tok(k * h), "grouped_mm down_proj")
     g.drop(gated)
-    weighted = ops.mul_both_grads(g, down, sw, "proj_out * sample_weights_g")
+    weighted = weighted_mul(g, down, sw, "proj_out * sample_weights_g")
     inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
     ar = g.alloc(tok(k), I64, "arange")
     g.drop(ar)
@@ -199,5 +200,184 @@ def qwen3_router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tuple[T
     return logits, weights, index
 
 
+def gpt_oss_moe(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """``GptOssMLP.forward`` (modeling_gpt_oss.py): ``reshape(-1, h)`` (a view), the router
+    (``GptOssTopKRouter``: ``F.linear(h, weight, bias)``, ``topk`` of the logits, ``softmax`` of the
+    top values in their dtype), the experts, ``reshape`` back; the router logits are a local until it
+    returns, the routing scores go back to the layer."""
+    m = rec.m
+    k, E = m.experts_top_k, m.n_experts
+    # at::linear runs a biased linear as ``addmm``, whose bias gradient the engine reduces after the node
+    logits = ops.addmm(g, rec.ctx, x, p["mlp.router.weight"], p["mlp.router.bias"], m.hidden, E, "mlp.router",
+                       linear_casts=True)
+    vals, index = ops.topk(g, logits, tok(k), "router topk")
+    scores = ops.softmax(g, vals, None, "router softmax")
+    g.drop(vals)
+    out = gpt_oss_experts(rec, g, x, index, scores, p)
+    g.drop(logits, index)
+    # GptOssDecoderLayer: ``hidden_states, _ = self.mlp(hidden_states)`` rebinds ``_`` from the attention
+    # weights to the routing scores, which stay bound until the layer returns (`pre_norm_layer` drops
+    # `DecoderRecipe.attn_weights` there)
+    g.drop(*rec.attn_weights)
+    rec.attn_weights = [scores]
+    return out
+
+
+def gpt_oss_experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[str, T]) -> T:
+    """``grouped_mm_experts_forward`` (integrations/moe.py; transformers' default experts
+    implementation, `experts`) for ``GptOssExperts`` (``is_transposed=True, has_bias=True``): the sort,
+    gathers, ``histc`` and offsets as for mixtral; each projection is ``grouped_mm`` with the (E, in,
+    out) stack as stored, then ``out.add_(bias[expert_ids_g])`` (the per-row bias gathered from the
+    (E, out) stack, added in place); between them ``GptOssExperts._apply_gate``: the interleaved
+    ``gate_up[..., ::2]`` / ``[..., 1::2]`` (strided views), ``gate.clamp(max=limit)``,
+    ``up.clamp(-limit, limit)``, ``glu = gate * sigmoid(gate * alpha)``, ``(up + 1) * glu``. The routing
+    weights (the router's dtype) multiply the fp32 or 16-bit expert output unsqueezed
+    (`ops.mul_reduce_cast`), then un-permute, ``view(tokens, top_k, h).sum(1)`` and the cast back."""
+    m = rec.m
+    k, h, f, E = m.experts_top_k, m.hidden, m.expert_width, m.n_experts
+    ids_sorted = g.alloc(tok(k), I64, "sort values (expert_ids_g)")
+    perm = g.alloc(tok(k), I64, "sort indices (perm)")
+    rows = g.alloc(tok(k), I64, "perm // top_k")
+    sel = ops.index_rows(g, x, rows, tok(k * h), "hidden_states[perm // top_k]")
+    g.drop(rows)
+    sw = ops.index_rows(g, weights, perm, tok(k), "sample_weights[perm]")
+    hist_in = g.alloc(tok(k), 4, "histc input")
+    tpe = g.alloc(const(E), F32, "tokens_per_expert (histc)")
+    offs = g.alloc(const(E), I32, "offsets (cumsum)")
+    w_gu = p["mlp.experts.gate_up_proj"]
+    b_gu = ops.index_rows(g, p["mlp.experts.gate_up_proj_bias"], ids_sorted, tok(k * 2 * f), "gate_up_proj_bias[ids]")
+    sel_c = ops.cast(g, sel, w_gu.dt, "input.to(weight.dtype)")
+    gu0 = ops.grouped_mm(g, sel_c, w_gu, offs, tok(k * 2 * f), "grouped_mm gate_up_proj")
+    g.drop(sel_c)
+    gu = ops.add_(g, gu0, b_gu, "out.add_(bias)")
+    gate_v, up_v = (ops.slice_view(g, gu, tok(k * f), f"gate_up[..., {i}::2]") for i in (0, 1))
+    gate = ops.clamp(g, gate_v, False, "gate.clamp(max=limit)")
+    up = ops.clamp(g, up_v, True, "up.clamp(-limit, limit)")
+    g.drop(gate_v, up_v)
+    ga = ops.scalar_op(g, gate, "gate * alpha")
+    sig = ops.unary_saving_output(g, ga, "sigmoid")
+    g.drop(ga)
+    glu = ops.mul(g, gate, sig, "gate * sigmoid")
+    g.drop(sig)
+    up1 = ops.scalar_op(g, up, "up + 1", grad_allocs=False)
+    gated = ops.mul(g, up1, glu, "(up + 1) * glu")
+    g.drop(up1, gate, up, glu, gu)  # _apply_gate returns; `proj_out` rebinds
+    w_d = p["mlp.experts.down_proj"]
+    b_d = ops.index_rows(g, p["mlp.experts.down_proj_bias"], ids_sorted, tok(k * h), "down_proj_bias[ids]")
+    g.drop(b_gu)  # `selected_biases` rebinds
+    gated_c = ops.cast(g, gated, w_d.dt, "input.to(weight.dtype)")
+    d0 = ops.grouped_mm(g, gated_c, w_d, offs, tok(k * h), "grouped_mm down_proj")
+    g.drop(gated_c, gated)
+    down = ops.add_(g, d0, b_d, "out.add_(bias)")
+    weighted = ops.mul_reduce_cast(g, down, sw, "proj_out * sample_weights_g")
+    inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
+    ar = g.alloc(tok(k), I64, "arange")
+    g.drop(ar)
+    unperm = ops.index_rows(g, weighted, inv, tok(k * h), "weighted_out[inv_perm]")
+    g.drop(weighted)
+    v3 = ops.heads_view(g, unperm, "view(tokens, top_k, h)", clone_grad=True)
+    summed = ops.sum_keepdim(g, v3, tok(h), "sum over top_k")
+    g.drop(v3)
+    out = ops.cast(g, summed, x.dt, "to(hidden_states.dtype)")
+    g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, b_d, down, unperm, inv, summed)
+    return out
+
+
+def deepseek_moe(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """``DeepseekV3MoE.forward``: the router (`deepseek_router`), the routed experts (mixtral's
+    `experts`: ``grouped_mm_experts_forward`` with (E, out, in) stacks; the routing weights, in the
+    router's dtype, multiply the expert output unsqueezed: `ops.mul_reduce_cast`), ``.view`` back,
+    ``+ shared_experts(residuals)`` (a gated MLP on the block's input)."""
+    logits, weights, index = deepseek_router(rec, g, x, p)
+    routed = experts(rec, g, x, index, weights, p, ops.mul_reduce_cast)
+    if rec.m.n_shared_experts:
+        shared = _shared_experts(rec, g, x, p)
+        out = ops.add(g, routed, shared, "routed + shared_experts")
+        g.drop(routed, shared)
+    else:
+        out = routed
+    g.drop(logits, weights, index)  # the block's locals (``_``: the router logits)
+    return out
+
+
+def _shared_experts(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
+    """``DeepseekV3MLP.forward`` of the shared experts: ``down(act(gate(x)) * up(x))``."""
+    m = rec.m
+    f = m.expert_width * m.n_shared_experts
+    gt = rec.linear(g, x, p, "mlp.shared_experts.gate_proj", m.hidden, f)
+    a = rec.act(g, gt)
+    g.drop(gt)
+    u = rec.linear(g, x, p, "mlp.shared_experts.up_proj", m.hidden, f)
+    pr = ops.mul(g, a, u, "act * up")
+    g.drop(a, u)
+    out = rec.linear(g, pr, p, "mlp.shared_experts.down_proj", f, m.hidden)
+    g.drop(pr)
+    return out
+
+
+def deepseek_router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tuple[T, T, T]:
+    """``DeepseekV3TopkRouter.forward``: ``F.linear(h.type(float32), weight.type(float32))`` (the weight
+    is fp32; autocast still runs the linear in 16 bit), ``sigmoid``, ``+ e_score_correction_bias`` (fp32:
+    promotes), the group scores (``topk(2)`` per group, summed), the top groups (``topk``), their mask
+    (``zeros_like``, ``scatter_``, expanded and reshaped to (tokens, E): a copy, ``bool()``, ``~``),
+    ``masked_fill(-inf)``, ``topk`` of it for the indices, ``scores.gather`` of the weights, renormalised
+    in place (``/= sum + 1e-20``) and times ``routed_scaling_factor``. Only the gathered scores reach the
+    loss: the selection branch records no graph a backward would keep (its nodes die with their outputs).
+    Returns (logits, weights, indices); the other locals die when it returns."""
+    m, ctx = rec.m, rec.ctx
+    k, E = m.experts_top_k, m.n_experts
+    G = m.n_expert_groups or 1
+    tg = m.topk_groups or G
+    flat = ops.alias_view(g, x, "view(-1, h)")  # a view node of its own (its backward runs after the casts')
+    xf = ops.cast(g, flat, F32, "hidden_states.type(float32)")
+    g.drop(flat)
+    w = p["mlp.gate.weight"]
+    logits = ops.linear(g, ctx, xf, w, m.hidden, E, None, "mlp.gate")
+    g.drop(xf)  # an argument temporary (a copy only when the input is 16-bit)
+    scores = ops.unary_saving_output(g, logits, "sigmoid")
+    dt_choice = max(scores.dt, F32)
+    choice = g.alloc(tok(E), dt_choice, "scores + e_score_correction_bias")
+    g2v = g.alloc(tok(G * 2), dt_choice, "group topk(2) values")
+    g2i: T | None = g.alloc(tok(G * 2), I64, "group topk(2) indices")
+    if not g.saving:  # not saved (a checkpointed forward): the indices die with the (values, indices) tuple
+        g.drop(g2i)
+        g2i = None
+    group_scores = g.alloc(tok(G), dt_choice, "group_scores (sum)")
+    g.drop(g2v)
+    gv = g.alloc(tok(tg), dt_choice, "group topk values")
+    group_idx = g.alloc(tok(tg), I64, "group_idx")
+    g.drop(gv)
+    group_mask = g.alloc(tok(G), dt_choice, "group_mask (zeros_like)")
+    # the (tokens, G, E/G) expansion reshapes to (tokens, E) as a view only when one of G, E/G is 1
+    score_mask = (g.alloc(tok(E), dt_choice, "score_mask (reshape copy)") if 1 < G < E
+                  else g.view(group_mask, "score_mask (reshape view)", n=tok(E)))
+    sb = g.alloc(tok(E), 1, "score_mask.bool()")
+    inv: T | None = g.alloc(tok(E), 1, "~score_mask")
+    g.drop(sb)
+    masked = g.alloc(tok(E), dt_choice, "masked_fill")
+    if not g.saving:  # masked_fill's mask is saved only when the forward saves
+        g.drop(inv)
+        inv = None
+    g.drop(choice)  # `scores_for_choice` rebinds; masked_fill's node keeps the mask while its output lives
+    tv = g.alloc(tok(k), dt_choice, "topk values")
+    index = g.alloc(tok(k), I64, "topk_indices")
+    g.drop(tv)
+    gathered = ops.index_rows(g, scores, index, tok(k), "scores.gather")
+    if m.norm_topk_prob:
+        total = ops.sum_keepdim(g, gathered, tok(1), "topk_weights.sum")
+        den = ops.scalar_op(g, total, "+ 1e-20", grad_allocs=False)
+        g.drop(total)
+        normed = ops.div_(g, gathered, den, "topk_weights /= denominator")
+        g.drop(gathered)  # the same tensor: `/=` rebinds the name
+        gathered = normed
+    else:
+        den = None
+    weights = ops.scalar_op(g, gathered, "* routed_scaling_factor")
+    g.drop(gathered)
+    g.drop(scores, masked, inv, g2i, group_scores, group_idx, group_mask, score_mask, den)
+    return logits, weights, index
+
+
 #: The mixture-of-experts blocks a description names (`trainmem_nb.model.families.Description.moe`).
-MOES: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {"mixtral": moe_mlp, "qwen3_moe": qwen3_moe_mlp}
+MOES: dict[str, Callable[[DecoderRecipe, Graph, T, dict[str, T]], T]] = {
+    "mixtral": moe_mlp, "qwen3_moe": qwen3_moe_mlp, "gpt_oss": gpt_oss_moe, "deepseek": deepseek_moe}

@@ -13,10 +13,11 @@ from ..engine.ops import F32
 from ..engine.tape import Graph, T
 from .base import tok
 
-__all__ = ["RMS_NORMS", "rms_norm", "rms_norm_gemma", "rms_norm_olmo2"]
+__all__ = ["RMS_NORMS", "rms_norm", "rms_norm_deepseek", "rms_norm_gemma", "rms_norm_olmo2"]
 
 
-def rms_norm(g: Graph, x: T, w: T, label: str, rows: int = 1) -> T:
+def rms_norm(g: Graph, x: T, w: T, label: str, rows: int = 1,
+             weight_mul: Callable[[Graph, T, T, str], T] = ops.mul) -> T:
     """``LlamaRMSNorm.forward``: upcast to fp32, ``x * rsqrt(mean(x**2) + eps)``, cast back to the
     input's dtype, then ``weight *`` (in the weight's dtype: the multiply saves the cast-back copy).
     `rows`: vectors normalised per token (per-head q/k norms normalise each head's dims)."""
@@ -31,9 +32,16 @@ def rms_norm(g: Graph, x: T, w: T, label: str, rows: int = 1) -> T:
     hs2 = ops.mul(g, hs, r, f"{label} x*rsqrt")
     g.drop(r, hs)
     hs3 = ops.cast(g, hs2, input_dt, f"{label} to input dtype")
-    out = ops.mul(g, w, hs3, f"{label} *weight")
+    out = weight_mul(g, w, hs3, f"{label} *weight")
     g.drop(hs3, hs2, var)
     return out
+
+
+def rms_norm_deepseek(g: Graph, x: T, w: T, label: str) -> T:
+    """``DeepseekV3RMSNorm.forward``: llama's (`rms_norm`); its q_a/kv_a norms take 16-bit projection
+    outputs under autocast, whose fp32-weight multiply's backward reduces the weight's gradient and casts
+    the input's only after both products exist (`ops.mul_reduce_cast`, the engine's order)."""
+    return rms_norm(g, x, w, label, weight_mul=ops.mul_reduce_cast)
 
 
 def rms_norm_gemma(g: Graph, x: T, w: T, label: str, rows: int = 1) -> T:
@@ -97,14 +105,15 @@ def _weight_times_fp32(g: Graph, w: T, x: T, label: str) -> T:
     return out
 
 
-def rms_norm_olmo2(g: Graph, x: T, w: T, label: str) -> T:
-    """``Olmo2RMSNorm.forward``: upcast to fp32, ``x * rsqrt(mean(x**2) + eps)``, then ``(self.weight *
-    hidden_states).to(input_dtype)``: the weight multiplies the fp32 states (saving them, an fp32
-    product), and only the product is cast back."""
+def rms_norm_olmo2(g: Graph, x: T, w: T, label: str, rows: int = 1) -> T:
+    """``Olmo2RMSNorm.forward`` (and ``GptOssRMSNorm.forward``, the same code): llama's normalisation in
+    fp32, then ``(self.weight * hidden_states).to(input_dtype)``: the weight multiplies the fp32 states
+    (the product is fp32 and the multiply saves the fp32 normalised states), and only the product is
+    cast back."""
     input_dt = x.dt
     hs = ops.cast(g, x, F32, f"{label} to fp32")
     p = ops.pow2(g, hs, f"{label} pow")
-    var = ops.mean_last(g, p, tok(1), f"{label} mean")
+    var = ops.mean_last(g, p, tok(rows), f"{label} mean")
     g.drop(p)
     ve = ops.scalar_op(g, var, f"{label} +eps", grad_allocs=False)
     r = ops.rsqrt(g, ve, f"{label} rsqrt")
@@ -118,5 +127,5 @@ def rms_norm_olmo2(g: Graph, x: T, w: T, label: str) -> T:
 
 
 #: The RMSNorm variants a description names (`trainmem_nb.model.families.Description.norm`).
-RMS_NORMS: dict[str, Callable[..., T]] = {"llama": rms_norm, "gemma": rms_norm_gemma,
-                                                          "olmo2": rms_norm_olmo2}
+RMS_NORMS: dict[str, Callable[..., T]] = {"llama": rms_norm, "gemma": rms_norm_gemma, "olmo2": rms_norm_olmo2,
+                                          "deepseek": rms_norm_deepseek}

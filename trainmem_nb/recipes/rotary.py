@@ -8,17 +8,20 @@ from ..engine.ops import F32, Ctx
 from ..engine.tape import Graph, T, per_seq
 
 
-def rotary_cos_sin(g: Graph, rotary_dims: int, x_dt: int, to_dtype: bool = True) -> tuple[T, T]:
+def rotary_cos_sin(g: Graph, rotary_dims: int, x_dt: int, cat: bool = True, to_dtype: bool = True) -> tuple[T, T]:
     """A rotary embedding module's forward (LlamaRotaryEmbedding, GPTNeoXRotaryEmbedding):
     ``position_ids[..., None].float() * inv_freq``, ``cat``, ``cos``/``sin`` times ``attention_scaling``
     (fp32, (1, s, rotary_dims)), cast to the hidden states' dtype on return (a no-op under autocast,
     whose hidden states are fp32; not at all without `to_dtype`: Olmo2RotaryEmbedding returns fp32);
-    the fp32 locals die when the function returns."""
+    the fp32 locals die when the function returns. Without `cat` (GptOssRotaryEmbedding: ``emb =
+    freqs``) cos and sin are half as wide and nothing is concatenated."""
     d = rotary_dims
     pos_f = g.alloc(per_seq(1), F32, "position_ids float")
     freqs = g.alloc(per_seq(d / 2), F32, "freqs")
     g.drop(pos_f)
-    emb = g.alloc(per_seq(d), F32, "emb cat")
+    if not cat:
+        d //= 2
+    emb = g.alloc(per_seq(d), F32, "emb cat") if cat else g.hold(freqs)
     full = []
     for name in ("cos", "sin"):
         raw = g.alloc(per_seq(d), F32, name)

@@ -7,6 +7,8 @@ from .core import BOOL, F16, F32, I64, ONE, Ctx, autocast_weight, cast, end_auto
 from .elementwise import (
     activation,
     add,
+    add_,
+    clamp,
     div_,
     dropout,
     dropout_last,
@@ -16,11 +18,13 @@ from .elementwise import (
     mean_last,
     mul,
     mul_both_grads,
+    mul_reduce_cast,
     pow2,
     relu,
     rsqrt,
     scalar_op,
     softmax,
+    sub,
     sum_keepdim,
     unary_saving_input,
     unary_saving_output,
@@ -40,6 +44,8 @@ from .shape import (
     cat2,
     cat_last,
     clone,
+    copy_into_new,
+    expand_view,
     heads_view,
     index_rows,
     repeat_kv,
@@ -58,3 +64,5 @@ __all__ = [
     "repeat_kv", "reserve", "rotate_half", "rsqrt", "scalar_op", "sdpa_flash", "sdpa_math", "slice_view",
     "softmax", "split", "sum_keepdim", "topk", "unary_saving_input", "unary_saving_output",
 ]
+__all__ += ["add_", "clamp", "mul_reduce_cast", "sub"]  # gpt_oss
+__all__ += ["copy_into_new", "expand_view"]  # deepseek_v3

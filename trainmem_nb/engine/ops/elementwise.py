@@ -360,3 +360,99 @@ def mul_both_grads(g: Graph, a: T, b: T, label: str = "mul") -> T:
     g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
     recorded.extend(g.nodes[n_nodes:n_nodes + 1])
     return out
+
+
+# -- ops added for gpt_oss (sinks attention, clamped SwiGLU experts) ---------------------------------
+def sub(g: Graph, a: T, b: T, label: str = "sub") -> T:
+    """``a - b`` (broadcasting): saves nothing; backward passes the gradient to ``a`` and allocates
+    ``-grad`` for ``b`` (derivatives.yaml ``sub.Tensor``: ``maybe_multiply(-grad, alpha)``), which the
+    engine then reduces to b's shape when b was broadcast."""
+    out = g.alloc(_bigger(a, b), _promote(a, b), label)
+    odt = out.dt
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        (grad,) = go
+        assert grad is not None
+        ga = (g.hold(grad) if a.dt == odt else g.alloc(grad.n, a.dt, f"{label} grad cast")) if a.rg else None
+        gb = None
+        if b.rg:
+            gb = g.alloc(grad.n, grad.dt, f"{label} -grad")
+            if b.dt != odt:
+                c = g.alloc(grad.n, b.dt, f"{label} grad cast")
+                g.drop(gb)
+                gb = c
+        return [ga, gb]
+
+    g.record(label, [a, b], [out], [], bwd)
+    return out
+
+
+def clamp(g: Graph, x: T, both: bool, label: str = "clamp") -> T:
+    """``x.clamp(max=c)`` (or ``clamp(min=-c, max=c)`` with `both`): saves its input; backward
+    ``clamp_backward`` is ``where(mask, grad, zero)``: a 0-d zero, the boolean mask (``self <= max``;
+    with both bounds ``(self >= min).logical_and_(self <= max)``, whose second comparison is a temporary
+    of the same expression), then the gradient (FunctionsManual.cpp)."""
+    out = g.alloc(x.n, x.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        (grad,) = go
+        assert grad is not None
+        zero = g.alloc(Sz(c0=1), grad.dt, f"{label} backward zero")
+        m1 = g.alloc(x.n, BOOL, f"{label} backward mask")
+        m2 = g.alloc(x.n, BOOL, f"{label} backward mask <= max") if both else None
+        gx = g.alloc(x.n, grad.dt, f"{label} backward where")
+        g.drop(m2, m1, zero)  # temporaries of the one full expression
+        return [gx]
+
+    g.record(label, [x], [out], [x], bwd)
+    return out
+
+
+def add_(g: Graph, a: T, b: T, label: str = "add_") -> T:
+    """``a.add_(b)`` of same-shape, same-dtype tensors: in place (the result is a's storage); saves
+    nothing; the gradient passes to both unchanged."""
+    out = g.view(a, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        (grad,) = go
+        assert grad is not None
+        return [g.hold(grad) if a.rg else None, g.hold(grad) if b.rg else None]
+
+    g.record(label, [a, b], [out], [], bwd)
+    g.drop(a)  # the result is the same tensor: it replaces the caller's reference
+    return out
+
+
+def mul_reduce_cast(g: Graph, a: T, b: T, label: str = "mul") -> T:
+    """``a * b`` where either input may be broadcast and need a cast back: ``MulBackward0`` computes
+    both products full-size in the promoted dtype (a's first), then the engine's ``validate_outputs``
+    fixes each input's gradient in turn: a broadcast one is reduced to its shape (``sum_to``, in the
+    product's dtype) and only then cast to the input's dtype (torch/csrc/autograd/engine.cpp). That
+    runs after the node's apply, so a checkpointed node's recomputed saved tensors are gone first."""
+    out = g.alloc(_bigger(a, b), _promote(a, b), label)
+    n_out, odt = out.n, out.dt
+    n_nodes = len(g.nodes)
+    recorded: list = []
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        prods = [g.alloc(n_out, odt, f"{label} grad {name}") if x.rg else None for name, x in (("a", a), ("b", b))]
+        node = recorded[0] if recorded else None
+        if node is not None and node.checkpoint is not None:
+            g.drop(*node.saved)
+            node.saved = ()
+        res: list[T | None] = []
+        for x, pr in zip((a, b), prods, strict=True):
+            if pr is not None and x.n.key() < n_out.key():
+                r = g.alloc(x.n, odt, f"{label} grad sum_to")
+                g.drop(pr)
+                pr = r
+            if pr is not None and x.dt != odt:
+                c = g.alloc(x.n, x.dt, f"{label} grad cast")
+                g.drop(pr)
+                pr = c
+            res.append(pr)
+        return res
+
+    g.record(label, [a, b], [out], [b if a.rg else None, a if b.rg else None], bwd)
+    recorded.extend(g.nodes[n_nodes:n_nodes + 1])
+    return out

@@ -13,12 +13,16 @@ from .core import Ctx, autocast_weight, cast
 # -- matmuls ------------------------------------------------------------------------------------
 def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, b: T | None = None,
            label: str = "linear", grad_w_first: bool | None = None, w_leaf: bool = True,
-           cache_input: bool = False) -> T:
+           cache_input: bool = False, bias_grad_reduced: bool = False) -> T:
     """``F.linear(x, w, b)`` on (tokens, in) activations: ``mm``/``addmm`` (cuBLAS/MKL) output of
     (tokens, out). Saves x if the weight needs a gradient and the weight if x does; under autocast
     the saved copies are the 16-bit casts (`w_leaf`: whether autocast may cache the weight's;
     `cache_input`: x is a leaf that requires grad, so autocast caches its cast too, as
-    ``at::autocast::cached_cast`` does for any such leaf: one copy shared by every linear it feeds)."""
+    ``at::autocast::cached_cast`` does for any such leaf: one copy shared by every linear it feeds).
+    With `bias_grad_reduced` the bias's gradient is the output gradient, which the engine reduces to
+    the bias's shape after the node returns (``addmm``'s ``maybe_multiply(grad, beta)``; after a
+    checkpointed node's recomputed saved tensors are released), as gpt_oss's biased projections are
+    measured; otherwise it is allocated in the node."""
     if w.nf4:
         return linear_4bit(g, x, w, in_features, out_features, b, label)
     if ctx.autocast is None:
@@ -47,7 +51,7 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
         if not w_first and wc.rg:
             gw = g.alloc(wc.n, wc.dt, f"{label} grad w")
         if has_bias and bc is not None and bc.rg:
-            gb = g.alloc(bc.n, bc.dt, f"{label} grad b")
+            gb = g.hold(go[0]) if bias_grad_reduced and go[0] is not None else g.alloc(bc.n, bc.dt, f"{label} grad b")
         return [gx, gw] + ([gb] if has_bias else [])
 
     g.record(label, ins, [out], saved, bwd)

@@ -203,3 +203,57 @@ def index_rows(g: Graph, x: T, idx: T, out_n: Sz, label: str = "index") -> T:
 
     g.record(label, [x, idx], [out], [idx], bwd)
     return out
+
+
+# -- ops added for deepseek_v3 (multi-head latent attention) -------------------------------------------
+def expand_view(g: Graph, x: T, n: Sz, label: str = "expand") -> T:
+    """``x.expand(...)``: a view `n` elements big; backward ``sum_to`` x's shape (one x-sized tensor)."""
+    v = g.view(x, label, n=n)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(x.n, go[0].dt if go[0] is not None else x.dt, f"{label} backward sum_to")]
+
+    g.record(label, [x], [v], [], bwd)
+    return v
+
+
+def copy_into_new(g: Graph, parts: Sequence[T], dt: int, label: str = "new_empty + copy_") -> T:
+    """``out = t.new_empty(...)`` then ``out[..., a:b].copy_(part)`` for each part in turn (DeepSeek's
+    ``expand_kv``): one allocation in `dt`; each copy is a ``CopySlices`` node. Its backward
+    (torch/csrc/autograd/functions/tensor.cpp ``CopySlices::apply``) copies the whole incoming gradient
+    into a new tensor, hands ``CopyBackwards`` a contiguous clone of the slice, which gives the
+    overwritten base ``zeros_like`` of the slice (only when the base needs a gradient: not the first
+    copy, whose base is the fresh tensor) and the source the clone, cast to its dtype (a new tensor, the
+    clone then freed) when it differs; the base's gradient is the whole copy, the zeros die on return."""
+    n = parts[0].n
+    for x in parts[1:]:
+        n = n + x.n
+    base = g.alloc(n, dt, label)
+    cur = base
+    for i, src in enumerate(parts):
+        nxt = g.view(base, f"{label} [{i}]")
+        first = i == 0
+
+        def bwd(g: Graph, go: Sequence[T | None], src: T = src, first: bool = first) -> list[T | None]:
+            (grad,) = go
+            assert grad is not None
+            result = g.alloc(n, grad.dt, f"{label} CopySlices result")
+            sl = g.alloc(src.n, grad.dt, f"{label} grad slice clone")
+            zeros = None if first else g.alloc(src.n, grad.dt, f"{label} CopyBackwards zeros_like")
+            gs = sl
+            if src.dt != grad.dt:
+                gs = g.alloc(src.n, src.dt, f"{label} CopyBackwards grad.to(src)")
+                g.drop(sl)
+            g.drop(zeros)
+            if first:
+                g.drop(result)
+                return [gs]
+            return [result, gs]
+
+        ins = [src] if first else [cur, src]
+        g.record(f"{label} copy_ [{i}]", ins, [nxt], [], bwd)
+        if not first:
+            g.drop(cur)
+        cur = nxt
+    g.drop(base)  # the views keep it
+    return cur
