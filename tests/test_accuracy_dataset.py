@@ -17,6 +17,17 @@ KNOWN_GAPS: dict[str, str] = {}
 #: the share of cases the estimator must reproduce to the byte
 MIN_EXACT_SHARE = 0.98
 
+#: case id -> why the estimate is within 0.5 % but not to the byte (a fix must remove the entry)
+NOT_EXACT: dict[str, str] = {
+    "families/llama-small-bias/fp32-sgd-momentum-foreach-ckpt-selective-drop0.1/b2s64/fake":
+        "+2 KiB: a biased nn.Linear's bias gradient is allocated inside the node (ops.linear) while PyTorch's "
+        "addmm has the engine reduce it after the recomputed saved tensors are released (selective checkpointing)",
+    "families/gemma3-tiny/fp32-sgd-momentum-foreach-ckpt-selective-drop0.1/b2s64/fake":
+        "-48 KiB, (b, s, (heads - 1) x head_dim) fp32: with one kv head, SDPA's math kernel (CPU with dropout) "
+        "reads the expanded key/value of repeat_kv, whose copy lives longer in the measured step than in the "
+        "program; the ordering gap of one-kv-head attention under autocast/eager that llama and gemma share",
+}
+
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_estimate_matches_the_measured_step_within_1_percent_and_peaks_in_the_same_phase(case: MeasuredCase) -> None:
@@ -36,8 +47,33 @@ def test_known_gaps_still_differ() -> None:
             assert abs(estimate(m.model, m.training).peak_allocated_bytes / m.peak_allocated_bytes - 1) > 0.01, case.id
 
 
+def test_every_step_not_reproduced_to_the_byte_is_listed_with_its_reason_and_within_half_a_percent() -> None:
+    off = {}
+    for c in CASES:
+        e = estimate(c.measurement.model, c.measurement.training).peak_allocated_bytes
+        if e != c.measurement.peak_allocated_bytes:
+            off[c.id] = e / c.measurement.peak_allocated_bytes - 1
+    assert set(off) == set(NOT_EXACT), sorted(set(off) ^ set(NOT_EXACT))
+    assert all(abs(v) <= 0.005 for v in off.values()), off
+
+
 def test_almost_every_measured_step_is_reproduced_to_the_byte() -> None:
     exact = sum(estimate(c.measurement.model, c.measurement.training).peak_allocated_bytes
                 == c.measurement.peak_allocated_bytes for c in CASES)
     assert len(CASES) >= 250
     assert exact / len(CASES) >= MIN_EXACT_SHARE, f"{exact} of {len(CASES)} byte-exact"
+
+
+def test_the_readme_states_the_datasets_own_counts() -> None:
+    """The README's accuracy line is the dataset's: cases, families, byte-exact cases, the rest."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    found = re.search(r"- (\d+) measured steps of all (\d+) families and every option.*?: (\d+) to the byte, the other "
+                      r"(\d+) within 0\.5 %", readme, re.S)
+    assert found, "the README's dataset line has changed shape: update this test with it"
+    exact = sum(estimate(c.measurement.model, c.measurement.training).peak_allocated_bytes
+                == c.measurement.peak_allocated_bytes for c in CASES)
+    families = {c.measurement.model.family for c in CASES}
+    assert tuple(map(int, found.groups())) == (len(CASES), len(families), exact, len(CASES) - exact)

@@ -138,7 +138,7 @@ class Explorer:
             "source": w.ToggleButtons(options=[("preset", "preset"), ("size", "size"), ("custom", "custom"),
                                                ("config.json", "upload")], value=source, description="model",
                                       style={"button_width": "6.4em"}),
-            "preset": w.Dropdown(options=presets, value=spec.name if source == "preset" else "llama-3-8b",
+            "preset": w.Dropdown(options=_preset_options(), value=spec.name if source == "preset" else "llama-3-8b",
                                  description="preset"),
             "params": w.FloatLogSlider(value=min(max(float(spec.n_params), PARAMS_RANGE[0]), PARAMS_RANGE[1]),
                                        base=10, min=lo, max=hi, step=0.01, readout=False, description="size",
@@ -544,6 +544,18 @@ def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
         "attention": t.attention.value, "method": t.method.value, "lora_rank": t.lora_rank,
         "alloc_conf": t.alloc_conf, "gpus": p.gpus, "zero": p.zero, "engine": p.engine.value, "tp": p.tp, "pp": p.pp,
     }
+
+
+def _preset_options() -> list[tuple[str, str]]:
+    """The presets as (label, name), grouped by family in `Family` order (a dropdown has no option
+    groups: each label starts with its family), in the data file's order within a family."""
+    from ..model.families import Family
+    from ..model.presets import get_model
+
+    order = {f: i for i, f in enumerate(Family)}
+    rows = [(order[get_model(p.name).family], i, p.name, get_model(p.name).family.value)
+            for i, p in enumerate(list_presets())]
+    return [(f"{family} · {name}", name) for _o, _i, name, family in sorted(rows)]
 
 
 def _with(options: tuple[Any, ...], value: Any) -> list[Any]:
