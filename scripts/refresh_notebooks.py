@@ -36,6 +36,8 @@ def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
     for cell in nb.cells:
         tags = cell.metadata.get("tags")
         cell.metadata = nbformat.from_dict({"tags": tags} if tags else {})
+        if "outputs" in cell:  # one stream output per name in a row (how the kernel flushed it is noise)
+            cell.outputs = _coalesce_streams(cell.outputs)
         for out in cell.get("outputs", ()):
             data = out.get("data")
             if data and WIDGET_VIEW in data:
@@ -43,6 +45,18 @@ def clean(nb: nbformat.NotebookNode) -> nbformat.NotebookNode:
             if "metadata" in out:
                 out.metadata = nbformat.from_dict({k: v for k, v in out.metadata.items() if k != "execution"})
     return nb
+
+
+def _coalesce_streams(outputs: list) -> list:
+    """Consecutive stream outputs of one name (stdout, stderr) merged into one, as nbval compares them."""
+    merged: list = []
+    for out in outputs:
+        if out.get("output_type") == "stream" and merged and merged[-1].get("output_type") == "stream" \
+                and merged[-1].get("name") == out.get("name"):
+            merged[-1]["text"] = "".join(merged[-1]["text"]) + "".join(out["text"])
+        else:
+            merged.append(out)
+    return merged
 
 
 def refresh(path: Path, timeout: int) -> float:

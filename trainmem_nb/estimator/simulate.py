@@ -20,6 +20,7 @@ from ..step.reserved import (
     churn_fraction,
     replay_step,
     replayed_reserved_and_total,
+    replaying,
     reserved_and_total_over_step,
 )
 from .result import MemoryEstimate
@@ -42,11 +43,11 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         tops[k.split("/")[0]] += v
     paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0
     replay = None
-    if t.device is Device.CUDA:
+    if t.device is Device.CUDA and calibration is None and replaying():
         unrolled = compile_step(m, program_key(t, m), _SINGLE, calibration.workspace_bytes if calibration else None,
                                 unrolled=True)
         replay = replay_step(unrolled, t.micro_batch, t.seq_len, t.alloc_conf, loading_events(m, t))
-    if calibration is not None:  # a GPU run's measured cache fraction overrides the replay's reserved bytes
+    if replay is None:  # a GPU run's measured cache fraction overrides the replay; a search screens without it
         high_water = peak_with_churn(prog, t.micro_batch, t.seq_len, churn_fraction(calibration))
         reserved, total = reserved_and_total_over_step(t, ev.peak, high_water, calibration, paged)
     else:

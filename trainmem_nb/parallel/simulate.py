@@ -20,6 +20,7 @@ from ..step.reserved import (
     churn_fraction,
     replay_step,
     replayed_reserved_and_total,
+    replaying,
     reserved_and_total,
     reserved_and_total_over_step,
 )
@@ -103,7 +104,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         load_share = 1.0 / p.shard_degree if (p.zero >= 3 or (p.engine is Engine.FSDP and p.zero)) else 1.0
         loads.append(load_peak_bytes(stage_model, t, load_share))
         replay = None
-        if t.device is Device.CUDA:
+        if t.device is Device.CUDA and calibration is None and replaying():
             # the allocator's replay reads every layer's events in order: the unrolled program, adjusted
             # as the rank's (an FSDP pipeline stage's candidates are built around the folded one)
             if isinstance(hooks, FSDP2Hooks) and hooks.pipelined:
@@ -113,7 +114,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
                     prepare(compile_step(stage_model, program_key(t, stage_model), hooks, workspace, unrolled=True)),
                     _in_flight(p, stage, t.grad_accum) - 1)
             replay = replay_step(unrolled, *shape, t.alloc_conf, loading_events(stage_model, t, load_share))
-        if calibration is not None:  # a GPU run's measured cache fraction overrides the replay's reserved bytes
+        if replay is None:  # a GPU run's measured cache fraction overrides the replay; a search screens without it
             high_water = peak_with_churn(prog, *shape, churn_fraction(calibration))
             reserved, total = reserved_and_total_over_step(t, peak, high_water, calibration, paged)
         else:

@@ -20,6 +20,7 @@ from ..model.spec import ModelSpec
 from ..parallel.checks import check_layout
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
+from ..step.reserved import screening
 from ..units import format_bytes
 from .assumptions import check_count, check_headroom
 from .gpus import GPU, _precision_for, get_gpu
@@ -160,13 +161,14 @@ def _on_card(est: MemoryEstimate, g: GPU, headroom: float, verdict: Literal["fit
     if not est.parallel.single_device:
         return verdict, margin, message, notes  # ranks' programs are folded: the headline reserved decides
     t, context = est.training, est.device_total_bytes - est.peak_reserved_bytes
-    if est.load_peak_bytes + context > g.memory_bytes:
-        return verdict, margin, message, notes  # loading alone does not fit: no replay can help
+    floor = max(est.load_peak_bytes, est.peak_allocated_bytes) + context  # no cache can go below the tensors
+    if floor > g.memory_bytes:
+        return verdict, margin, message, notes  # the tensors alone do not fit: no replay can help
     unrolled = compile_step(est.model, program_key(t, est.model), _SINGLE,
                             est.calibration.workspace_bytes if est.calibration else None, unrolled=True)
     b, s, load = t.micro_batch, t.seq_len, loading_events(est.model, t)
     with_room = int(g.memory_bytes * (1.0 - headroom)) - context
-    if est.load_peak_bytes + context <= g.memory_bytes * (1.0 - headroom) and (
+    if floor <= g.memory_bytes * (1.0 - headroom) and (
             replay_on_card(unrolled, b, s, t.alloc_conf, with_room, load) is None):
         return "fits", headroom, (f"fits {g.name} with {headroom:.0%} kept free: the allocator's cache would grow to "
                                   f"{format_bytes(est.peak_reserved_bytes)} with memory to spare, but on the card it "
@@ -230,7 +232,14 @@ def max_micro_batch(model: Any, gpu: str | GPU, headroom: float = DEFAULT_HEADRO
     data["precision"] = _precision_for(str(build_training(None, **data).precision.value), g)
     p = build_parallel(parallel, **par_opts)
     ev = _Evaluator(m, data)
-    return ev.max_micro_batch(p, {}, g.memory_bytes * (1.0 - headroom), limit)
+    best = ev.max_micro_batch(p, {}, g.memory_bytes * (1.0 - headroom), limit)
+    # one device: the answer is the largest micro-batch `fit` says fits (it replays the allocator on the card,
+    # where a step whose cache would outgrow the card may still fit); the search screened without replaying
+    while p.single_device and best > 0 and not fit(ev.estimate(p, {"micro_batch": best}), g, headroom).fits:
+        best -= 1  # the search screened without the replay: the answer is what `fit` says fits
+    while p.single_device and best < limit and fit(ev.estimate(p, {"micro_batch": best + 1}), g, headroom).fits:
+        best += 1
+    return best
 
 
 def fewest_gpus(model: Any, gpu: str | GPU, headroom: float = DEFAULT_HEADROOM, *,
@@ -312,7 +321,8 @@ class _Evaluator:
         hit = self.cache.get(key)
         if hit is None:
             try:
-                hit = needed_bytes(estimate(self.m, self.training(over), parallel=p))
+                with screening():  # the search tries many steps: the reported ones are replayed (`estimate`)
+                    hit = needed_bytes(estimate(self.m, self.training(over), parallel=p))
             except (SpecError, ImportError, NotImplementedError) as exc:
                 hit = exc
             except Exception as exc:  # a layout the per-rank simulation fails on: rejected with its reason,

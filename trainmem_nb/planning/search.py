@@ -18,6 +18,7 @@ from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
+from ..step.reserved import screening
 from .assumptions import check_count, check_headroom, check_mfu, check_provider, plan_assumptions, resolve_gpus
 from .cost import (
     HW_INTERRUPTIONS_PER_GPU_HOUR,
@@ -229,9 +230,12 @@ def plan(
     step = model_parallel(fixed)
     if "gpus" not in fixed and step > a.max_gpus:
         raise SpecError(f"max_gpus={a.max_gpus} is below tp*pp*cp={step}, the fewest GPUs this layout needs")
-    for g in gpu_types:
-        counts = [int(fixed["gpus"])] if "gpus" in fixed else [n for n in _gpu_counts(g, a.max_gpus) if n % step == 0]
-        _search_gpu(ctx, g, counts, a.scale_out, rows, rejected)
+    # every layout x GPU x batch tried: reserved bytes from the churn model, not the allocator's replay (tens
+    # of ms per step; `tm.estimate` of a chosen row replays it)
+    with screening():
+        for g in gpu_types:
+            counts = [int(fixed["gpus"])] if "gpus" in fixed else [n for n in _gpu_counts(g, a.max_gpus) if n % step == 0]
+            _search_gpu(ctx, g, counts, a.scale_out, rows, rejected)
     if not rows and rejected and all("headroom_fraction" not in r for r in rejected):
         # every option failed for a layout reason, none for memory: that reason is the answer, not "fits none"
         first = rejected[0]
@@ -241,6 +245,9 @@ def plan(
     rows.sort(key=lambda r: (not r["fits"], r["cost_usd_on_demand"] if r["cost_usd_on_demand"] is not None else math.inf,
                              r["time_hours"] if r["time_hours"] is not None else math.inf, r["n_gpus"]))
     notes = _plan_notes(m, rows, gpu_types, a.tokens, price_rows, fixed.get("gpus"), source)
+    notes.append("per-option reserved bytes are the allocated high-water mark plus a churn fraction "
+                 "(RESERVED_CHURN_FRACTION), not the caching allocator's replay: tm.estimate or tm.fit of a chosen "
+                 "option replays it")
     if as_given is None and "gpus" in fixed:
         notes.insert(0, f"the step as given could not be estimated: {as_given_error}")
     assumptions = {

@@ -13,6 +13,9 @@ beyond the live ones: the highest point over the step of ``allocated + fraction 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import NamedTuple
 
 from ..engine.program import Program
@@ -20,8 +23,17 @@ from ..spec.calibration import Calibration
 from ..spec.choices import Device
 from ..spec.training import TrainingSpec
 
-__all__ = ['AllocatorReplay', 'churn_fraction', 'replay_on_card', 'replay_step', 'replayed_reserved_and_total', 'reserved_and_total',
-           'reserved_and_total_over_step']
+__all__ = [
+    'AllocatorReplay',
+    'churn_fraction',
+    'replay_on_card',
+    'replay_step',
+    'replayed_reserved_and_total',
+    'replaying',
+    'reserved_and_total',
+    'reserved_and_total_over_step',
+    'screening',
+]
 
 
 def churn_fraction(calibration: Calibration | None) -> float:
@@ -148,3 +160,23 @@ def replay_on_card(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf
     run = CachingAllocator(parse_alloc_conf(alloc_conf or None), capacity=capacity).replay(
         events, timeline=False, memo=False)
     return run.oom
+
+
+_SCREENING: ContextVar[bool] = ContextVar("trainmem_nb_screening", default=False)
+
+
+@contextmanager
+def screening() -> Iterator[None]:
+    """Estimates inside take reserved bytes from the churn model (`reserved_and_total_over_step` at
+    `churn_fraction`) instead of replaying the allocator: for searches that try many steps (the
+    planner's micro-batch bisection over every layout) and replay only the ones they report."""
+    token = _SCREENING.set(True)
+    try:
+        yield
+    finally:
+        _SCREENING.reset(token)
+
+
+def replaying() -> bool:
+    """Do estimates replay the caching allocator now (outside `screening`)?"""
+    return not _SCREENING.get()

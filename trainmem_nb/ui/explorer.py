@@ -352,7 +352,7 @@ class Explorer:
             name = self.model_spec().name
         except SpecError:
             name = "?"
-        opts = ", ".join(f"{k}={v}" for k, v in self.options().items())
+        opts = ", ".join(f"{k}={v!r}" if isinstance(v, str) and not v else f"{k}={v}" for k, v in self.options().items())
         state = f"error: {self.message}" if self.message else self.verdict
         return f"Explorer({name}, {opts}, gpu={self.controls['gpu'].value!r}): {state}"
 
