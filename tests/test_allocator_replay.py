@@ -142,9 +142,9 @@ def test_qlora_loading_holds_one_16_bit_weight_beside_the_4_bit_ones_and_leaves_
 
 def test_a_step_whose_cache_outgrows_the_card_still_fits_when_the_replay_on_the_card_runs() -> None:
     """On the card the allocator frees its cache and retries before failing: the fit replays there."""
-    e = tm.estimate("llama-3.2-1b", micro_batch=3, seq_len=2048)
-    f = tm.fit(e, "A100 40GB")
-    assert e.peak_reserved_bytes + (e.device_total_bytes - e.peak_reserved_bytes) > 40 * 2**30 * 0.9
+    e = tm.estimate("tinyllama-1.1b", micro_batch=2, seq_len=1024)
+    f = tm.fit(e, "A10G")
+    assert f.needed_bytes > f.usable_bytes  # the cache grown with memory to spare would not fit the card
     assert f.verdict in ("fits", "tight") and "replayed" in f.message
 
 

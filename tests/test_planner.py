@@ -138,7 +138,8 @@ def test_max_micro_batch_is_zero_when_one_sequence_does_not_fit() -> None:
 
 def test_max_micro_batch_needs_only_logarithmically_many_estimates(monkeypatch: pytest.MonkeyPatch) -> None:
     """Doubling then bisection: ~2 log2(answer) estimates, so a slider stays instant (timings are in
-    benchmarks/bench_planner.py, not in a test)."""
+    benchmarks/bench_planner.py, not in a test), plus the two that check the answer and the next micro-batch
+    with `fit` (the allocator replayed on the card)."""
     calls = []
 
     def counting(*args: Any, **kwargs: Any) -> tm.MemoryEstimate:
@@ -148,7 +149,7 @@ def test_max_micro_batch_needs_only_logarithmically_many_estimates(monkeypatch: 
     monkeypatch.setattr(fit_module, "estimate", counting)
     best = max_micro_batch(get_model("llama-3.2-1b"), "H100", seq_len=2048, checkpointing="full")
     assert best > 8
-    assert 0 < len(calls) <= 2 * best.bit_length() + 2
+    assert 0 < len(calls) <= 2 * best.bit_length() + 4
 
 
 def test_max_micro_batch_refuses_a_micro_batch_option() -> None:

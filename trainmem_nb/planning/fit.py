@@ -20,7 +20,7 @@ from ..model.spec import ModelSpec
 from ..parallel.checks import check_layout
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
-from ..step.reserved import screening
+from ..step.reserved import replaying, screening
 from ..units import format_bytes
 from .assumptions import check_count, check_headroom
 from .gpus import GPU, _precision_for, get_gpu
@@ -158,7 +158,7 @@ def _on_card(est: MemoryEstimate, g: GPU, headroom: float, verdict: Literal["fit
     from ..step.load import loading_events
     from ..step.reserved import replay_on_card
 
-    if not est.parallel.single_device:
+    if not est.parallel.single_device or len(est.per_rank) > 1 or not replaying():
         return verdict, margin, message, notes  # ranks' programs are folded: the headline reserved decides
     t, context = est.training, est.device_total_bytes - est.peak_reserved_bytes
     floor = max(est.load_peak_bytes, est.peak_allocated_bytes) + context  # no cache can go below the tensors
@@ -174,6 +174,8 @@ def _on_card(est: MemoryEstimate, g: GPU, headroom: float, verdict: Literal["fit
                                   f"{format_bytes(est.peak_reserved_bytes)} with memory to spare, but on the card it "
                                   f"frees cached blocks and retries (replayed)"), notes
     oom = replay_on_card(unrolled, b, s, t.alloc_conf, g.memory_bytes - context, load)
+    if oom is None and verdict == "tight":
+        return verdict, margin, message, notes
     if oom is None:
         spare = (g.memory_bytes - est.peak_allocated_bytes - context) / g.memory_bytes
         return "tight", spare, (f"tight on {g.name}: it runs (replayed on the card, the allocator frees its cache "
@@ -235,9 +237,14 @@ def max_micro_batch(model: Any, gpu: str | GPU, headroom: float = DEFAULT_HEADRO
     best = ev.max_micro_batch(p, {}, g.memory_bytes * (1.0 - headroom), limit)
     # one device: the answer is the largest micro-batch `fit` says fits (it replays the allocator on the card,
     # where a step whose cache would outgrow the card may still fit); the search screened without replaying
-    while p.single_device and best > 0 and not fit(ev.estimate(p, {"micro_batch": best}), g, headroom).fits:
+    # (at most a few steps each way: the screen is within a few micro-batches of the replay's answer)
+    for _ in range(4 if replaying() else 0):
+        if not (p.single_device and best > 0 and not fit(ev.estimate(p, {"micro_batch": best}), g, headroom).fits):
+            break
         best -= 1  # the search screened without the replay: the answer is what `fit` says fits
-    while p.single_device and best < limit and fit(ev.estimate(p, {"micro_batch": best + 1}), g, headroom).fits:
+    for _ in range(4 if replaying() else 0):
+        if not (p.single_device and best < limit and fit(ev.estimate(p, {"micro_batch": best + 1}), g, headroom).fits):
+            break
         best += 1
     return best
 

@@ -34,6 +34,7 @@ from ..model.families import Family
 from ..model.presets import list_presets, resolve_model
 from ..model.spec import ModelSpec
 from ..spec.choices import CHECKPOINTING_HELP, Attention, Checkpointing, Method, OptimizerName, Precision
+from ..step.reserved import screening
 from ..units import format_bytes, format_count
 
 __all__ = ["Explorer", "explore"]
@@ -475,7 +476,8 @@ class Explorer:
         if key not in self._mmb_cache:  # independent of the micro-batch slider: computed once per setup
             if len(self._mmb_cache) > 256:
                 self._mmb_cache.clear()
-            self._mmb_cache[key] = int(max_micro_batch(model, gpu, self.headroom, **rest))
+            with screening():  # the largest micro-batch: a search, screened (the shown step itself is replayed)
+                self._mmb_cache[key] = int(max_micro_batch(model, gpu, self.headroom, **rest))
         return f, self._mmb_cache[key]
 
     def _show_error(self, text: str) -> None:
