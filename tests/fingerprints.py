@@ -211,7 +211,7 @@ def program_fingerprint(prog: Any) -> str:
 
 #: Keys of the JSON contract left out of the numbers: labels that name code locations, and the echo of
 #: the inputs (a spec that gains a field with a default describes the same step).
-_NOT_NUMBERS = ("peak_at", "model_spec", "training", "parallel", "calibration")
+_NOT_NUMBERS = ("peak_at", "model_spec", "training", "parallel", "calibration", "reserved_from")
 
 
 #: An odd batch shape at which `live_fingerprint` evaluates a program (no coincidences of b*s with dims).

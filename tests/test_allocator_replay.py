@@ -99,6 +99,33 @@ def test_the_replay_is_the_allocators_own_for_the_trace_of_the_step() -> None:
     assert tm.estimate(m, micro_batch=2, seq_len=128).peak_reserved_bytes == max(run.reserved[second:])
 
 
+@pytest.mark.parametrize("conf", ["", "expandable_segments:True", "max_split_size_mb:20,roundup_power2_divisions:4"])
+@pytest.mark.parametrize("method", ["full", "qlora"])
+def test_one_pass_state_at_the_reserved_peak_equals_a_timeline_and_a_replay_to_that_point(conf: str,
+                                                                                           method: str) -> None:
+    """`replay_step` keeps the state at the second step's fullest reserved point in the one replay
+    (``watch_from``); recomputed here the slow way: the reserved and allocated timeline, the point where
+    the reserved peak holds the most allocated bytes, and a second replay up to it for its largest block."""
+    from trainmem_nb.engine.allocator import parse_alloc_conf
+
+    t = TrainingSpec(micro_batch=3, seq_len=96, method=method)
+    unrolled = compile_step(SMALL, program_key(t, SMALL), unrolled=True)
+    load = loading_events(SMALL, t)
+    shift = sum(1 for e in load if e >= 0)
+    events = load + tuple(e if e >= 0 else ~(~e + shift) for e in allocator_trace(unrolled, 3, 96))
+    second = len(load) + step_starts(unrolled)[1]
+    run = CachingAllocator(parse_alloc_conf(conf or None)).replay(events, timeline=True, memo=False)
+    reserved, allocated = run.reserved[second:], run.allocated[second:]
+    peak = max(reserved)
+    at = second + min((-a, i) for i, (r, a) in enumerate(zip(reserved, allocated, strict=True)) if r == peak)[1]
+    upto = CachingAllocator(parse_alloc_conf(conf or None))
+    upto.replay(events[:at + 1], timeline=False, memo=False)
+    got = replay_step(unrolled, 3, 96, conf, load)
+    assert (got.peak_reserved_bytes, got.fragmentation_bytes, got.largest_free_block_bytes,
+            got.peak_allocated_block_bytes) == (peak, peak - run.allocated[at], upto.largest_free_block(),
+                                                max(allocated))
+
+
 def test_alloc_conf_changes_the_replay_and_a_bad_one_is_refused_with_the_valid_keys() -> None:
     kw = dict(micro_batch=4, seq_len=1024)
     default = tm.estimate("tinyllama-1.1b", **kw)
@@ -169,3 +196,52 @@ def test_a_sweep_without_the_replay_leaves_reserved_empty_and_keeps_the_allocate
     assert fast["peak_reserved_bytes"].isna().all() and fast["device_total_bytes"].isna().all()
     assert list(fast["peak_allocated_bytes"]) == list(full["peak_allocated_bytes"])
     assert str(fast["peak_reserved_bytes"].dtype) == "Int64"
+
+
+def test_reserved_says_where_it_comes_from_and_a_step_beyond_the_replays_limits_is_not_replayed() -> None:
+    """A step too long to replay (thousands of layers) or too large for any card (beyond 1 PiB) takes its
+    reserved bytes from the churn model, says so, and answers without replaying millions of events."""
+    from trainmem_nb.device import REPLAY_MAX_EVENTS
+
+    assert tm.estimate(SMALL, micro_batch=1, seq_len=64).reserved_from == "replay"
+    assert tm.estimate(SMALL, micro_batch=1, seq_len=64, device="cpu").reserved_from == "allocated"
+    deep = SMALL.model_copy(update={"n_layers": 10_000})
+    est = tm.estimate(deep, micro_batch=1, seq_len=64)
+    assert est.reserved_from == "churn model" and est.to_dict()["reserved_from"] == "churn model"
+    assert f"{REPLAY_MAX_EVENTS:,} allocator events" in est.summary() and "not replayed" in est.summary()
+    assert est.peak_reserved_bytes >= est.peak_allocated_bytes and est.fragmentation_bytes == 0
+    huge = ModelSpec(family="llama", n_layers=16, hidden=1 << 20, n_heads=8, ffn=1 << 21, vocab=1000)
+    big = tm.estimate(huge, micro_batch=1, seq_len=64)
+    assert big.peak_allocated_bytes > 1 << 50 and big.reserved_from == "churn model"
+    assert tm.fit(big, "H100").verdict == "oom"
+
+
+def test_the_snapshot_comparison_prints_a_gpu_runs_segments_beside_the_replays(tmp_path) -> None:
+    """scripts/compare_snapshot.py on a measurement whose segments are the replay's own (what a GPU run that
+    the model matched exactly would record) says so; one block changed, it says they differ; a measurement
+    without segments is refused in one line."""
+    from trainmem_nb.step.load import loading_events as load_of
+    from trainmem_nb.step.reserved import replay_segments
+
+    t = TrainingSpec(micro_batch=2, seq_len=128)
+    unrolled = compile_step(SMALL, program_key(t, SMALL), unrolled=True)
+    segs = replay_segments(unrolled, 2, 128, "", load_of(SMALL, t))
+    assert segs and {s["segment_type"] for s in segs} <= {"large", "small"}
+    est = tm.estimate(SMALL, t)
+    data = {"model_spec": SMALL.model_dump(mode="json"), "training": t.model_dump(mode="json"),
+            "measured_with": {"cuda": {"segments": segs, "max_reserved": est.peak_reserved_bytes}}}
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(data))
+    changed = json.loads(json.dumps(data))
+    changed["measured_with"]["cuda"]["segments"][0]["blocks"][0][1] = "inactive"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(changed))
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({**data, "measured_with": {"cuda": {}}}))
+    run = subprocess.run([sys.executable, "scripts/compare_snapshot.py", str(good), str(bad)],
+                         capture_output=True, text=True, check=True)
+    first, second = run.stdout.split(f"{SMALL.name}: ")[1:]
+    assert "the same segments and blocks" in first and "measured" in first and "replayed" in first
+    assert "the segments differ" in second
+    run = subprocess.run([sys.executable, "scripts/compare_snapshot.py", str(empty)], capture_output=True, text=True)
+    assert run.returncode == 1 and "no allocator segments" in run.stderr and "Traceback" not in run.stderr

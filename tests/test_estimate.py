@@ -47,6 +47,7 @@ def test_calibration_replaces_the_modelled_context() -> None:
     cal = {"gpu_name": "test", "cuda_context_bytes": 1 << 30, "reserved_churn_fraction": 0.0}
     e = tm.estimate("llama-2-7b", micro_batch=1, seq_len=2048, calibration=cal)
     assert e.device_total_bytes - e.peak_reserved_bytes == 1 << 30
+    assert e.reserved_from == "calibration" and "from the calibration" in e.summary()
 
 
 def test_the_timeline_reaches_the_peak_and_ends_with_states_only() -> None:

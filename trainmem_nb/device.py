@@ -9,7 +9,8 @@ GPU); a calibration measured on the user's GPU (``trainmem measure --device cuda
 
 from __future__ import annotations
 
-__all__ = ['CUBLAS_WORKSPACE_BYTES', 'CUDA_BLOCK_BYTES', 'CUDA_CONTEXT_BYTES', 'LARGE_SEGMENT_BYTES', 'RESERVED_CHURN_FRACTION', 'round_block']
+__all__ = ['CUBLAS_WORKSPACE_BYTES', 'CUDA_BLOCK_BYTES', 'CUDA_CONTEXT_BYTES', 'LARGE_SEGMENT_BYTES', 'REPLAY_MAX_BYTES',
+           'REPLAY_MAX_EVENTS', 'RESERVED_CHURN_FRACTION', 'round_block']
 
 #: Every CUDA caching-allocator block is a multiple of 512 B (``kMinBlockSize``,
 #: c10/cuda/CUDACachingAllocator.cpp); ``max_memory_allocated`` counts the rounded sizes.
@@ -35,6 +36,17 @@ CUDA_CONTEXT_BYTES = 512 << 20
 #: The PyTorch memory-management notes and the measurement harness's notes put reserved 5-30 % above
 #: allocated for LLM training; 0.10 of the churn is a middle value. Calibrate for your own.
 RESERVED_CHURN_FRACTION = 0.10
+
+#: The allocator replay's limits (design choices, not facts of the world). A step longer than this many
+#: allocator events (two steps and the loading) is not replayed: the replay runs ~1 µs per event, and the
+#: longest preset step, qwen3-235b-a22b's 94 layers, has ~92,000, so 400,000 keeps a replay within about a
+#: second while a custom model with thousands of layers does not freeze the explorer. Beyond either limit
+#: the reserved bytes come from the churn model (`RESERVED_CHURN_FRACTION`) and the estimate says so.
+REPLAY_MAX_EVENTS = 400_000
+
+#: ... nor a step whose allocated peak exceeds 1 PiB (some 5,000 of the largest cards): no card fits it, and
+#: the replay's synthetic address space (2**56 bytes, `trainmem_nb.spec.alloc_conf`) stays far from full.
+REPLAY_MAX_BYTES = 1 << 50
 
 
 def round_block(nbytes: int) -> int:

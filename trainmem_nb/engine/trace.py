@@ -25,7 +25,7 @@ from collections import defaultdict
 
 from .program import Program
 
-__all__ = ["allocator_trace", "step_starts"]
+__all__ = ["allocator_trace", "step_starts", "trace_length"]
 
 
 def _bytes(sz: object, b: int, s: int) -> int:
@@ -44,6 +44,22 @@ def allocator_trace(prog: Program, micro_batch: int, seq_len: int, steps: int = 
     b, s = micro_batch, seq_len
     at = [_bytes(sz, b, s) for sz in sizes]
     return tuple(at[o] if o >= 0 else o for o in ops)
+
+
+def trace_length(prog: Program, steps: int = 2) -> int:
+    """About how many events `allocator_trace` gives for `prog`, folded or unrolled, without building it
+    (what the state made again after a step adds is left out): to decide whether a replay is affordable.
+    Memoised on the program, as `_template` is."""
+    hit = _LENGTHS.get(id(prog))
+    if hit is None or hit[0] is not prog:
+        per_step = sum(seg.repeat * sum(abs(k) for _c, k, _sz, _l in seg.events) for seg in prog.segments)
+        hit = _LENGTHS[id(prog)] = (prog, sum(n for _c, _sz, n in prog.init), per_step)
+        if len(_LENGTHS) > 1024:
+            _LENGTHS.pop(next(iter(_LENGTHS)))
+    return hit[1] + steps * hit[2]
+
+
+_LENGTHS: dict[int, tuple[Program, int, int]] = {}
 
 
 def step_starts(prog: Program, steps: int = 2) -> tuple[int, ...]:

@@ -68,6 +68,11 @@ class MemoryEstimate:
     #: free block; 0 on CPU
     fragmentation_bytes: int = 0
     largest_free_block_bytes: int = 0
+    #: where ``peak_reserved_bytes`` comes from: "replay" (the allocator replayed), "calibration" (a GPU
+    #: run's measured cache fraction), "churn model" (`trainmem_nb.device.RESERVED_CHURN_FRACTION`: a
+    #: search screening steps, or a step beyond the replay's limits, `trainmem_nb.step.reserved.replayable`),
+    #: "allocated" (CPU: nothing is cached)
+    reserved_from: str = "allocated"
     #: the most bytes allocated on a device while the model loads (`trainmem_nb.step.load`: QLoRA's
     #: quantize-on-load holds a 16-bit weight beside the 4-bit ones); its cache stays for the step
     load_peak_bytes: int = 0
@@ -124,6 +129,7 @@ class MemoryEstimate:
             "n_trainable_params": self.n_trainable_params,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
+            "reserved_from": self.reserved_from,
             "fragmentation_bytes": self.fragmentation_bytes,
             "largest_free_block_bytes": self.largest_free_block_bytes,
             "load_peak_bytes": self.load_peak_bytes,
@@ -165,10 +171,19 @@ class MemoryEstimate:
         for key, value in self.breakdown_bytes.items():
             lines.append(f"  {key:<17} {format_bytes(value):>12}  {100 * value / total:5.1f} %")
         lines.append(f"peak reserved    {format_bytes(self.peak_reserved_bytes):>12}  (PyTorch's caching allocator)")
-        if self.training.device.value == "cuda":
+        if self.reserved_from == "replay":
             conf = self.training.alloc_conf or "default PYTORCH_CUDA_ALLOC_CONF"
             lines.append(f"  replayed ({conf}): {format_bytes(self.fragmentation_bytes)} cached but unused at the "
                          f"reserved peak, largest free block {format_bytes(self.largest_free_block_bytes)}")
+        elif self.reserved_from == "churn model":
+            from ..device import REPLAY_MAX_EVENTS
+
+            lines.append(f"  not replayed: the step is beyond the allocator replay's limits (about "
+                         f"{REPLAY_MAX_EVENTS:,} allocator events, 1 PiB); reserved = allocated + a fraction of "
+                         f"the activations and temporaries")
+        elif self.reserved_from == "calibration":
+            lines.append("  from the calibration: allocated + its measured fraction of the activations and "
+                         "temporaries")
         lines.append(f"device total     {format_bytes(self.device_total_bytes):>12}  (what nvidia-smi shows)")
         lines.append(f"loading peak     {format_bytes(self.load_peak_bytes):>12}  (allocated while the model loads)")
         paged = self.overhead_bytes.get("paged_optimizer_states", 0)

@@ -19,6 +19,7 @@ from ..step.reserved import (
     AllocatorReplay,
     churn_fraction,
     replay_step,
+    replayable,
     replayed_reserved_and_total,
     replaying,
     reserved_and_total_over_step,
@@ -43,7 +44,7 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         tops[k.split("/")[0]] += v
     paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0
     replay = None
-    if t.device is Device.CUDA and calibration is None and replaying():
+    if t.device is Device.CUDA and calibration is None and replaying() and replayable(prog, ev.peak):
         unrolled = compile_step(m, program_key(t, m), _SINGLE, calibration.workspace_bytes if calibration else None,
                                 unrolled=True)
         replay = replay_step(unrolled, t.micro_batch, t.seq_len, t.alloc_conf, loading_events(m, t))
@@ -65,8 +66,16 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
         phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
         parallel=parallel or ParallelSpec(), per_rank=(only,), rank_programs=(prog,),
-        rank_shape=(t.micro_batch, t.seq_len), load_peak_bytes=load_peak_bytes(m, t), **_allocator_fields(replay),
+        rank_shape=(t.micro_batch, t.seq_len), load_peak_bytes=load_peak_bytes(m, t),
+        reserved_from=_reserved_from(t, calibration, replay), **_allocator_fields(replay),
     )
+
+
+def _reserved_from(t: TrainingSpec, calibration: Calibration | None, replay: AllocatorReplay | None) -> str:
+    """Where the reserved bytes come from (`MemoryEstimate.reserved_from`)."""
+    if t.device is not Device.CUDA:
+        return "allocated"
+    return "calibration" if calibration else "replay" if replay else "churn model"
 
 
 def _allocator_fields(replay: AllocatorReplay | None) -> dict[str, int]:
@@ -86,5 +95,5 @@ def _layout_estimate(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration
         detail_bytes=row.detail_bytes, phase_peaks_bytes={}, overhead_bytes=layout.overhead, calibration=calibration,
         program=layout.program, parallel=p, per_rank=layout.rows, host_bytes=max(r.host_bytes for r in layout.rows),
         rank_programs=layout.programs, rank_shape=layout.shape, load_peak_bytes=layout.load_peak_bytes,
-        **_allocator_fields(layout.allocator),
+        reserved_from=_reserved_from(t, calibration, layout.allocator), **_allocator_fields(layout.allocator),
     )

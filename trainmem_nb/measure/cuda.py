@@ -74,7 +74,20 @@ def after_step(before: dict[str, Any]) -> dict[str, Any]:
         "gpu_name": torch.cuda.get_device_name(index),
         "capability": f"{props.major}.{props.minor}",
         "stats": {k: int(stats.get(k, 0)) for k in _STATS},
+        "segments": _segments(),
     }
+
+
+def _segments() -> list[dict[str, Any]] | None:
+    """The allocator's segments now (``torch.cuda.memory._snapshot()``, a private but long-standing API),
+    summarised as the replay's are (`trainmem_nb.engine.allocator.segments`); None where it is missing."""
+    from ..engine.allocator.segments import segment_summary
+
+    try:
+        snap = torch.cuda.memory._snapshot()
+    except (AttributeError, RuntimeError):
+        return None
+    return segment_summary(snap.get("segments", ()))
 
 
 def write_calibration(measurement: Any, path: str | Path, force: bool = False) -> Path:

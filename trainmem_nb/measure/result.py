@@ -21,7 +21,7 @@ __all__ = ["CONTRACT_KEYS", "Measurement"]
 #: Top-level keys shared with ``MemoryEstimate.to_dict()`` (the ``trainmem estimate --json`` contract).
 CONTRACT_KEYS: tuple[str, ...] = (
     "model", "family", "device", "n_params", "n_trainable_params", "peak_allocated_bytes",
-    "peak_reserved_bytes", "fragmentation_bytes", "largest_free_block_bytes", "load_peak_bytes",
+    "peak_reserved_bytes", "reserved_from", "fragmentation_bytes", "largest_free_block_bytes", "load_peak_bytes",
     "device_total_bytes", "peak_phase", "peak_at", "breakdown_bytes", "detail_bytes",
     "phase_peaks_bytes", "saved_activations_bytes", "overhead_bytes", "calibration", "host_bytes", "host_load_bytes", "parallel",
     "per_rank", "training", "model_spec",
@@ -85,6 +85,7 @@ class Measurement:
             "n_trainable_params": self.n_trainable_params,
             "peak_allocated_bytes": self.peak_allocated_bytes,
             "peak_reserved_bytes": self.peak_reserved_bytes,
+            "reserved_from": "measured",
             # the allocator's state at its reserved peak and the loading phase are not recorded by a step
             "fragmentation_bytes": None,
             "largest_free_block_bytes": None,

@@ -19,6 +19,7 @@ from ..step.reserved import (
     AllocatorReplay,
     churn_fraction,
     replay_step,
+    replayable,
     replayed_reserved_and_total,
     replaying,
     reserved_and_total,
@@ -104,7 +105,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         load_share = 1.0 / p.shard_degree if (p.zero >= 3 or (p.engine is Engine.FSDP and p.zero)) else 1.0
         loads.append(load_peak_bytes(stage_model, t, load_share))
         replay = None
-        if t.device is Device.CUDA and calibration is None and replaying():
+        if t.device is Device.CUDA and calibration is None and replaying() and replayable(prog, peak):
             # the allocator's replay reads every layer's events in order: the unrolled program, adjusted
             # as the rank's (an FSDP pipeline stage's candidates are built around the folded one)
             if isinstance(hooks, FSDP2Hooks) and hooks.pipelined:

@@ -158,7 +158,7 @@ def _on_card(est: MemoryEstimate, g: GPU, headroom: float, verdict: Literal["fit
     from ..step.load import loading_events
     from ..step.reserved import replay_on_card
 
-    if not est.parallel.single_device or len(est.per_rank) > 1 or not replaying():
+    if not est.parallel.single_device or len(est.per_rank) > 1 or not replaying() or est.reserved_from != "replay":
         return verdict, margin, message, notes  # ranks' programs are folded: the headline reserved decides
     t, context = est.training, est.device_total_bytes - est.peak_reserved_bytes
     floor = max(est.load_peak_bytes, est.peak_allocated_bytes) + context  # no cache can go below the tensors

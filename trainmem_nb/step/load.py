@@ -17,6 +17,8 @@ optimizer states are the first ``step()``'s (``TrainingSpec.first_step``), not l
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..model.params import NF4_BLOCK, NF4_NESTED_BLOCK, NF4_NESTED_CODE_BYTES, quantized, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
@@ -35,7 +37,15 @@ def loading_events(m: ModelSpec, t: TrainingSpec, shard: float = 1.0) -> tuple[i
     """The device's allocations and frees while the model loads, as a replay trace (``e >= 0`` mallocs
     ``e`` bytes, ``~i`` frees allocation ``i``), every tensor freed at the end: the step's own trace then
     allocates what loading left (`trainmem_nb.engine.trace`), so what remains is the cache loading
-    leaves behind. `shard`: the fraction of each weight a rank keeps (sharded data parallelism)."""
+    leaves behind. `shard`: the fraction of each weight a rank keeps (sharded data parallelism).
+    Memoised on what shapes the step program (the batch shape does not change what loads)."""
+    from .compile import program_key
+
+    return _loading_events(m, program_key(t, m), shard)
+
+
+@lru_cache(maxsize=256)
+def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float) -> tuple[int, ...]:
     ev: list[int] = []
     n = 0
     kept: list[int] = []
@@ -71,6 +81,13 @@ def loading_events(m: ModelSpec, t: TrainingSpec, shard: float = 1.0) -> tuple[i
 def load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float = 1.0) -> int:
     """The most bytes allocated while the model loads (each storage in 512-B blocks, as the step's peak):
     its weights, and for QLoRA also the one 16-bit weight being quantized and its fp32 absmax."""
+    from .compile import program_key
+
+    return _load_peak_bytes(m, program_key(t, m), shard)
+
+
+@lru_cache(maxsize=256)
+def _load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float) -> int:
     sizes: list[int] = []
     live = best = 0
     for e in loading_events(m, t, shard):

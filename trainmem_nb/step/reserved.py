@@ -27,7 +27,9 @@ __all__ = [
     'AllocatorReplay',
     'churn_fraction',
     'replay_on_card',
+    'replay_segments',
     'replay_step',
+    'replayable',
     'replayed_reserved_and_total',
     'replaying',
     'reserved_and_total',
@@ -114,21 +116,45 @@ def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: s
 
     events = _with_loading(load, allocator_trace(unrolled, micro_batch, seq_len))
     second = len(load) + step_starts(unrolled)[-1]
-    config = parse_alloc_conf(alloc_conf or None)
-    run = CachingAllocator(config).replay(events, timeline=True, memo=False)
-    reserved, allocated = run.reserved[second:], run.allocated[second:]
-    peak = max(reserved)
     # the reserved peak lasts (reserved only falls when the cache is freed): its point is where most of it
     # is allocated, so fragmentation is what the step cannot use even at its fullest
-    at = second + max((a, -i) for i, (r, a) in enumerate(zip(reserved, allocated, strict=True)) if r == peak)[1] * -1
-    # the allocator's state at that event: replay up to it again (cheaper than a snapshot at every event)
-    upto = CachingAllocator(config)
-    upto.replay(events[:at + 1], timeline=False, memo=False)
-    result = AllocatorReplay(peak, peak - run.allocated[at], upto.largest_free_block(), max(allocated))
+    run = CachingAllocator(parse_alloc_conf(alloc_conf or None)).replay(events, timeline=False, memo=False,
+                                                                      watch_from=second)
+    if run.watched is None:  # the second step allocates nothing: it holds what the first left
+        f = run.final
+        result = AllocatorReplay(f["reserved_bytes"], f["reserved_bytes"] - f["allocated_bytes"],
+                                 f["largest_free_block"], f["allocated_bytes"])
+    else:
+        peak, allocated, largest, most = run.watched
+        result = AllocatorReplay(peak, peak - allocated, largest, most)
     _REPLAYS[key] = (unrolled, result)
     if len(_REPLAYS) > 512:
         _REPLAYS.popitem(last=False)
     return result
+
+
+def replay_segments(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: str = "",
+                    load: tuple[int, ...] = ()) -> list[dict]:
+    """The allocator's segments after loading and two steps (what `replay_step` replays), in the shape of
+    `trainmem_nb.engine.allocator.segments.segment_summary`: to compare with a GPU run's
+    ``torch.cuda.memory._snapshot()`` taken after its measured step (``trainmem measure --device cuda``)."""
+    from ..engine.allocator import CachingAllocator, parse_alloc_conf
+    from ..engine.allocator.segments import segment_summary
+    from ..engine.trace import allocator_trace
+
+    a = CachingAllocator(parse_alloc_conf(alloc_conf or None))
+    a.replay(_with_loading(load, allocator_trace(unrolled, micro_batch, seq_len)), timeline=False, memo=False)
+    return segment_summary(a.snapshot())
+
+
+def replayable(prog: Program, peak: int) -> bool:
+    """Is a step compiled as `prog` (folded or unrolled) with `peak` allocated bytes within the replay's
+    limits (`trainmem_nb.device.REPLAY_MAX_EVENTS`, `REPLAY_MAX_BYTES`)? Beyond them the reserved bytes
+    come from the churn model: a replay would take minutes, or model a step no card can hold."""
+    from ..device import REPLAY_MAX_BYTES, REPLAY_MAX_EVENTS
+    from ..engine.trace import trace_length
+
+    return peak <= REPLAY_MAX_BYTES and trace_length(prog) <= REPLAY_MAX_EVENTS
 
 
 def replayed_reserved_and_total(t: TrainingSpec, peak: int, replay: AllocatorReplay | None,

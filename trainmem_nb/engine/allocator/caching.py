@@ -698,9 +698,9 @@ class CachingAllocator:
         raise AllocatorOOM(info)
 
     def replay(self, events: Sequence[int], streams: Sequence[int] | None = None,
-               timeline: bool = True, memo: bool = True) -> ReplayResult:
+               timeline: bool = True, memo: bool = True, watch_from: int = -1) -> ReplayResult:
         """Replay a compact trace: ``e > 0`` is ``malloc(e)`` (allocations are numbered 0, 1, 2, ..."""
-        return _replay.replay(self, events, streams, timeline, memo)
+        return _replay.replay(self, events, streams, timeline, memo, watch_from)
 
     def _fingerprint(self) -> tuple:
         """Everything the next decisions depend on, given that no allocation made by the trace"""

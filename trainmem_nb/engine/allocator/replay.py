@@ -28,6 +28,9 @@ class ReplayResult:
     final: dict                     # CachingAllocator.stats() at the end
     oom: dict | None             # None, or the AllocatorOOM info (+ 'event_index')
     handles: list = field(default_factory=list, repr=False)
+    #: with ``watch_from``: (reserved, allocated, largest free block) at the point from that event on where
+    #: (reserved, allocated) is highest (the earliest such point), and the highest allocated bytes from it on
+    watched: tuple | None = None
 
     @property
     def fragmentation(self) -> tuple:
@@ -49,7 +52,7 @@ class ReplayResult:
 
 # ---------------------------------------------------------------- replay
 def replay(a: CachingAllocator, events: Sequence[int], streams: Sequence[int] | None = None,
-           timeline: bool = True, memo: bool = True) -> ReplayResult:
+           timeline: bool = True, memo: bool = True, watch_from: int = -1) -> ReplayResult:
     """Replay a compact trace: ``e > 0`` is ``malloc(e)`` (allocations are numbered 0, 1, 2, ...
     in order; ``0`` is a size-0 malloc, which allocates nothing), ``e < 0`` frees allocation
     number ``~e``. ``streams`` (same length) gives the stream of each malloc. Stops at the
@@ -58,13 +61,17 @@ def replay(a: CachingAllocator, events: Sequence[int], streams: Sequence[int] | 
     ``memo``: the simulation is deterministic, so when this allocator is in exactly the state
     (``_fingerprint``) in which it already replayed this trace, and that replay returned it to
     the same state (a training loop's steady state), the stored result is returned without
-    re-simulating. Set ``memo=False`` to force the simulation."""
+    re-simulating. Set ``memo=False`` to force the simulation.
+
+    ``watch_from``: from that event on, keep the allocator's state where reserved, then allocated, is
+    highest (`ReplayResult.watched`): one pass, where a timeline and a second replay to that point would
+    take two."""
     ev = events if isinstance(events, tuple) else tuple(events)
     st = None if streams is None else (streams if isinstance(streams, tuple) else tuple(streams))
     fp = None
     if memo and not a._pending:
         fp = a._fingerprint()
-        hit = a._memo.get((ev, st, timeline))
+        hit = a._memo.get((ev, st, timeline, watch_from))
         if hit is not None and hit[0] == fp:
             res, pr, pa, pact = hit[1], hit[2], hit[3], hit[4]
             a.peak_reserved = max(a.peak_reserved, pr)
@@ -72,7 +79,7 @@ def replay(a: CachingAllocator, events: Sequence[int], streams: Sequence[int] | 
             a.peak_active = max(a.peak_active, pact)
             return ReplayResult(res.reserved, res.allocated, a.peak_reserved, a.peak_allocated,
                                 res.replay_peak_reserved, res.replay_peak_allocated,
-                                res.peak_reserved_event, a.stats(), None, [])
+                                res.peak_reserved_event, a.stats(), None, [], res.watched)
     # peaks reached during this replay: start the running peaks at the current values
     saved = (a.peak_reserved, a.peak_allocated, a.peak_active)
     a.peak_reserved, a.peak_allocated, a.peak_active = (
@@ -81,12 +88,13 @@ def replay(a: CachingAllocator, events: Sequence[int], streams: Sequence[int] | 
     res_t: list = []
     all_t: list = []
     oom = None
+    watch = [watch_from, -1, -1, 0, 0]  # from, reserved, allocated, largest free block, highest allocated
     try:
         if (a._allowed is None and not a._es and a._max_split == SIZE_MAX
                 and not a._pending):
-            a._replay_fast(ev, st, timeline, handles, res_t, all_t)
+            _replay_fast(a, ev, st, timeline, handles, res_t, all_t, watch)
         else:
-            a._replay_generic(ev, st, timeline, handles, res_t, all_t)
+            _replay_generic(a, ev, st, timeline, handles, res_t, all_t, watch)
     except AllocatorOOM as ex:
         oom = dict(ex.info, event_index=a._replay_pos)
     rpr, rpa, rpact = a.peak_reserved, a.peak_allocated, a.peak_active
@@ -95,12 +103,13 @@ def replay(a: CachingAllocator, events: Sequence[int], streams: Sequence[int] | 
     a.peak_active = max(saved[2], rpact)
     peak_at = res_t.index(rpr) if (timeline and res_t and rpr in res_t) else -1
     result = ReplayResult(tuple(res_t), tuple(all_t), a.peak_reserved, a.peak_allocated,
-                          rpr, rpa, peak_at, a.stats(), oom, handles)
+                          rpr, rpa, peak_at, a.stats(), oom, handles,
+                          tuple(watch[1:]) if watch_from >= 0 and watch[1] >= 0 else None)
     if fp is not None and oom is None and a._fingerprint() == fp and not any(
             h is not None and h[_STATE] == ALLOC for h in handles):
         if len(a._memo) >= 8:
             a._memo.pop(next(iter(a._memo)))
-        a._memo[(ev, st, timeline)] = (fp, result, rpr, rpa, rpact)
+        a._memo[(ev, st, timeline, watch_from)] = (fp, result, rpr, rpa, rpact)
     return result
 
 
@@ -119,15 +128,18 @@ def _fingerprint(a: CachingAllocator) -> tuple:
             tuple(s[_S_ADDR] for s in a._expandable), pools)
 
 
-def _replay_generic(a: CachingAllocator, ev, st, timeline, handles, res_t, all_t) -> None:
+def _replay_generic(a: CachingAllocator, ev, st, timeline, handles, res_t, all_t, watch=None) -> None:
     push = handles.append
     malloc, free = a.malloc, a.free
     if st is None:
         st = (0,) * len(ev)
+    w0 = watch[0] if watch is not None and watch[0] >= 0 else len(ev)
     for k, (e, s) in enumerate(zip(ev, st, strict=True)):
         a._replay_pos = k
         if e >= 0:
             push(malloc(e, s))
+            if k >= w0:
+                _watch(a, watch, a.reserved_bytes, a.allocated_bytes)
         else:
             free(handles[~e])
         if timeline:
@@ -135,7 +147,15 @@ def _replay_generic(a: CachingAllocator, ev, st, timeline, handles, res_t, all_t
             all_t.append(a.allocated_bytes)
 
 
-def _replay_fast(a: CachingAllocator, ev, st, timeline, handles, res_t, all_t) -> None:
+def _watch(a: CachingAllocator, watch: list, reserved: int, alloc: int) -> None:
+    """Keep the state at the highest (reserved, allocated) point (the earliest of equals) in `watch`."""
+    if reserved > watch[1] or (reserved == watch[1] and alloc > watch[2]):
+        watch[1], watch[2], watch[3] = reserved, alloc, a.largest_free_block()
+    if alloc > watch[4]:
+        watch[4] = alloc
+
+
+def _replay_fast(a: CachingAllocator, ev, st, timeline, handles, res_t, all_t, watch=None) -> None:
     """The same decisions as malloc()/free()/_free_block() with the default-path rules inlined
     (no memory fraction, no expandable segments, no max_split_size): CCA:1438-1458 rounding,
     pool choice and best-fit; CCA:3095-3113 should_split; CCA:1654-1733 alloc_found_block;
@@ -154,8 +174,9 @@ def _replay_fast(a: CachingAllocator, ev, st, timeline, handles, res_t, all_t) -
     rt, at = res_t.append, all_t.append
     nm = a._nmalloc
     k_ev = 0
+    w0 = watch[0] if watch is not None and watch[0] >= 0 else len(ev)
     try:
-        for k_ev, e, s in zip(count(), ev, repeat(0) if st is None else st):  # noqa: B007 (read after a raise)
+        for k_ev, e, s in zip(count(), ev, repeat(0) if st is None else st):
             if e > 0:
                 nm += 1
                 if e < 512:                                            # CCA:2586-2587
@@ -231,6 +252,8 @@ def _replay_fast(a: CachingAllocator, ev, st, timeline, handles, res_t, all_t) -
                     peak_act = active
                 req += e
                 push(b)
+                if k_ev >= w0:
+                    _watch(a, watch, reserved, alloc)
             elif e == 0:
                 push(None)
             else:
