@@ -102,6 +102,26 @@ def test_timeline_update_replaces_its_fills_without_piling_up_artists(est: tm.Me
     assert (len(chart.ax.collections), len(chart.ax.lines), len(chart.ax.texts)) == counts
 
 
+def test_the_timeline_can_show_loading_first_up_to_the_load_peak_then_the_step() -> None:
+    """QLoRA quantizes on load: the loading phase rises to ``load_peak_bytes`` with the 16-bit weight being
+    quantized drawn as transient, ends holding the NF4 weights only, and the step's peak stays the marked one."""
+    est = tm.estimate("tinyllama-1.1b", micro_batch=2, seq_len=512, method="qlora")
+    points = est.timeline(600, load=True)
+    load = [p for p in points if p.phase == "load"]
+    assert load and points[:len(load)] == load and [p.step for p in points] == sorted(p.step for p in points)
+    assert max(p.total_bytes for p in load) == est.load_peak_bytes
+    transient = TOP_KEYS.index("transient")
+    assert any(p.by_category[transient] for p in load) and load[-1].by_category[transient] == 0
+    assert load[-1].total_bytes == load[-1].by_category[TOP_KEYS.index("weights")] <= est.load_peak_bytes
+    assert points[len(load):] == [p._replace(step=p.step + load[-1].step + 1) for p in est.timeline(600)]
+    chart = plots.timeline(est, CARD, ax=_ax(), load=True)
+    assert [t.get_text() for t in chart.ax.get_xticklabels()] == ["load", "forward", "backward", "optimizer"]
+    (peak_y,) = chart.peak.get_ydata()
+    assert peak_y == est.peak_allocated_bytes and "loading, then" in chart.ax.get_xlabel()
+    full = tm.estimate("tinyllama-1.1b", micro_batch=2, seq_len=512)  # 16-bit loading: the weights, nothing else
+    assert max(p.total_bytes for p in full.timeline(load=True) if p.phase == "load") == full.load_peak_bytes
+
+
 def test_a_short_optimizer_phase_still_gets_room_on_the_timeline() -> None:
     xs, spans = plots._phase_positions(["forward"] * 50 + ["backward"] * 48 + ["optimizer"] * 2)
     widths = {phase: hi - lo for phase, lo, hi in spans}

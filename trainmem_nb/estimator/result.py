@@ -76,6 +76,8 @@ class MemoryEstimate:
     #: the most bytes allocated on a device while the model loads (`trainmem_nb.step.load`: QLoRA's
     #: quantize-on-load holds a 16-bit weight beside the 4-bit ones); its cache stays for the step
     load_peak_bytes: int = 0
+    #: the loading trace of the rank whose loading peaks highest (`trainmem_nb.step.load.loading_events`)
+    load_trace: tuple[int, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def _shape(self) -> tuple[int, int]:
@@ -110,14 +112,23 @@ class MemoryEstimate:
             total += p.numel * p.count * (dt or (2 if t.method is Method.QLORA and pdt < 1 else pdt))
         return int(total)
 
-    def timeline(self, max_points: int = 1500) -> list[Any]:
+    def timeline(self, max_points: int = 1500, load: bool = False) -> list[Any]:
         """Live bytes after each operation of the step (`trainmem_nb.engine.program.TimelinePoint`s) of
         the rank with the largest allocated peak, at the sequence length a rank holds: its highest point
         is ``peak_allocated_bytes``. A pipeline stage's program runs its costliest micro-batch, with the
-        other micro-batches it keeps in flight alive until that micro-batch's backward is done."""
+        other micro-batches it keeps in flight alive until that micro-batch's backward is done.
+        `load`: first the model loading (phase "load", `trainmem_nb.step.load.load_timeline`, highest
+        point ``load_peak_bytes``), then the step; the optimizer states appear at the step's start."""
         from ..engine.program import timeline
 
-        return timeline(self.program, *self._shape, max_points)
+        step = timeline(self.program, *self._shape, max_points)
+        if not load:
+            return step
+        from ..step.load import load_timeline
+
+        before = load_timeline(self.load_trace, max(2, max_points // 5))
+        shift = before[-1].step + 1
+        return [*before, *(p._replace(step=p.step + shift) for p in step)]
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (``trainmem estimate --json``)."""

@@ -44,10 +44,11 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         tops[k.split("/")[0]] += v
     paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0
     replay = None
+    load_trace = loading_events(m, t)
     if t.device is Device.CUDA and calibration is None and replaying() and replayable(prog, ev.peak):
         unrolled = compile_step(m, program_key(t, m), _SINGLE, calibration.workspace_bytes if calibration else None,
                                 unrolled=True)
-        replay = replay_step(unrolled, t.micro_batch, t.seq_len, t.alloc_conf, loading_events(m, t))
+        replay = replay_step(unrolled, t.micro_batch, t.seq_len, t.alloc_conf, load_trace)
     if replay is None:  # a GPU run's measured cache fraction overrides the replay; a search screens without it
         high_water = peak_with_churn(prog, t.micro_batch, t.seq_len, churn_fraction(calibration))
         reserved, total = reserved_and_total_over_step(t, ev.peak, high_water, calibration, paged)
@@ -66,7 +67,7 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
         phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
         parallel=parallel or ParallelSpec(), per_rank=(only,), rank_programs=(prog,),
-        rank_shape=(t.micro_batch, t.seq_len), load_peak_bytes=load_peak_bytes(m, t),
+        rank_shape=(t.micro_batch, t.seq_len), load_peak_bytes=load_peak_bytes(m, t), load_trace=load_trace,
         reserved_from=_reserved_from(t, calibration, replay), **_allocator_fields(replay),
     )
 
@@ -95,5 +96,5 @@ def _layout_estimate(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration
         detail_bytes=row.detail_bytes, phase_peaks_bytes={}, overhead_bytes=layout.overhead, calibration=calibration,
         program=layout.program, parallel=p, per_rank=layout.rows, host_bytes=max(r.host_bytes for r in layout.rows),
         rank_programs=layout.programs, rank_shape=layout.shape, load_peak_bytes=layout.load_peak_bytes,
-        reserved_from=_reserved_from(t, calibration, layout.allocator), **_allocator_fields(layout.allocator),
+        load_trace=layout.load_trace, reserved_from=_reserved_from(t, calibration, layout.allocator), **_allocator_fields(layout.allocator),
     )

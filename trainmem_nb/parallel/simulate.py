@@ -53,6 +53,8 @@ class LayoutMemory(NamedTuple):
     allocator: AllocatorReplay | None = None
     #: the most bytes a rank allocates while loading its share of the model (`trainmem_nb.step.load`)
     load_peak_bytes: int = 0
+    #: that rank's loading trace (`trainmem_nb.step.load.loading_events`), for the timeline's load phase
+    load_trace: tuple[int, ...] = ()
 
 
 def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
@@ -65,6 +67,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     programs: list[Program] = []
     replays: list[AllocatorReplay | None] = []
     loads: list[int] = []
+    load_traces: list[tuple[int, ...]] = []
     for stage, stage_model in _stages(rank_model, p):
         n_layers = stage_model.n_layers
         hooks = _hooks(stage_model, t, p, backend, first=stage == 0, last=stage == p.pp - 1)
@@ -104,6 +107,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         # the parameters it keeps (FSDP at any stage, ZeRO-3)
         load_share = 1.0 / p.shard_degree if (p.zero >= 3 or (p.engine is Engine.FSDP and p.zero)) else 1.0
         loads.append(load_peak_bytes(stage_model, t, load_share))
+        load_traces.append(loading_events(stage_model, t, load_share))
         replay = None
         if t.device is Device.CUDA and calibration is None and replaying() and replayable(prog, peak):
             # the allocator's replay reads every layer's events in order: the unrolled program, adjusted
@@ -147,4 +151,4 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     n_train = sum(q.numel * q.count for q, _ in trainable_tensors(m, t))
     most = max(range(len(rows)), key=lambda i: rows[i].peak_reserved_bytes)
     return LayoutMemory(tuple(rows), headline, programs[lead], overhead, n_params, n_train, tuple(programs),
-                        shape, replays[most], max(loads))
+                        shape, replays[most], max(loads), load_traces[loads.index(max(loads))])

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ..engine.program import TimelinePoint
 from ..model.params import NF4_BLOCK, NF4_NESTED_BLOCK, NF4_NESTED_CODE_BYTES, quantized, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.training import TrainingSpec
 
-__all__ = ["load_peak_bytes", "loading_events"]
+__all__ = ["load_peak_bytes", "load_timeline", "loading_events"]
 
 
 def _block(n: float) -> int:
@@ -98,3 +99,35 @@ def _load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float) -> int:
         else:
             live -= sizes[~e]
     return best
+
+
+def load_timeline(trace: tuple[int, ...], max_points: int = 120) -> list[TimelinePoint]:
+    """Live bytes through loading (a `loading_events` trace) as timeline points of phase "load": the
+    weights that stay, and as "transient" what quantize-on-load frees again (QLoRA's 16-bit weight and
+    fp32 absmax); thinned to `max_points`, keeping each bucket's highest point and the last (all loaded)."""
+    from ..engine.breakdown import TOP_KEYS
+
+    end = len(trace)
+    while end and trace[end - 1] < 0:  # the trailing frees hand what loading left to the step
+        end -= 1
+    freed = {~e for e in trace[:end] if e < 0}
+    w, tr = TOP_KEYS.index("weights"), TOP_KEYS.index("transient")
+    cats = [0] * len(TOP_KEYS)
+    sizes: list[int] = []
+    points = [TimelinePoint(0, "load", "loading starts", 0, tuple(cats))]
+    for i, e in enumerate(trace[:end]):
+        if e >= 0:
+            a = len(sizes)
+            sizes.append(_block(e))
+            cats[tr if a in freed else w] += sizes[a]
+            label = "a 16-bit weight to quantize" if a in freed else "a weight"
+        else:
+            cats[tr] -= sizes[~e]
+            label = "the 16-bit weight freed"
+        points.append(TimelinePoint(i + 1, "load", f"loading: {label}", sum(cats), tuple(cats)))
+    if len(points) <= max_points:
+        return points
+    body = points[1:-1]
+    size = -(-len(body) // max(1, max_points - 2))
+    return [points[0], *(max(body[i:i + size], key=lambda p: p.total_bytes) for i in range(0, len(body), size)),
+            points[-1]]

@@ -314,6 +314,8 @@ class TimelineChart:
     capacity: Any
     max_points: int = 600
     phase_marks: list[Any] = field(default_factory=list)
+    #: loading drawn first (phase "load", `MemoryEstimate.timeline(load=True)`)
+    load: bool = False
 
     def __repr__(self) -> str:
         return f"TimelineChart({len(self.total.get_xdata())} points, {self.label.get_text()})"
@@ -321,7 +323,7 @@ class TimelineChart:
     def update(self, est: MemoryEstimate, gpu: str | GPU | None = None) -> None:
         """Redraw for `est` (and `gpu`): new data in the same artists; only the fills are replaced."""
         g = resolve_gpu(gpu)
-        points = est.timeline(self.max_points)
+        points = est.timeline(self.max_points, load=self.load)
         xs, spans = _phase_positions([p.phase for p in points])
         xs = [*xs, spans[-1][2]]  # the last operation's level holds to the end of the axis
         rows = [*points, points[-1]]
@@ -335,7 +337,7 @@ class TimelineChart:
                                                    linewidth=0, label=key, zorder=1)
             base = top
         self.total.set_data(xs, [p.total_bytes for p in rows])
-        k = max(range(len(points)), key=lambda j: points[j].total_bytes)
+        k = max((j for j in range(len(points)) if points[j].phase != "load"), key=lambda j: points[j].total_bytes)
         x_peak, y_peak = (xs[k] + xs[k + 1]) / 2, points[k].total_bytes
         self.peak.set_data([x_peak], [y_peak])
         end = spans[-1][2]
@@ -390,22 +392,24 @@ def timeline(
     ax: Axes | None = None,
     max_points: int = 600,
     legend: bool = True,
+    load: bool = False,
 ) -> TimelineChart:
-    """Live memory after each operation of the step, stacked by category, with the peak marked.
+    """Live memory after each operation of the step, stacked by category, with the step's peak marked.
 
     The x axis runs through the step's operations, phase by phase (forward, backward, optimizer,
-    named under the axis; a short optimizer step still gets room to be seen). With `gpu`, its usable memory is a dashed line. Returns a
-    `TimelineChart`; its ``update(est, gpu)`` redraws in place.
+    named under the axis; a short optimizer step still gets room to be seen); `load` draws loading the
+    model first (QLoRA's quantize-on-load shows its 16-bit weights as transient). With `gpu`, its usable
+    memory is a dashed line. Returns a `TimelineChart`; its ``update(est, gpu)`` redraws in place.
     """
     ax = _axes(ax, (7.0, 3.0))
     (total,) = ax.step([], [], where="post", color="black", linewidth=0.6, zorder=2)
     (peak,) = ax.plot([], [], marker="v", color="black", markersize=7, linestyle="none", zorder=3)
     label = ax.annotate("", (0, 0), xytext=(0, 6), textcoords="offset points", fontsize=8, zorder=3)
     capacity = ax.axhline(0, color="black", linewidth=1.2, linestyle="--", zorder=2)
-    chart = TimelineChart(ax, {}, total, peak, label, capacity, max_points)
+    chart = TimelineChart(ax, {}, total, peak, label, capacity, max_points, load=load)
     chart.update(est, gpu)
-    ax.set_xlabel("one training step, operation by operation (repeated layers condensed; phases not to scale)",
-                  fontsize=8)
+    what = "loading, then one training step" if load else "one training step"
+    ax.set_xlabel(f"{what}, operation by operation (repeated layers condensed; phases not to scale)", fontsize=8)
     _bytes_axis(ax.yaxis)
     if legend:
         ax.legend(handles=list(chart.areas.values()), loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
