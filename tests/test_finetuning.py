@@ -34,6 +34,29 @@ def test_qlora_quantizes_the_blocks_linears_and_keeps_embeddings_norms_and_head_
     assert not any(quantized(p) for p in param_inventory(m) if "embed" in p.name or "norm" in p.name or "lm_head" in p.name)
 
 
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_deepspeed_keeps_qloras_nf4_weights_packed_and_zero3_partitions_them(zero: int) -> None:
+    """DeepSpeed's module.bfloat16() leaves bitsandbytes' packed 4-bit storage alone: below ZeRO-3 a rank holds
+    the single device's NF4 weights (the adapters cast to bf16 as well); ZeRO-3 partitions the packed values
+    and keeps each weight's quantization state whole. QLoRA under DeepSpeed used to read as LoRA."""
+    m = get_model("llama-2-7b")
+    single = tm.estimate(m, method="qlora", **KW).detail_bytes["weights/params"]
+    lora = tm.estimate(m, method="lora", gpus=2, engine="deepspeed", zero=zero, **KW).detail_bytes["weights/params"]
+    ds = tm.estimate(m, method="qlora", gpus=2, engine="deepspeed", zero=zero, **KW).detail_bytes["weights/params"]
+    assert ds < 0.35 * lora
+    packed = sum(-(-p.numel // 2) * p.count for p in param_inventory(m) if quantized(p))
+    state = sum((nf4_bytes(p.numel) - -(-p.numel // 2 // 512) * 512) * p.count for p in param_inventory(m) if quantized(p))
+    if zero < 3:
+        assert ds == pytest.approx(single, rel=0.01)
+    else:
+        assert single - packed / 2 - 0.15 * single < ds < single - packed / 2 and ds > state
+
+
+def test_qlora_with_megatron_is_refused_with_what_works() -> None:
+    with pytest.raises(tm.SpecError, match=r"Megatron-LM has no 4-bit.*method='lora' with megatron"):
+        tm.estimate("llama-2-7b", method="qlora", gpus=2, engine="megatron", **KW)
+
+
 def test_qlora_dequantizes_each_weight_into_a_temporary_16_bit_buffer() -> None:
     est = tm.estimate("llama-2-7b", method="qlora", **KW)
     labels = [p.label for p in est.timeline(max_points=100_000)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from ..model.spec import ModelSpec
-from ..spec.parallel import ParallelSpec, PipelineSchedule
+from ..spec.choices import Method
+from ..spec.parallel import Engine, ParallelSpec, PipelineSchedule
 from ..spec.training import TrainingSpec
 
 __all__ = ['CP_CHUNKS_PER_RANK', 'check_layout']
@@ -23,6 +24,12 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
     would work instead."""
     if t is not None:
         _check_context_parallel(t, p)
+        if t.method is Method.QLORA and p.engine is Engine.MEGATRON:
+            # Megatron-LM builds its own 16-bit layers (megatron/core/transformer) and has no bitsandbytes
+            # path; QLoRA is a transformers + peft + bitsandbytes recipe
+            raise SpecError("method='qlora' with engine='megatron': Megatron-LM has no 4-bit (bitsandbytes NF4) "
+                            "weights; use method='lora' with megatron, or qlora with engine='ddp', 'fsdp' or "
+                            "'deepspeed'")
     if m.n_heads % p.tp:
         ok = [d for d in range(1, min(m.n_heads, p.gpus_per_node) + 1) if m.n_heads % d == 0 and m.n_kv_heads % d == 0]
         raise SpecError(f"tp={p.tp} does not divide {m.name}'s n_heads={m.n_heads}; use tp in {ok}")

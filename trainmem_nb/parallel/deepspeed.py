@@ -55,11 +55,26 @@ class DeepSpeedHooks(EngineHooks):
             g.drop(*grads)
 
     def param_partitions(self, weights: list[Any]) -> list[tuple[int, int]]:
-        """(bytes, count) of the rank's 16-bit parameters: ZeRO-3 partitions those of at least
-        ``stage3_param_persistence_threshold`` elements, the others stay whole; below ZeRO-3, all whole."""
+        """(bytes, count) of the rank's parameters: ZeRO-3 partitions those of at least
+        ``stage3_param_persistence_threshold`` elements, the others stay whole; below ZeRO-3, all whole.
+        The engine casts the module to its 16-bit dtype (``engine._configure_distributed_model``:
+        ``module.bfloat16()``/``half()``), which leaves QLoRA's NF4 weights packed: bitsandbytes'
+        ``Params4bit`` holds integer (or ``bnb_4bit_quant_storage``) storage, not a floating tensor, and its
+        quantization state is no parameter. ZeRO-3 partitions the packed storage; the state stays whole."""
         shard_p = self.world if self.zero >= 3 else 1
-        return [((-(-p.numel // shard_p) if p.numel >= DS_STAGE3_PERSISTENCE or shard_p == 1 else p.numel)
-                 * self.model_dt, p.count) for p, _dt, _train in weights]
+
+        def part(numel: int) -> int:
+            return -(-numel // shard_p) if numel >= DS_STAGE3_PERSISTENCE or shard_p == 1 else numel
+
+        out: list[tuple[int, int]] = []
+        for p, dt, _train in weights:
+            if dt < 1:  # an NF4 weight (`trainmem_nb.model.params.nf4_bytes`): packed 4-bit values + state
+                packed = -(-p.numel // 2)
+                out.append((part(packed), p.count))
+                out.append((round(dt * p.numel) - _round(packed), p.count))
+            else:
+                out.append((part(p.numel) * self.model_dt, p.count))
+        return out
 
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
         out: list[tuple[str, Sz, int]] = []

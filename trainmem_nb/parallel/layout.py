@@ -132,9 +132,11 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
                           offload=p.offload is not Offload.NONE, pipelined=pipelined,
                           local_grads_accumulate=pipelined and not mixed, **stage)
     if p.engine is Engine.DEEPSPEED:
-        layer_params = sum(w[0].numel for w in weights if w[0].in_layer)
+        # what ZeRO-3 gathers per layer, in 16-bit elements (QLoRA's NF4 weights gather packed)
+        model_dt = 2 if t.precision is not Precision.FP32 else 4
+        layer_params = int(sum(w[0].numel * (w[1] / model_dt if w[1] < 1 else 1) for w in weights if w[0].in_layer))
         return DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero,
-                              model_dt=2 if t.precision is not Precision.FP32 else 4,
+                              model_dt=model_dt,
                               offload=p.offload.value, layer_params=layer_params, **stage)
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, **stage)
