@@ -54,6 +54,19 @@ def test_unsupported_model_type_names_the_supported_ones() -> None:
         ModelSpec.from_hf_config({"model_type": "t5", "d_model": 512})
 
 
+@pytest.mark.parametrize("arch", ["BertForSequenceClassification", "LlamaForSequenceClassification",
+                                  "BertForTokenClassification"])
+def test_a_checkpoint_saved_with_a_task_head_is_refused_not_counted_as_the_lm_head(arch: str) -> None:
+    from trainmem_nb.model.presets import get_preset
+
+    cfg = dict(get_preset("bert-base" if arch.startswith("Bert") else "llama-3.2-1b").config, architectures=[arch])
+    with pytest.raises(SpecError, match=r"architectures \['" + arch + r"'\]: a .* head is not modelled.*remove "
+                                        r"'architectures'"):
+        ModelSpec.from_hf_config(cfg)
+    lm = dict(cfg, architectures=["BertForMaskedLM" if arch.startswith("Bert") else "LlamaForCausalLM"])
+    assert ModelSpec.from_hf_config(lm) == ModelSpec.from_hf_config({k: v for k, v in cfg.items() if k != "architectures"})
+
+
 def test_malformed_config_json_reports_the_parse_error(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "config.json"
     path.write_text('{"model_type": "llama", "hidden_size": ')

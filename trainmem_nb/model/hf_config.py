@@ -96,6 +96,7 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
             f"model_type={model_type!r} is not supported{did_you_mean(model_type, list(SUPPORTED_MODEL_TYPES))}; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
+    _check_head(cfg, family)
     kw: dict[str, Any] = {"family": family, **READERS[family](cfg, family)}
     tie = cfg.get("tie_word_embeddings", DESCRIPTIONS[family].tie_default)
     if not isinstance(tie, bool):
@@ -106,6 +107,28 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
         if kw.get(key, 0) > limit:
             raise SpecError(f"config.json gives {key}={kw[key]}, beyond any real model (> {limit}); check the file")
     return kw
+
+
+#: Heads Hugging Face puts on a backbone instead of the language-model head each family's step models
+#: (``architectures`` in config.json names the class a checkpoint was saved from).
+_OTHER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice",
+                "ForNextSentencePrediction")
+
+
+def _check_head(cfg: Mapping[str, Any], family: Family) -> None:
+    """Refuse a checkpoint saved with a task head the step does not model (it would be counted as the
+    family's LM head, whose (batch, seq, vocab) logits a classifier does not have)."""
+    archs = cfg.get("architectures")
+    if not isinstance(archs, list):
+        return
+    other = [a for a in archs if isinstance(a, str) and a.endswith(_OTHER_HEADS)]
+    if other and not any(isinstance(a, str) and a.endswith(("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration"))
+                         for a in archs):
+        head = DESCRIPTIONS[family].hf_class
+        raise SpecError(
+            f"config.json's architectures {other}: a {other[0].split('For', 1)[1]} head is not modelled; the estimate "
+            f"models {head}, whose (batch, seq, vocab) logits a classifier does not have. To estimate it with the "
+            f"{head} head (an upper bound on the head's memory), remove 'architectures' from the config")
 
 
 # -- one reader per family: its configuration_*.py keys and defaults (transformers 5.x) -------------------
