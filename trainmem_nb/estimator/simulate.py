@@ -50,7 +50,8 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
                                 unrolled=True)
         replay = replay_step(unrolled, t.micro_batch, t.seq_len, t.alloc_conf, load_trace)
     if replay is None:  # a GPU run's measured cache fraction overrides the replay; a search screens without it
-        high_water = peak_with_churn(prog, t.micro_batch, t.seq_len, churn_fraction(calibration))
+        high_water = (peak_with_churn(prog, t.micro_batch, t.seq_len, churn_fraction(calibration))
+                      if t.device is Device.CUDA else ev.peak)  # CPU: nothing is cached
         reserved, total = reserved_and_total_over_step(t, ev.peak, high_water, calibration, paged)
     else:
         reserved, total = replayed_reserved_and_total(t, ev.peak, replay, calibration, paged)

@@ -120,7 +120,8 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
                     _in_flight(p, stage, t.grad_accum) - 1)
             replay = replay_step(unrolled, *shape, t.alloc_conf, loading_events(stage_model, t, load_share))
         if replay is None:  # a GPU run's measured cache fraction overrides the replay; a search screens without it
-            high_water = peak_with_churn(prog, *shape, churn_fraction(calibration))
+            high_water = (peak_with_churn(prog, *shape, churn_fraction(calibration))
+                          if t.device is Device.CUDA else peak)  # CPU: nothing is cached
             reserved, total = reserved_and_total_over_step(t, peak, high_water, calibration, paged)
         else:
             reserved, total = replayed_reserved_and_total(t, peak, replay, calibration, paged)

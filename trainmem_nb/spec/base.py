@@ -96,6 +96,17 @@ def _kind(annotation: Any) -> str:
 
 
 _STRICT = {"int": strict_count, "float": strict_real, "bool": strict_flag}
+_FIELDS: dict[type, tuple[tuple[str, str], ...]] = {}
+
+
+def _strict_fields(cls: type[BaseModel]) -> tuple[tuple[str, str], ...]:
+    """(name, kind) of the fields of `cls` that take strict values, found once per class (every estimate
+    builds its specs: reading the annotations each time cost a tenth of a millisecond)."""
+    hit = _FIELDS.get(cls)
+    if hit is None:
+        hit = _FIELDS[cls] = tuple((name, kind) for name, info in cls.model_fields.items()
+                                   if (kind := _kind(info.annotation)))
+    return hit
 
 
 class SpecModel(BaseModel):
@@ -112,9 +123,8 @@ class SpecModel(BaseModel):
         if not isinstance(data, Mapping):
             return data
         out = dict(data)
-        for name, info in cls.model_fields.items():
-            kind = _kind(info.annotation)
-            if not kind or name not in out or out[name] is None:
+        for name, kind in _strict_fields(cls):
+            if name not in out or out[name] is None:
                 continue
             try:
                 out[name] = _STRICT[kind](out[name])

@@ -60,6 +60,8 @@ def _paged(t: TrainingSpec, p: ParamTensor) -> bool:
 def paged_state_bytes(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None) -> int:
     """Bytes of optimizer state in CUDA unified memory (bitsandbytes' paged optimizers): resident on
     the device, so nvidia-smi counts them, until memory runs short and the driver pages them to the host."""
+    if t.optimizer is not OptimizerName.PAGED_ADAMW or t.device is not Device.CUDA:
+        return 0  # only a paged optimizer on CUDA has any (`_paged`)
     k = STATE_TENSORS[t.optimizer]
     return sum(p.numel * 4 * k * p.count for p, _ in _params(m, t, shard) if _paged(t, p))
 
