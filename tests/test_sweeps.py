@@ -34,6 +34,19 @@ def test_every_row_equals_the_single_estimate(opts: dict) -> None:
             assert getattr(row, f"{key}_bytes") == e.breakdown_bytes[key]
 
 
+@pytest.mark.parametrize("double_quant", [True, False])
+@pytest.mark.parametrize("model", ["llama-2-7b", "gpt2", "mistral-7b"])
+def test_qloras_fractional_weight_sizes_round_in_a_sweep_as_in_the_estimate(model: str, double_quant: bool) -> None:
+    """An NF4 weight's size is numel x a fractional byte count, a hair above its integer value: a sweep
+    rounded it up to the next 512-B block where `estimate` rounds to the nearest byte first (49,152 B apart
+    on llama-2-7b)."""
+    o = dict(method="qlora", lora_rank=4, qlora_double_quant=double_quant, device="cpu")
+    df = tm.sweep(model, micro_batch=[1, 2], seq_len=[100], **o)
+    for row in df.itertuples(index=False):
+        e = tm.estimate(model, micro_batch=row.micro_batch, seq_len=row.seq_len, **o)
+        assert (row.peak_allocated_bytes, row.weights_bytes) == (e.peak_allocated_bytes, e.breakdown_bytes["weights"])
+
+
 def test_rows_across_a_sliding_window_and_grad_accum_equal_the_single_estimate() -> None:
     """The sweep computes one program key per option set and batch-shape class (b == 1, s >= window):
     every row still equals its own `estimate` with seq_len below, at and above the window, b = 1 and

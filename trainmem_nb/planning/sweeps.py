@@ -70,7 +70,10 @@ def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int], churn
     blk = CUDA_BLOCK_BYTES
 
     def rounded(x: Any) -> Any:
-        x = np.ceil(x) if x.dtype.kind == "f" else x
+        # to the nearest byte first, as `trainmem_nb.engine.program._round` (Python's round, half to even, is
+        # np.rint's): a fractional size such as an NF4 weight's numel x bytes-per-element lands a hair above
+        # its integer value, and ceil would take it to the next 512-B block
+        x = np.rint(x) if x.dtype.kind == "f" else x
         return (-(-x.astype(np.int64) // blk)) * blk
 
     init = np.zeros((len(TOP_KEYS), n), dtype=np.int64)
