@@ -9,7 +9,7 @@ bytes, the peak over repetitions is at the first or the last one. `timeline` dra
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import itemgetter
 from typing import NamedTuple
@@ -93,6 +93,28 @@ class Program:
     #: lingering buffers): a repeated segment's first repetition frees its predecessor's, a later one the
     #: previous repetition's (`trainmem_nb.engine.trace`)
     chain_tokens: frozenset[int] = frozenset()
+    #: per segment, the index of the first segment with the same events (a layer's first, middle and last
+    #: repetitions usually are): `evaluate` computes their bytes once
+    same_as: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    #: bytes per detailed category of the `init` tensors whose size does not depend on the batch shape
+    init_fixed: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    #: the `init` entries whose size does (category index, bytes of one tensor, count)
+    init_shaped: tuple[tuple[int, Sz, int], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        first: dict[tuple[object, ...], int] = {}
+        same = tuple(first.setdefault((seg.repeat > 0, tuple((c, k, sz) for c, k, sz, _l in seg.events)), i)
+                     for i, seg in enumerate(self.segments))
+        fixed = [0] * len(DETAIL_KEYS)
+        shaped = []
+        for cat, sz, count in self.init:
+            if sz.s_ or sz.bs or sz.bss or sz.b_ or sz.ss:
+                shaped.append((cat, sz, count))
+            else:
+                fixed[cat] += _round(sz.c0) * count
+        object.__setattr__(self, "same_as", same)
+        object.__setattr__(self, "init_fixed", tuple(fixed))
+        object.__setattr__(self, "init_shaped", tuple(shaped))
 
 
 def _round(nbytes: float) -> int:
@@ -157,15 +179,18 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     best, best_where = total, (-1, 0, 0)  # (segment index, event index, repetitions before)
     phase_peaks: dict[str, float] = {}
     all_sizes: list[tuple[float, ...]] = []
+    done: dict[int, tuple[tuple[float, ...], list[float], float, float]] = {}  # by `Program.same_as`
     for si, seg in enumerate(prog.segments):
         n = seg.repeat
-        sizes = _sizes(seg, b, s, mono) if n > 0 and seg.events else ()
+        hit = done.get(prog.same_as[si])
+        if hit is None:
+            sizes = _sizes(seg, b, s, mono) if n > 0 and seg.events else ()
+            run = list(accumulate(sizes))
+            hit = done[si] = (sizes, run, run[-1], max(run)) if sizes else ((), run, 0, 0)
+        sizes, run, net, pmax = hit
         all_sizes.append(sizes)
         if not sizes:
             continue
-        run = list(accumulate(sizes))
-        net = run[-1]
-        pmax = max(run)
         if pmax > 0:
             reps_before = (n - 1) if net > 0 else 0
             cand = total + reps_before * net + pmax
@@ -197,14 +222,18 @@ def peak_with_churn(prog: Program, micro_batch: int, seq_len: int, fraction: flo
     total = float(sum(w * v for w, v in zip(weight, _init_bytes(prog, b, s), strict=True)))
     best = total
     w = 1 + fraction
-    for seg in prog.segments:
+    done: dict[int, tuple[float, float]] = {}  # by `Program.same_as`
+    for si, seg in enumerate(prog.segments):
         n = seg.repeat
         if n <= 0 or not seg.events or seg.gather is None:
             continue
-        # weigh the table's slots (a few dozen), then gather every event's weighted bytes (in C)
-        table = [v * w if c else 1.0 * v for v, c in zip(_table(seg, b, s, mono), seg.churn, strict=True)]
-        run = list(accumulate(seg.gather(table)))
-        net, pmax = run[-1], max(run)
+        hit = done.get(prog.same_as[si])
+        if hit is None:
+            # weigh the table's slots (a few dozen), then gather every event's weighted bytes (in C)
+            table = [v * w if c else 1.0 * v for v, c in zip(_table(seg, b, s, mono), seg.churn, strict=True)]
+            run = list(accumulate(seg.gather(table)))
+            hit = done[si] = run[-1], max(run)
+        net, pmax = hit
         best = max(best, total + ((n - 1) * net if net > 0 else 0) + pmax)
         total += net * n
     return best
@@ -212,9 +241,9 @@ def peak_with_churn(prog: Program, micro_batch: int, seq_len: int, fraction: flo
 
 def _init_bytes(prog: Program, b: int, s: int) -> list[int]:
     """Bytes per detailed category alive before the step."""
-    cats = [0] * len(DETAIL_KEYS)
-    for cat, sz, count in prog.init:
-        cats[cat] += (_round(sz.c0) if sz.c0 == sz.at(b, s) else _round(sz.at(b, s))) * count
+    cats = list(prog.init_fixed)
+    for cat, sz, count in prog.init_shaped:
+        cats[cat] += _round(sz.at(b, s)) * count
     return cats
 
 

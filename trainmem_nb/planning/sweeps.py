@@ -13,7 +13,7 @@ of batch shapes at once. pandas and numpy are imported here only.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..device import CUDA_BLOCK_BYTES
@@ -94,24 +94,16 @@ def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int], churn
     best_reps = np.zeros(n, dtype=np.int64)
     sizes_all: list[Any] = []
     in_forward = True
+    done: dict[int, tuple[Any, ...]] = {}  # by `Program.same_as`: a layer's repetitions share their bytes
     for si, seg in enumerate(prog.segments):
         if not seg.events or seg.repeat <= 0:
             sizes_all.append(None)
             continue
-        idx = np.array([f[0] for f in seg.fast])
-        coef = np.array([f[1] for f in seg.fast], dtype=np.float64 if any(isinstance(f[1], float) for f in seg.fast) else np.int64)
-        sign = np.array([f[2] for f in seg.fast], dtype=np.int64)
-        monos = np.vstack(mono)  # (6, n)
-        x = coef[:, None] * monos[np.maximum(idx, 0)]  # (E, n)
-        for j in seg.general:
-            sz = seg.events[j][2]
-            x[j] = sz.c0 + sz.b_ * b + sz.s_ * s + sz.bs * mono[3] + sz.ss * mono[4] + sz.bss * mono[5]
-        sizes = sign[:, None] * rounded(x)
+        hit = done.get(prog.same_as[si])
+        if hit is None:
+            hit = done[si] = _segment_bytes(seg, b, s, mono, rounded, weight[top_of[np.array([e[0] for e in seg.events])]])
+        sizes, pmax, pidx, net, run_w = hit
         sizes_all.append(sizes)
-        run = np.cumsum(sizes, axis=0)
-        pmax = run.max(axis=0)
-        pidx = run.argmax(axis=0)
-        net = run[-1]
         reps_before = np.where(net > 0, seg.repeat - 1, 0)
         cand = total + reps_before * net + pmax
         better = (pmax > 0) & (cand > best)
@@ -126,8 +118,6 @@ def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int], churn
             acts += (sizes[np.array([DETAIL_KEYS[c].startswith("activations/") for c in cats])].sum(axis=0)
                      * seg.repeat)
         total = total + net * seg.repeat
-        sizes_w = weight[top_of[np.array([c for c, _, _, _ in seg.events])]][:, None] * sizes
-        run_w = np.cumsum(sizes_w, axis=0)
         net_w = run_w[-1]
         high = np.maximum(high, total_w + np.where(net_w > 0, (seg.repeat - 1) * net_w, 0) + run_w.max(axis=0))
         total_w = total_w + net_w * seg.repeat
@@ -156,6 +146,24 @@ def evaluate_many(prog: Program, batch: Sequence[int], seq: Sequence[int], churn
     phases = np.array([seg.phase for seg in prog.segments] + ["forward"])
     return {"peak": best, "phase": phases[best_seg], "breakdown": breakdown, "saved_activations": acts,
             "high_water": high}
+
+
+def _segment_bytes(seg: Any, b: Any, s: Any, mono: list[Any], rounded: Callable[[Any], Any], weights: Any) -> tuple[Any, ...]:
+    """One segment's signed bytes per event and row, their running peak (value and event), net, and the
+    running sum of the churn-weighted bytes (`evaluate_many`)."""
+    import numpy as np
+
+    idx = np.array([f[0] for f in seg.fast])
+    coef = np.array([f[1] for f in seg.fast], dtype=np.float64 if any(isinstance(f[1], float) for f in seg.fast) else np.int64)
+    sign = np.array([f[2] for f in seg.fast], dtype=np.int64)
+    monos = np.vstack(mono)  # (6, n)
+    x = coef[:, None] * monos[np.maximum(idx, 0)]  # (E, n)
+    for j in seg.general:
+        sz = seg.events[j][2]
+        x[j] = sz.c0 + sz.b_ * b + sz.s_ * s + sz.bs * mono[3] + sz.ss * mono[4] + sz.bss * mono[5]
+    sizes = sign[:, None] * rounded(x)
+    run = np.cumsum(sizes, axis=0)
+    return sizes, run.max(axis=0), run.argmax(axis=0), run[-1], np.cumsum(weights[:, None] * sizes, axis=0)
 
 
 def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, *, replay: bool = True,

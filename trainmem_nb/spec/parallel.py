@@ -8,6 +8,7 @@ messages that say what would work instead; `trainmem_nb.parallel` simulates each
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -190,10 +191,17 @@ def build_parallel(parallel: ParallelSpec | Mapping[str, Any] | None = None, **o
     elif parallel is not None:
         raise SpecError(f"parallel must be a ParallelSpec or a dict, got {type(parallel).__name__}")
     data.update({k: v for k, v in options.items() if v is not None})
+    if not data:  # one GPU, the common case: a frozen spec can be shared
+        return _default_parallel()
     unknown = sorted(set(data) - _PARALLEL_FIELDS)
     if unknown:
         raise SpecError(f"unknown parallel option {unknown[0]!r}{did_you_mean(unknown[0], sorted(_PARALLEL_FIELDS))}")
     return _validate(ParallelSpec, data)
+
+
+@lru_cache(maxsize=1)
+def _default_parallel() -> ParallelSpec:
+    return ParallelSpec()
 
 
 Layout = Literal["single", "dp", "model-parallel"]
