@@ -308,3 +308,48 @@ def test_cuda_counters_become_peak_reserved_total_and_calibration() -> None:
     cal = r.to_dict()["calibration"]
     assert cal["workspace_bytes"] == workspace and cal["cuda_context_bytes"] == context
     assert cal["reserved_churn_fraction"] == pytest.approx(cached / churn)
+
+
+def test_measure_on_cuda_runs_the_allocator_with_the_specs_alloc_conf(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings reach torch's allocator once, before the model is built; a second, different one in
+    the same process (settings are process-wide) and a conflict with the environment are refused."""
+    from trainmem_nb.measure import cuda
+
+    for name in cuda.ALLOC_CONF_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cuda, "_APPLIED", [])
+    given: list[str] = []
+    cuda.apply_alloc_conf("expandable_segments:True", setter=given.append)
+    cuda.apply_alloc_conf("expandable_segments:True", setter=given.append)
+    assert given == ["expandable_segments:True"]
+    with pytest.raises(RuntimeError, match="new process"):
+        cuda.apply_alloc_conf("max_split_size_mb:128", setter=given.append)
+    with pytest.raises(RuntimeError, match="new process"):
+        cuda.apply_alloc_conf("", setter=given.append)  # back to the defaults: parsing cannot undo a key
+    monkeypatch.setattr(cuda, "_APPLIED", [])
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    with pytest.raises(RuntimeError, match="differs from the environment"):
+        cuda.apply_alloc_conf("expandable_segments:True", setter=given.append)
+    cuda.apply_alloc_conf("", setter=given.append)  # the environment's settings are in effect already
+    assert given == ["expandable_segments:True"]
+
+
+def test_alloc_conf_from_the_environment_is_recorded_with_a_cuda_measurement(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU step run under PYTORCH_ALLOC_CONF (which torch reads before PYTORCH_CUDA_ALLOC_CONF) records
+    those settings in its training spec, so its replay uses the same rules."""
+    from trainmem_nb.measure import cuda, step
+
+    assert cuda.env_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "a:1", "PYTORCH_ALLOC_CONF": " b:2 "}) == "b:2"
+    assert cuda.env_alloc_conf({"PYTORCH_ALLOC_CONF": "", "PYTORCH_CUDA_ALLOC_CONF": "a:1"}) == "a:1"
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    seen: list[TrainingSpec] = []
+
+    def fake_run(m: Any, t: TrainingSpec, dev: str, prime: bool) -> Any:
+        seen.append(t)
+        raise RuntimeError("stop before a GPU is needed")
+
+    monkeypatch.setattr(step, "run_step", fake_run)
+    with pytest.raises(RuntimeError, match="stop before"):
+        measure("gpt2", device="cuda", micro_batch=1, seq_len=64)
+    assert seen[0].alloc_conf == "expandable_segments:True" and seen[0].device.value == "cuda"

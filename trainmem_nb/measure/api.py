@@ -144,6 +144,11 @@ def measure(
     if prime is False:
         options["first_step"] = True
     t = build_training(training, device="cuda" if dev == "cuda" else "cpu", **options)
+    if dev == "cuda" and not t.alloc_conf:
+        from .cuda import env_alloc_conf
+
+        if env_alloc_conf():  # the step runs with the environment's settings: record them, so a replay uses them too
+            t = build_training(t, alloc_conf=env_alloc_conf())
     prime = not t.first_step
     from .step import check_measurable, run_step
 

@@ -18,12 +18,22 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["after_step", "before_step", "require_cuda", "write_calibration"]
+__all__ = ["ALLOC_CONF_ENV", "after_step", "apply_alloc_conf", "before_step", "env_alloc_conf", "require_cuda",
+           "write_calibration"]
+
+#: where torch 2.13 reads the caching allocator's settings from, first match wins: ``PYTORCH_ALLOC_CONF``,
+#: then the older ``PYTORCH_CUDA_ALLOC_CONF`` (c10/core/AllocatorConfig.cpp, AcceleratorAllocatorConfig's
+#: parseEnv; the CUDA notes in torch's docs name both)
+ALLOC_CONF_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+#: the settings this process's allocator was given by `apply_alloc_conf` (empty: none yet)
+_APPLIED: list[str] = []
 
 #: memory_stats() entries kept with a measurement (allocation retries and OOMs say the step was tight).
 _STATS = (
@@ -43,6 +53,38 @@ def require_cuda() -> None:
     raise RuntimeError(
         f"device='cuda' cannot be measured: {why}; use --device fake (exact accounting without memory) or --device cpu"
     )
+
+
+def env_alloc_conf(environ: Mapping[str, str] | None = None) -> str:
+    """The allocator settings a process started with this environment runs with ("" = defaults)."""
+    env = os.environ if environ is None else environ
+    return next((env[k].strip() for k in ALLOC_CONF_ENV if env.get(k, "").strip()), "")
+
+
+def apply_alloc_conf(conf: str, setter: Any = None) -> None:
+    """Run the caching allocator with `conf` (``PYTORCH_CUDA_ALLOC_CONF`` syntax) from here on, before
+    the model is built, so the measured step and its replay (`trainmem_nb.step.reserved`) use the same
+    rules. The settings are process-wide and parsing only sets the keys it is given, so a second,
+    different configuration in one process is refused rather than measured on a mix of both."""
+    env = env_alloc_conf()
+    if conf and env and conf != env:
+        raise RuntimeError(f"alloc_conf={conf!r} differs from the environment's {env!r} (PYTORCH_ALLOC_CONF / "
+                           "PYTORCH_CUDA_ALLOC_CONF), which the allocator already read: give one of them")
+    effective = conf or env
+    if _APPLIED and _APPLIED[-1] != effective:
+        raise RuntimeError(f"alloc_conf={effective!r} cannot be measured in this process: an earlier measurement "
+                           f"set the caching allocator to {_APPLIED[-1]!r} (its settings are process-wide); "
+                           "measure it in a new process")
+    if not conf or _APPLIED:  # the environment's settings are in effect already, or ours are
+        return
+    if setter is None:
+        torch.cuda.empty_cache()  # no segment made under the old rules stays cached
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        if setter is None:
+            raise RuntimeError(f"this PyTorch ({torch.__version__}) cannot set alloc_conf at run time; "
+                               f"start the process with PYTORCH_CUDA_ALLOC_CONF={conf!r} instead")
+    setter(conf)
+    _APPLIED.append(conf)
 
 
 def before_step(setup: Any) -> dict[str, Any]:

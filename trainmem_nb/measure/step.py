@@ -414,9 +414,10 @@ def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake", prime: bool | 
         prime = not t.first_step
     check_measurable(m, t, device)
     if device == "cuda":
-        from .cuda import require_cuda
+        from .cuda import apply_alloc_conf, require_cuda
 
         require_cuda()
+        apply_alloc_conf(t.alloc_conf)  # before anything is allocated: the rules the replay assumes
     timing: dict[str, float] = {}
     t0 = time.perf_counter()
     fake_ctx: Any = contextlib.nullcontext()
