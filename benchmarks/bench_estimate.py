@@ -14,7 +14,7 @@ import time
 from _timing import median_ms
 
 import trainmem_nb as tm
-from trainmem_nb.model.presets import get_model
+from trainmem_nb.model.presets import get_model, list_presets
 from trainmem_nb.model.spec import ModelSpec
 from trainmem_nb.step.compile import compile_step
 
@@ -82,6 +82,14 @@ def main() -> None:
         mm = get_model(name)
         tm.estimate(mm, micro_batch=1, seq_len=1024)
         print(f"estimate() warm, {name:<22} median {median_ms(lambda i, mm=mm: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=1024), 500):.3f} ms")
+    print("estimate() warm per family, its largest preset (goal <= 0.2 ms each):")
+    for family, mm in _largest_per_family().items():
+        opts = {"attention": "eager"} if family == "gpt_oss" else {}  # its sinks run eager
+        seq = min(1024, mm.max_positions)
+        tm.estimate(mm, micro_batch=1, seq_len=seq, **opts)
+        took = median_ms(lambda i, mm=mm, opts=opts, seq=seq: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=seq, **opts),
+                         300)
+        print(f"  {family:<12s} {mm.name:<28s} {mm.n_layers:>3d} layers  median {took:.3f} ms")
     for label, mm in _pattern_models().items():
         def first(i: int, mm: ModelSpec = mm) -> None:
             compile_step.cache_clear()
@@ -90,6 +98,16 @@ def main() -> None:
         print(f"estimate() cold (first), {label}: median {median_ms(first, 20):.2f} ms")
         print(f"estimate() warm,         {label}: median "
               f"{median_ms(lambda i, mm=mm: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=4096), 500):.3f} ms")
+
+
+def _largest_per_family() -> dict[str, ModelSpec]:
+    """Each family's preset with the most parameters (the most layers and experts to evaluate)."""
+    best: dict[str, tuple[int, ModelSpec]] = {}
+    for p in list_presets():
+        mm = get_model(p.name)
+        if (p.n_params or 0) > best.get(mm.family.value, (-1, mm))[0]:
+            best[mm.family.value] = (p.n_params or 0, mm)
+    return {family: mm for family, (_n, mm) in sorted(best.items())}
 
 
 def _pattern_models() -> dict[str, ModelSpec]:

@@ -128,3 +128,34 @@ def test_a_patterned_model_estimates_with_masks_per_attention_kind() -> None:
     est = tm.estimate(m, micro_batch=2, seq_len=32, attention="eager", device="cpu", precision="fp32")
     assert est.peak_allocated_bytes > 0
     assert sum(est.breakdown_bytes.values()) == est.peak_allocated_bytes
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), b=st.integers(1, 9), s=st.sampled_from([17, 512, 1023, 4096]))
+def test_a_segment_split_into_blocks_anywhere_evaluates_to_the_same_bytes_as_in_one_piece(seed: int, b: int,
+                                                                                          s: int) -> None:
+    """`evaluate` composes a segment from its blocks (`Segment.cuts`, a period's layers, each distinct one
+    computed once): any cuts, none or one per event, give the peak, its event, phase and breakdown of the
+    whole segment."""
+    import dataclasses
+    import random
+
+    from trainmem_nb.engine.program import _segment
+    from trainmem_nb.model.presets import get_model
+
+    rng = random.Random(seed)
+    m = get_model(rng.choice(["gemma-3-1b", "smollm3-3b", "gpt2", "llama-3.2-1b"]))
+    t = TrainingSpec(micro_batch=2, seq_len=s, precision=rng.choice(["fp32", "bf16-mixed"]),
+                     checkpointing=rng.choice(["none", "full"]))
+    prog = compile_step(m, program_key(t, m))
+
+    def recut(seg, how: str):  # type: ignore[no-untyped-def]
+        n = len(seg.events)
+        cuts = {"none": (), "every": tuple(range(1, n)), "random": tuple(rng.sample(range(n + 1), min(n, 5)))}[how]
+        return _segment(seg.phase, seg.label, seg.repeat, seg.events, seg.tokens, cuts)
+
+    whole = evaluate(dataclasses.replace(prog, segments=tuple(recut(g, "none") for g in prog.segments)), b, s)
+    for how in ("every", "random"):
+        split = dataclasses.replace(prog, segments=tuple(recut(g, how) for g in prog.segments))
+        assert evaluate(split, b, s) == whole
+    assert evaluate(prog, b, s) == whole

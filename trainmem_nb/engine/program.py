@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, chain, pairwise
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -51,12 +51,16 @@ class Segment(NamedTuple):
     #: per table slot (the pairs, then the several-term events): does it hold activation or transient
     #: bytes, which `peak_with_churn` weighs (a pair's slot is split by it, so the weights apply to the table)
     churn: tuple[bool, ...] = ()
+    #: where one layer ends and the next begins inside a segment that runs several (a period of a layer
+    #: pattern), as event offsets: `evaluate` computes the bytes of each distinct layer once. Any offsets
+    #: give the same bytes (the blocks compose exactly); these make the blocks recur
+    cuts: tuple[int, ...] = ()
 
 
 def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, Sz, str], ...],
-             tokens: tuple[int, ...] = ()) -> Segment:
+             tokens: tuple[int, ...] = (), cuts: tuple[int, ...] = ()) -> Segment:
     """A segment with its events' sizes precompiled for `evaluate` (and, optionally, its events'
-    tensors named by `tokens`)."""
+    tensors named by `tokens` and its layers' boundaries by `cuts`)."""
     fast = tuple((*_terms(sz), sign) for _c, sign, sz, _l in events)
     net: dict[tuple[int, int, float], int] = {}
     for (cat, _sign, _sz, _l), (i, c, k) in zip(events, fast, strict=True):
@@ -78,7 +82,7 @@ def _segment(phase: str, label: str, repeat: int, events: tuple[tuple[int, int, 
         gather = itemgetter(*index)
     return Segment(phase, label, repeat, events, fast, general,
                    tuple((cat, i, c, k) for (cat, i, c), k in net.items() if k), tuple(distinct), which,
-                   tuple(slot), gather, tokens, churn)
+                   tuple(slot), gather, tokens, churn, cuts)
 
 
 @dataclass(frozen=True)
@@ -96,6 +100,10 @@ class Program:
     #: per segment, the index of the first segment with the same events (a layer's first, middle and last
     #: repetitions usually are): `evaluate` computes their bytes once
     same_as: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    #: per segment, its blocks (`Segment.cuts`: a layer each) as indices into `block_segments`, the distinct
+    #: blocks of the program, compiled: `evaluate` and `peak_with_churn` compute each distinct block once
+    blocks: tuple[tuple[int, ...], ...] = field(init=False, repr=False, compare=False)
+    block_segments: tuple[Segment, ...] = field(init=False, repr=False, compare=False)
     #: bytes per detailed category of the `init` tensors whose size does not depend on the batch shape
     init_fixed: tuple[int, ...] = field(init=False, repr=False, compare=False)
     #: the `init` entries whose size does (category index, bytes of one tensor, count)
@@ -112,7 +120,27 @@ class Program:
                 shaped.append((cat, sz, count))
             else:
                 fixed[cat] += _round(sz.c0) * count
+        unique: dict[tuple[object, ...], int] = {}
+        block_segments: list[Segment] = []
+        blocks: list[tuple[int, ...]] = []
+        for seg in self.segments:
+            if seg.repeat <= 0 or not seg.events:
+                blocks.append(())
+                continue
+            edges = [0, *sorted(c for c in set(seg.cuts) if 0 < c < len(seg.events)), len(seg.events)]
+            ids = []
+            for a, z in pairwise(edges):
+                part = seg.events[a:z]
+                key = tuple((c, k, sz) for c, k, sz, _l in part)
+                i = unique.get(key)
+                if i is None:
+                    i = unique[key] = len(block_segments)
+                    block_segments.append(seg if len(edges) == 2 else _segment(seg.phase, seg.label, seg.repeat, part))
+                ids.append(i)
+            blocks.append(tuple(ids))
         object.__setattr__(self, "same_as", same)
+        object.__setattr__(self, "blocks", tuple(blocks))
+        object.__setattr__(self, "block_segments", tuple(block_segments))
         object.__setattr__(self, "init_fixed", tuple(fixed))
         object.__setattr__(self, "init_shaped", tuple(shaped))
 
@@ -178,25 +206,38 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     total: float = sum(init)
     best, best_where = total, (-1, 0, 0)  # (segment index, event index, repetitions before)
     phase_peaks: dict[str, float] = {}
-    all_sizes: list[tuple[float, ...]] = []
-    done: dict[int, tuple[tuple[float, ...], list[float], float, float]] = {}  # by `Program.same_as`
+    all_sizes: list[list[tuple[float, ...]]] = []  # per segment, its blocks' signed bytes per event
+    done: dict[int, tuple[tuple[float, ...], float, float, int]] = {}  # per distinct block (`Program.blocks`)
     for si, seg in enumerate(prog.segments):
-        n = seg.repeat
-        hit = done.get(prog.same_as[si])
-        if hit is None:
-            sizes = _sizes(seg, b, s, mono) if n > 0 and seg.events else ()
-            run = list(accumulate(sizes))
-            hit = done[si] = (sizes, run, run[-1], max(run)) if sizes else ((), run, 0, 0)
-        sizes, run, net, pmax = hit
-        all_sizes.append(sizes)
-        if not sizes:
+        ids = prog.blocks[si]
+        if not ids:
+            all_sizes.append([])
             continue
+        parts = []
+        net: float = 0
+        pos, arg = 0, -1
+        pmax: float = float("-inf")
+        for bi in ids:
+            hit = done.get(bi)
+            if hit is None:
+                sizes = _sizes(prog.block_segments[bi], b, s, mono)
+                run = list(accumulate(sizes)) or [0]
+                top = max(run)
+                hit = done[bi] = (sizes, run[-1], top, run.index(top))
+            sizes, b_net, b_max, b_arg = hit
+            if net + b_max > pmax:  # the first event at the highest point, as run.index
+                pmax, arg = net + b_max, pos + b_arg
+            net += b_net
+            pos += len(sizes)
+            parts.append(sizes)
+        all_sizes.append(parts)
+        n = seg.repeat
         if pmax > 0:
             reps_before = (n - 1) if net > 0 else 0
             cand = total + reps_before * net + pmax
             phase_peaks[seg.phase] = max(phase_peaks.get(seg.phase, 0), cand)
             if cand > best:
-                best, best_where = cand, (si, run.index(pmax), reps_before)
+                best, best_where = cand, (si, arg, reps_before)
         total += net * n
     detail = _breakdown_at(prog, init, all_sizes, *best_where, mono)
     si, ei, reps = best_where
@@ -222,8 +263,8 @@ def peak_with_churn(prog: Program, micro_batch: int, seq_len: int, fraction: flo
     total = float(sum(w * v for w, v in zip(weight, _init_bytes(prog, b, s), strict=True)))
     best = total
     w = 1 + fraction
-    done: dict[int, tuple[float, float]] = {}  # by `Program.same_as`
-    for si, seg in enumerate(prog.segments):
+    done: dict[int, tuple[float, float]] = {}  # by `Program.same_as` (whole segments: the weighted sums
+    for si, seg in enumerate(prog.segments):  # are fractional, so they keep one order of addition)
         n = seg.repeat
         if n <= 0 or not seg.events or seg.gather is None:
             continue
@@ -247,16 +288,20 @@ def _init_bytes(prog: Program, b: int, s: int) -> list[int]:
     return cats
 
 
-def _breakdown_at(prog: Program, init: list[int], all_sizes: list[tuple[float, ...]], si: int, ei: int,
+def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[tuple[float, ...]]], si: int, ei: int,
                   reps: int, mono: tuple[int, ...]) -> dict[str, int]:
     """Bytes per detailed category just after event `ei` of segment `si` (repeated `reps` times before)."""
     cats: list[float] = list(init)
     for j, seg in enumerate(prog.segments):
         if si < 0 or j > si:
             break
-        sizes = all_sizes[j]
+        parts = all_sizes[j]
+        if not parts or (j < si and not seg.general):
+            sizes: tuple[float, ...] = ()  # only a several-term event's or the peak segment's bytes are read
+        else:
+            sizes = parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
         times = seg.repeat if j < si else reps
-        if times and sizes:
+        if times and parts:
             for cat, i, c, k in seg.net:
                 cats[cat] += k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES * times
             for e in seg.general:

@@ -292,7 +292,9 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     for i in range(n_sim):
         if lo <= i < hi:
             if i == lo:
-                segs.append(_segment("forward", plan.labels[i], reps, *evs(mk[f"L{lo}_fwd_start"], mk[f"L{hi - 1}_fwd_end"])))
+                a = mk[f"L{lo}_fwd_start"]
+                cuts = tuple(mk[f"L{j}_fwd_start"] - a for j in range(lo + 1, hi))  # the period's layers
+                segs.append(_segment("forward", plan.labels[i], reps, *evs(a, mk[f"L{hi - 1}_fwd_end"]), cuts))
             continue
         segs.append(_segment("forward", plan.labels[i], 1, *evs(mk[f"L{i}_fwd_start"], mk[f"L{i}_fwd_end"])))
     segs.append(_segment("forward", "head and loss", 1, *evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
@@ -301,7 +303,9 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     for i in reversed(range(n_sim)):
         if lo <= i < hi:
             if i == hi - 1:
-                segs.append(_segment("backward", plan.labels[i], reps, *evs(mk[prev], mk[f"L{lo}_bwd_end"])))
+                a = mk[prev]
+                cuts = tuple(mk[f"L{j}_bwd_end"] - a for j in range(hi - 1, lo, -1))
+                segs.append(_segment("backward", plan.labels[i], reps, *evs(a, mk[f"L{lo}_bwd_end"]), cuts))
                 prev = f"L{lo}_bwd_end"
             continue
         segs.append(_segment("backward", plan.labels[i], 1, *evs(mk[prev], mk[f"L{i}_bwd_end"])))
