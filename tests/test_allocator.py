@@ -21,7 +21,7 @@ import pytest
 
 import trainmem_nb.engine.allocator as ca
 from trainmem_nb.engine.allocator import CachingAllocator, parse_alloc_conf
-from trainmem_nb.engine.allocator.caching import _selfcheck
+from trainmem_nb.engine.allocator.report import selfcheck as _selfcheck
 
 KiB = 1 << 10
 MiB = 1 << 20

@@ -20,6 +20,8 @@ from trainmem_nb.engine.breakdown import TOP_KEYS  # noqa: E402
 from trainmem_nb.planning import fit as planner  # noqa: E402
 from trainmem_nb.planning.gpus import GPU  # noqa: E402
 from trainmem_nb.ui import plots  # noqa: E402
+from trainmem_nb.ui.chart_parts import byte_tick  # noqa: E402
+from trainmem_nb.ui.step_charts import phase_positions  # noqa: E402
 from trainmem_nb.units import format_bytes  # noqa: E402
 
 #: A made-up card, so that the charts' arithmetic is checked independently of the catalog.
@@ -123,7 +125,7 @@ def test_the_timeline_can_show_loading_first_up_to_the_load_peak_then_the_step()
 
 
 def test_a_short_optimizer_phase_still_gets_room_on_the_timeline() -> None:
-    xs, spans = plots._phase_positions(["forward"] * 50 + ["backward"] * 48 + ["optimizer"] * 2)
+    xs, spans = phase_positions(["forward"] * 50 + ["backward"] * 48 + ["optimizer"] * 2)
     widths = {phase: hi - lo for phase, lo, hi in spans}
     total = spans[-1][2]
     assert widths["optimizer"] / total >= 0.1
@@ -160,9 +162,9 @@ def test_compare_draws_one_stacked_bar_per_labelled_estimate() -> None:
 
 
 def test_byte_axes_are_labelled_with_the_one_formatter() -> None:
-    assert plots._byte_tick(16 * 2**30) == "16 GiB"
-    assert plots._byte_tick(1.5 * 2**30) == "1.5 GiB"
-    assert plots._byte_tick(0) == "0 B"
+    assert byte_tick(16 * 2**30) == "16 GiB"
+    assert byte_tick(1.5 * 2**30) == "1.5 GiB"
+    assert byte_tick(0) == "0 B"
 
 
 def test_charts_without_ax_draw_on_a_new_figure_and_never_show(est: tm.MemoryEstimate, monkeypatch) -> None:

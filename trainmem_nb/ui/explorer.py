@@ -496,6 +496,7 @@ class Explorer:
 
     def _draw(self, est: MemoryEstimate, gpu: Any) -> None:
         from . import plots
+        from .chart_parts import bytes_axis
 
         if self._figure is None:
             from matplotlib.figure import Figure
@@ -507,8 +508,8 @@ class Explorer:
             # no title and few ticks: text is most of a redraw's cost, and the verdict is shown above
             self._charts = (plots.breakdown(est, gpu, ax=ax_bar, legend=False, title=""),
                             plots.timeline(est, gpu, ax=ax_time, legend=False, max_points=400))
-            plots._bytes_axis(ax_bar.xaxis, nbins=4)
-            plots._bytes_axis(ax_time.yaxis, nbins=4)
+            bytes_axis(ax_bar.xaxis, nbins=4)
+            bytes_axis(ax_time.yaxis, nbins=4)
             ax_time.set_xlabel("")
         else:
             assert self._charts is not None

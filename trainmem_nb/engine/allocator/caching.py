@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ...spec.alloc_conf import (
     _ADDR_ALIGN,
@@ -22,7 +22,9 @@ from ...spec.alloc_conf import (
     round_size,
 )
 from . import expandable as _expandable
+from . import release as _release
 from . import replay as _replay
+from . import report as _report
 from .blocks import (
     _ADDR,
     _GCB,
@@ -30,12 +32,8 @@ from .blocks import (
     _POOL,
     _PREV,
     _REQ,
-    _S_ADDR,
     _S_ES,
     _S_HEAD,
-    _S_SIZE,
-    _S_SMALL,
-    _S_STREAM,
     _SEG,
     _SIZE,
     _STATE,
@@ -44,7 +42,6 @@ from .blocks import (
     FREE,
     PENDING,
     UNMAPPED,
-    AllocatorOOM,
     _Pool,
 )
 
@@ -295,84 +292,26 @@ class CachingAllocator:
         """torch.cuda.empty_cache -> emptyCache -> release_cached_blocks (CCA:2144-2148, 3428-3477)."""
         self._release_cached_blocks()
 
-    # ---------------------------------------------------------------- statistics
+    # ---------------------------------------------------------------- statistics (report.py)
     def largest_free_block(self) -> int:
         """cacheInfo (CCA:2151-2166): largest cached (mapped, free) block in any pool."""
-        m = 0
-        for d in (self._large_pools, self._small_pools):
-            for p in d.values():
-                if p.keys:
-                    s = p.vals[-1][_SIZE]
-                    m = max(m, s)
-        return m
+        return _report.largest_free_block(self)
 
     def free_cached_bytes(self) -> int:
         """Bytes in cached free blocks (reserved - allocated - awaiting-free blocks)."""
-        return sum(b[_SIZE] for d in (self._large_pools, self._small_pools)
-                   for p in d.values() for b in p.vals)
+        return _report.free_cached_bytes(self)
 
     def stats(self) -> dict:
-        r, a = self.reserved_bytes, self.allocated_bytes
-        return {
-            "allocated_bytes": a, "peak_allocated": self.peak_allocated,
-            "reserved_bytes": r, "peak_reserved": self.peak_reserved,
-            "active_bytes": self.active_bytes, "peak_active": self.peak_active,
-            "requested_bytes": self.requested_bytes,
-            "inactive_split_bytes": self.inactive_split_bytes, "inactive_split": self.inactive_split,
-            "largest_free_block": self.largest_free_block(), "free_cached_bytes": self.free_cached_bytes(),
-            "fragmentation": (1.0 - a / r) if r else 0.0,
-            "segments": self.num_segments, "num_alloc_retries": self.num_alloc_retries,
-            "num_ooms": self.num_ooms, "num_device_alloc": self.num_device_alloc,
-            "num_device_free": self.num_device_free, "num_sync_all_streams": self.num_sync_all_streams,
-        }
+        """Counters and gauges of this allocator, with the largest free block and fragmentation."""
+        return _report.stats(self)
 
     def memory_stats(self) -> dict:
         """The torch.cuda.memory_stats() keys this model tracks (aggregate pool only)."""
-        return {
-            "allocated_bytes.all.current": self.allocated_bytes, "allocated_bytes.all.peak": self.peak_allocated,
-            "reserved_bytes.all.current": self.reserved_bytes, "reserved_bytes.all.peak": self.peak_reserved,
-            "active_bytes.all.current": self.active_bytes, "active_bytes.all.peak": self.peak_active,
-            "requested_bytes.all.current": self.requested_bytes,
-            "inactive_split_bytes.all.current": self.inactive_split_bytes,
-            "inactive_split.all.current": self.inactive_split, "segment.all.current": self.num_segments,
-            "num_alloc_retries": self.num_alloc_retries, "num_ooms": self.num_ooms,
-            "num_device_alloc": self.num_device_alloc, "num_device_free": self.num_device_free,
-            "num_sync_all_streams": self.num_sync_all_streams,
-        }
+        return _report.memory_stats(self)
 
     def snapshot(self) -> list:
-        """Segments shaped like torch.cuda.memory._snapshot()['segments'] (CCA:2465-2548): one
-        entry per cudaMalloc segment, and for expandable segments one per contiguous mapped range."""
-        out = []
-        heads = [s[_S_HEAD] for s in self._segments.values()]
-        heads += [es_rec[_S_HEAD] for es_rec in self._expandable]
-        for head in heads:
-            b = head
-            while b is not None:
-                if b[_STATE] == UNMAPPED:                  # CCA:2490 skip; unmapped splits ranges
-                    b = b[_NEXT]
-                    continue
-                seg = b[_SEG]
-                rec: dict = {"address": b[_ADDR], "total_size": 0, "stream": seg[_S_STREAM],
-                             "segment_type": "small" if seg[_S_SMALL] else "large",
-                             "allocated_size": 0, "active_size": 0, "requested_size": 0,
-                             "is_expandable": seg[_S_ES] is not None, "blocks": []}
-                while b is not None and b[_STATE] != UNMAPPED:
-                    st = b[_STATE]
-                    state = ("active_allocated" if st == ALLOC else
-                             "active_awaiting_free" if st == PENDING else "inactive")
-                    rec["blocks"].append({"address": b[_ADDR], "size": b[_SIZE],
-                                          "requested_size": b[_REQ], "state": state})
-                    rec["total_size"] += b[_SIZE]
-                    if st == ALLOC:
-                        rec["allocated_size"] += b[_SIZE]
-                    if st != FREE:
-                        rec["active_size"] += b[_SIZE]
-                        rec["requested_size"] += b[_REQ]
-                    b = b[_NEXT]
-                out.append(rec)
-        out.sort(key=lambda r: r["address"])
-        return out
+        """Segments shaped like torch.cuda.memory._snapshot()['segments'] (CCA:2465-2548)."""
+        return _report.snapshot(self)
 
     # ---------------------------------------------------------------- get_free_block
     def _get_free_block(self, pool: _Pool, size: int) -> list | None:
@@ -552,99 +491,26 @@ class CachingAllocator:
                 keep.append(ent)
         self._pending = keep
 
-    # ---------------------------------------------------------------- releasing memory
+    # ---------------------------------------------------------------- releasing memory (release.py)
     def _release_block(self, b: list) -> None:
         """CCA:3489-3534 release_block: cudaFree of a whole (unsplit) segment."""
-        self._remove(b)
-        seg = b[_SEG]
-        del self._segments[seg[_S_ADDR]]
-        self.reserved_bytes -= b[_SIZE]                    # CCA:3522
-        self.num_segments -= 1
-        self.num_device_free += 1
-        b[_STATE] = -1
+        _release._release_block(self, b)
 
     def _release_cached_blocks(self) -> None:
         """CCA:3428-3471 release_cached_blocks (default pool, no capture underway)."""
-        self.synchronize()                                 # CCA:3437 synchronize_and_free_events
-        for d in (self._large_pools, self._small_pools):   # CCA:3440-3441 large, then small
-            for stream in sorted(d):
-                self._release_blocks(d[stream])
+        _release._release_cached_blocks(self)
 
     def _release_blocks(self, pool: _Pool) -> None:
         """CCA:3607-3631 release_blocks: cudaFree unsplit segments, unmap free expandable pages."""
-        to_unmap = []
-        for b in list(pool.vals):
-            if b[_SEG][_S_ES] is not None:                 # CCA:3616-3620
-                to_unmap.append(b)
-            elif b[_PREV] is None and b[_NEXT] is None:    # CCA:3621-3623
-                self._release_block(b)
-        for b in to_unmap:                                 # CCA:3625-3630
-            if b[_STATE] not in (FREE, UNMAPPED):
-                continue
-            self._unmap_block(b)
-            if b[_PREV] is None and b[_NEXT] is None and b[_STATE] == UNMAPPED:
-                self._release_expandable_segment(b)
+        _release._release_blocks(self, pool)
 
     def _release_available_cached_blocks(self, pool: _Pool, rs: int) -> bool:
         """CCA:3371-3416: free oversize (>= max_split_size) cached blocks, only enough for rs."""
-        ms = self._max_split
-        if ms == SIZE_MAX:                                 # CCA:3374-3376
-            return False
-        key_size = max(rs, ms)                   # CCA:3382-3384
-        keys, vals = pool.keys, pool.vals
-        i = bisect_left(keys, key_size << _KEY_SHIFT)
-        if i == len(keys) or vals[i][_SEG][_S_ES] is not None:   # CCA:3386-3387
-            if i == 0:                                     # CCA:3390-3391
-                return False
-            released = 0
-            i -= 1                                         # CCA:3393
-            while released < key_size and vals[i][_SIZE] >= ms:   # CCA:3395-3397
-                cur = vals[i]
-                first = i == 0
-                if not first:
-                    i -= 1
-                if cur[_SEG][_S_ES] is None:               # CCA:3403-3406
-                    released += cur[_SIZE]
-                    self._release_block(cur)
-                if first:
-                    break
-            if released < key_size:                        # CCA:3411-3412
-                return False
-        else:
-            self._release_block(vals[i])                   # CCA:3414
-        return True
+        return _release._release_available_cached_blocks(self, pool, rs)
 
     def _garbage_collect(self) -> None:
         """CCA:3194-3251 garbage_collect_cached_blocks (large pool only, unsplit blocks)."""
-        assert self._allowed is not None
-        gc_threshold = int(self._gc_thr * self._allowed)   # CCA:3200-3202
-        if self.reserved_bytes <= gc_threshold:            # CCA:3204-3206
-            return
-        target = self.reserved_bytes - gc_threshold
-        reclaimed = 0
-        calls = self._gc_calls[0]
-        blocks = [b for s in sorted(self._large_pools) for b in self._large_pools[s].vals]
-        total_age = 0
-        count = 0
-        for b in blocks:                                   # CCA:3212-3219 (expandable included)
-            if b[_PREV] is None and b[_NEXT] is None:
-                total_age += calls - b[_GCB]
-                count += 1
-        if count == 0:                                     # CCA:3221-3223
-            return
-        freed = True
-        while reclaimed < target and freed and count > 0:  # CCA:3227-3228
-            age_threshold = total_age / count              # CCA:3230-3231
-            freed = False
-            blocks = [b for s in sorted(self._large_pools) for b in self._large_pools[s].vals]
-            for b in blocks:                               # CCA:3237-3249
-                if (b[_PREV] is None and b[_NEXT] is None and b[_SEG][_S_ES] is None
-                        and (calls - b[_GCB]) >= age_threshold):
-                    freed = True
-                    reclaimed += b[_SIZE]
-                    total_age -= calls - b[_GCB]
-                    count -= 1
-                    self._release_block(b)
+        _release._garbage_collect(self)
 
     def _try_allocate_expandable_block(self, pool: _Pool, size: int, stream: int):
         """CCA:2915-2946 try_allocate_expandable_block."""
@@ -666,36 +532,10 @@ class CachingAllocator:
         """CCA release_expandable_segment: the whole VA range is one unmapped block again."""
         return _expandable._release_expandable_segment(self, b)
 
-    # ---------------------------------------------------------------- OOM
+    # ---------------------------------------------------------------- OOM (report.py)
     def _raise_oom(self, orig: int, rs: int, alloc_size: int, stream: int) -> None:
         """CCA:1492-1613: no block after all retries -> OutOfMemoryError, with a verdict."""
-        self.num_ooms += 1
-        cap = self.capacity
-        limit = self._allowed if self._allowed is not None else cap
-        device_free = (limit - self.reserved_bytes) if limit is not None else None
-        largest = self.largest_free_block()
-        cached_free = self.free_cached_bytes()
-        # what the request needs: a free cached block of rs bytes in its pool, or a new segment
-        # of alloc_size bytes (expandable: enough pages of free VA next to free blocks)
-        total_free = cached_free + (device_free or 0)
-        if total_free >= rs and largest < rs:
-            verdict = (f"fragmentation: {total_free} bytes are free in total ({cached_free} cached in "
-                       f"partly-used segments + {device_free} never reserved) which is >= the {rs} "
-                       f"bytes requested, but the largest free block is {largest} bytes and a new "
-                       f"segment needs {alloc_size} bytes")
-        else:
-            verdict = (f"not enough memory: {total_free} bytes free in total ({cached_free} cached + "
-                       f"{device_free} never reserved) for a {rs}-byte block / {alloc_size}-byte segment")
-        msg = (f"CUDA out of memory (model). Tried to allocate {alloc_size} bytes "
-               f"(request {orig} bytes, rounded {rs}); reserved {self.reserved_bytes}, allocated "
-               f"{self.allocated_bytes}, capacity {cap}; largest free block {largest}. {verdict}")
-        info = {"requested": orig, "rounded": rs, "alloc_size": alloc_size, "stream": stream,
-                "reserved": self.reserved_bytes, "allocated": self.allocated_bytes, "capacity": cap,
-                "allowed": self._allowed, "device_free": device_free, "largest_free_block": largest,
-                "free_cached_bytes": cached_free, "total_free": total_free,
-                "fragmentation": total_free >= rs and largest < rs, "verdict": verdict, "message": msg}
-        self.last_oom = info
-        raise AllocatorOOM(info)
+        _report.raise_oom(self, orig, rs, alloc_size, stream)
 
     def replay(self, events: Sequence[int], streams: Sequence[int] | None = None,
                timeline: bool = True, memo: bool = True, watch_from: int = -1) -> ReplayResult:
@@ -712,41 +552,3 @@ class CachingAllocator:
     def _replay_fast(self, ev, st, timeline, handles, res_t, all_t) -> None:
         """The same decisions as malloc()/free()/_free_block() with the default-path rules inlined"""
         return _replay._replay_fast(self, ev, st, timeline, handles, res_t, all_t)
-
-
-def _selfcheck(alloc: CachingAllocator) -> None:
-    """Consistency checks used by the tests: segment sums, pool contents, linked lists."""
-    reserved = 0
-    for seg in alloc._segments.values():
-        b, tot, prev = seg[_S_HEAD], 0, None
-        assert b[_PREV] is None
-        while b is not None:
-            assert b[_PREV] is prev
-            assert b[_ADDR] == seg[_S_ADDR] + tot, "blocks not contiguous"
-            tot += b[_SIZE]
-            prev, b = b, b[_NEXT]
-        assert tot == seg[_S_SIZE]
-        reserved += tot
-    for seg in alloc._expandable:
-        b, tot = seg[_S_HEAD], 0
-        es = seg[_S_ES]
-        while b is not None:
-            assert b[_ADDR] == seg[_S_ADDR] + tot
-            if b[_STATE] != UNMAPPED:
-                reserved += b[_SIZE]
-            tot += b[_SIZE]
-            b = b[_NEXT]
-        assert tot == es.va_size
-        assert sum(es.mapped) * es.page >= 0
-    assert reserved == alloc.reserved_bytes, (reserved, alloc.reserved_bytes)
-    for d in (alloc._large_pools, alloc._small_pools):
-        for p in d.values():
-            assert p.keys == sorted(p.keys)
-            for k, b in zip(p.keys, p.vals, strict=True):
-                assert b[_STATE] == FREE and k == (b[_SIZE] << _KEY_SHIFT) | b[_ADDR]
-                for nb in (b[_PREV], b[_NEXT]):
-                    assert nb is None or nb[_STATE] != FREE, "two adjacent free blocks not merged"
-
-
-def _block_info(b: Any) -> dict:
-    return {"size": b[_SIZE], "address": b[_ADDR], "state": b[_STATE], "requested": b[_REQ]}
