@@ -141,7 +141,12 @@ def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: 
     beta)``), which the engine reduces to the bias's shape after the node returns (so after
     recomputed saved tensors are released). Autocast's wrapper casts its arguments right to left (GCC
     evaluates the ``cached_cast(args)...`` pack from the last argument): for ``addmm`` the weight
-    (cached), the input, then the bias (cached); for ``linear`` the bias, the weight, the input."""
+    (cached), the input, then the bias (cached); for ``linear`` the bias, the weight, the input.
+
+    A 4-bit weight (QLoRA: transformers' ``replace_with_bnb_linear`` makes every ``nn.Linear`` and
+    ``Conv1D`` a bitsandbytes ``Linear4bit``, biased or not) runs `linear_4bit` instead."""
+    if w.nf4:
+        return linear_4bit(g, x, w, in_features, out_features, b, label)
     if ctx.autocast is None:
         xc, wc, bc = g.hold(x), g.hold(w), g.hold(b)
     elif linear_casts:

@@ -7,8 +7,8 @@ from __future__ import annotations
 from ..tape import Graph, T
 from .core import F16, F32, Ctx, _bigger, _promote, autocast_weight, cast
 from .elementwise import add, dropout, scalar_op
-from .linear import addmm, linear
-from .shape import heads_view
+from .linear import addmm, linear, linear_4bit
+from .shape import clone, heads_view
 
 
 # -- fine-tuning adapters -----------------------------------------------------------------------
@@ -17,10 +17,40 @@ def lora_linear(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, a_w: T, b_w: T, in_
     """peft ``lora.Linear.forward``: ``result = base(x)``; ``x`` cast to the adapter dtype (fp32 by
     default); ``result = result + lora_B(lora_A(dropout(x))) * scaling``; cast back to the base
     result's dtype (peft/tuners/lora/layer.py). `cache_input`: x is a leaf autocast caches the cast of
-    (`linear`)."""
+    (`linear`). On a bitsandbytes 4-bit base (QLoRA) peft's own layer runs: `lora_linear_4bit`."""
+    if w.nf4:
+        return lora_linear_4bit(g, ctx, x, w, b, a_w, b_w, in_features, out_features, rank, dropout_p, label)
     result = linear(g, ctx, x, w, in_features, out_features, b, f"{label}.base_layer", cache_input=cache_input)
     return lora_update(g, ctx, x, result, a_w, b_w, in_features, out_features, rank, dropout_p, label,
                        cache_input=cache_input)
+
+
+def lora_linear_4bit(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, a_w: T, b_w: T, in_features: int,
+                     out_features: int, rank: int, dropout_p: float, label: str) -> T:
+    """peft's ``lora.bnb.Linear4bit.forward`` (peft/tuners/lora/bnb.py, 0.21.2), not ``lora.Linear``'s:
+    the 4-bit base, then ``result = result.clone()`` (a copy "as per Tim Dettmers", for backward
+    through a manipulated view); unless autocast is on, x goes to the adapter's dtype and the
+    adapter's output back to the result's dtype *before* the add (``lora.Linear`` adds, promoting,
+    and casts the sum). ``torch.is_autocast_enabled()`` without a device asks about CUDA's autocast,
+    so in a CPU autocast region peft still converts. Traced on CPU with bitsandbytes 0.50.2 (a
+    dispatch log of the layer's forward: gemm_4bit, clone, the input cast, lora_A, lora_B, mul, the
+    output cast, add)."""
+    base = linear_4bit(g, x, w, in_features, out_features, b, f"{label}.base_layer")
+    result = clone(g, base, f"{label} result.clone()")
+    g.drop(base)
+    convert = not (ctx.cuda and ctx.autocast is not None)
+    xa = cast(g, x, a_w.dt, f"{label} lora input cast") if convert else g.hold(x)
+    d = dropout(g, ctx, xa, dropout_p, f"{label}.lora_dropout")
+    a = linear(g, ctx, d, a_w, in_features, rank, None, f"{label}.lora_A")
+    bb = linear(g, ctx, a, b_w, rank, out_features, None, f"{label}.lora_B")
+    g.drop(a, d)
+    sc = scalar_op(g, bb, f"{label} * scaling")
+    g.drop(bb)
+    out = cast(g, sc, result.dt, f"{label} output to result dtype") if convert else g.hold(sc)
+    g.drop(sc)
+    total = add(g, result, out, f"{label} + lora")
+    g.drop(result, out, xa)
+    return total
 
 
 def lora_update(g: Graph, ctx: Ctx, x: T, result: T, a_w: T, b_w: T, in_features: int, out_features: int,
@@ -53,7 +83,11 @@ def lora_update(g: Graph, ctx: Ctx, x: T, result: T, a_w: T, b_w: T, in_features
 def lora_addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, a_w: T, b_w: T, in_features: int, out_features: int,
                rank: int, dropout_p: float, label: str) -> T:
     """peft ``lora.Linear`` around a transformers ``Conv1D`` (``fan_in_fan_out``): `lora_linear` with
-    the base layer's ``addmm`` (peft/tuners/lora/layer.py)."""
+    the base layer's ``addmm`` (peft/tuners/lora/layer.py). Under QLoRA transformers has made the
+    ``Conv1D`` a bitsandbytes ``Linear4bit`` (its weight transposed before quantizing), so peft wraps
+    that: `lora_linear_4bit`."""
+    if w.nf4:
+        return lora_linear_4bit(g, ctx, x, w, b, a_w, b_w, in_features, out_features, rank, dropout_p, label)
     result = addmm(g, ctx, x, w, b, in_features, out_features, f"{label}.base_layer")
     return lora_update(g, ctx, x, result, a_w, b_w, in_features, out_features, rank, dropout_p, label)
 
@@ -126,6 +160,11 @@ def linear_strided_grad(g: Graph, ctx: Ctx, x: T, w: T, b: T | None, in_features
         g.drop(y)
         return out
     a_w, b_w, rank, dropout_p = lora
+    if w.nf4:  # peft's 4-bit layer (`lora_linear_4bit`); the model's view of its output copies the gradient
+        y = lora_linear_4bit(g, ctx, x, w, b, a_w, b_w, in_features, out_features, rank, dropout_p, label)
+        out = heads_view(g, y, f"{label} output reshape", clone_grad=strided)
+        g.drop(y)
+        return out
     r0 = linear(g, ctx, x, w, in_features, out_features, b, f"{label}.base_layer")
     result = heads_view(g, r0, f"{label}.base_layer output reshape", clone_grad=strided)
     g.drop(r0)
