@@ -14,7 +14,7 @@ matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
 import trainmem_nb as tm  # noqa: E402
-from trainmem_nb.ui.explorer import Explorer  # noqa: E402
+from trainmem_nb.ui.explorer import Explorer, _summary_html  # noqa: E402
 
 GOOD = (b'{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"intermediate_size":128,'
         b'"vocab_size":100,"num_hidden_layers":2,"_name_or_path":"good-tiny"}')
@@ -105,3 +105,14 @@ def test_a_failure_inside_a_callback_becomes_a_message(app: Explorer, monkeypatc
     monkeypatch.setattr(app, "_sync_lora", broken)
     app.controls["method"].value = "lora"  # the observer must not raise
     assert app.message.startswith("unexpected ZeroDivisionError: boom") and app.verdict == ""
+
+
+def test_the_summary_says_where_the_reserved_bytes_come_from(app: Explorer) -> None:
+    # on CUDA the caching allocator is replayed: the summary gives its cached-but-unused bytes and the
+    # largest free block at the reserved peak; on CPU reserved is the allocated peak, with no note
+    est = app.estimate
+    assert est.reserved_from == "replay"
+    assert (f"allocator replayed: {tm.format_bytes(est.fragmentation_bytes)} cached but unused"
+            in app.summary_html.value)
+    cpu = tm.estimate("llama-3.2-1b", micro_batch=1, seq_len=256, device="cpu")
+    assert cpu.reserved_from == "allocated" and "replayed" not in _summary_html(cpu)

@@ -586,9 +586,21 @@ def _summary_html(est: MemoryEstimate) -> str:
         f"<div style='font-size:0.9em'><p>{html.escape(est.model.name)}: {format_count(est.n_params)} parameters "
         f"({format_count(est.n_trainable_params)} trained) &middot; peak <b>{format_bytes(est.peak_allocated_bytes)}"
         f"</b> allocated during <b>{html.escape(est.peak_phase)}</b> ({html.escape(est.peak_at)}) &middot; reserved "
-        f"{format_bytes(est.peak_reserved_bytes)} &middot; device total {format_bytes(est.device_total_bytes)}"
-        f"{host}</p><table>{rows}</table></div>"
+        f"{format_bytes(est.peak_reserved_bytes)}{_reserved_note(est)} &middot; device total "
+        f"{format_bytes(est.device_total_bytes)}{host}</p><table>{rows}</table></div>"
     )
+
+
+def _reserved_note(est: MemoryEstimate) -> str:
+    """Where the reserved bytes come from (`MemoryEstimate.reserved_from`), in a few words."""
+    if est.reserved_from == "replay":
+        return (f" (allocator replayed: {format_bytes(est.fragmentation_bytes)} cached but unused, largest free "
+                f"block {format_bytes(est.largest_free_block_bytes)})")
+    if est.reserved_from == "churn model":
+        return " (not replayed, beyond the replay's limits: allocated + a share of the temporaries)"
+    if est.reserved_from == "calibration":
+        return " (from the GPU calibration)"
+    return ""
 
 
 def _legend_html() -> str:
