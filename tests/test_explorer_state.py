@@ -14,7 +14,8 @@ matplotlib = pytest.importorskip("matplotlib")
 matplotlib.use("Agg")
 
 import trainmem_nb as tm  # noqa: E402
-from trainmem_nb.ui.explorer import Explorer, _summary_html  # noqa: E402
+from trainmem_nb.ui.explorer import Explorer  # noqa: E402
+from trainmem_nb.ui.explorer_text import summary_html  # noqa: E402
 
 GOOD = (b'{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"intermediate_size":128,'
         b'"vocab_size":100,"num_hidden_layers":2,"_name_or_path":"good-tiny"}')
@@ -115,4 +116,4 @@ def test_the_summary_says_where_the_reserved_bytes_come_from(app: Explorer) -> N
     assert (f"allocator replayed: {tm.format_bytes(est.fragmentation_bytes)} cached but unused"
             in app.summary_html.value)
     cpu = tm.estimate("llama-3.2-1b", micro_batch=1, seq_len=256, device="cpu")
-    assert cpu.reserved_from == "allocated" and "replayed" not in _summary_html(cpu)
+    assert cpu.reserved_from == "allocated" and "replayed" not in summary_html(cpu)

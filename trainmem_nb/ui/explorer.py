@@ -26,16 +26,16 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from ..engine.breakdown import TOP_KEYS
 from ..errors import SpecError
 from ..estimator.api import estimate
-from ..estimator.result import CATEGORY_HELP, MemoryEstimate
+from ..estimator.result import MemoryEstimate
 from ..model.families import Family
 from ..model.presets import list_presets, resolve_model
 from ..model.spec import ModelSpec
 from ..spec.choices import CHECKPOINTING_HELP, Attention, Checkpointing, Method, OptimizerName, Precision
 from ..step.reserved import screening
-from ..units import format_bytes, format_count
+from ..units import format_count
+from .explorer_text import legend_html, summary_html, verdict_text
 
 __all__ = ["Explorer", "explore"]
 
@@ -197,7 +197,7 @@ class Explorer:
         self.message_html = w.HTML(layout=w.Layout(min_height="1.4em"))
         self.summary_html = w.HTML()
         self.chart = w.Image(format="png", layout=w.Layout(width="100%", max_width="820px"))
-        legend = w.HTML(_legend_html())
+        legend = w.HTML(legend_html())
         for widget, cls in ((self.verdict_html, "trainmem-verdict"), (self.message_html, "trainmem-message"),
                             (self.summary_html, "trainmem-summary"), (self.chart, "trainmem-chart"),
                             (c["micro_batch"], "trainmem-micro-batch"), (c["seq_len"], "trainmem-seq-len"),
@@ -334,12 +334,12 @@ class Explorer:
         self.message = ""
         self.message_html.value = ""
         self.chart.remove_class("trainmem-stale")
-        self.verdict = self.last_verdict = _verdict_text(fit, mmb, est.parallel.gpus)
+        self.verdict = self.last_verdict = verdict_text(fit, mmb, est.parallel.gpus)
         color = {"fits": "#2d7a3e", "tight": "#a86b00", "oom": "#b2182b"}.get(fit.verdict, "#333333")
         notes = "".join(f"<div style='color:#666;font-size:0.9em'>{html.escape(n)}</div>" for n in fit.notes)
         self.verdict_html.value = (f"<div style='font-size:1.15em;color:{color}'><b>"
                                    f"{html.escape(self.verdict)}</b></div>{notes}")
-        self.summary_html.value = _summary_html(est)
+        self.summary_html.value = summary_html(est)
 
     # -- display -----------------------------------------------------------------------------------------
 
@@ -565,54 +565,3 @@ def _with(options: tuple[Any, ...], value: Any) -> list[Any]:
     """`options` with `value` added in order (a start value outside the usual choices stays selectable)."""
     return sorted({*options, value}) if all(isinstance(o, (int, float)) for o in (*options, value)) else (
         list(options) if value in options else [*options, value])
-
-
-def _verdict_text(fit: Any, mmb: int, n_gpus: int) -> str:
-    """One line: the planner's verdict (fits / tight / OOM, with the margin) and the largest micro-batch."""
-    per = " per GPU" if n_gpus > 1 else ""
-    largest = f"largest micro-batch {mmb}" if mmb > 0 else "not even micro-batch 1 fits"
-    return f"{fit.message}{per}; {largest}"
-
-
-def _summary_html(est: MemoryEstimate) -> str:
-    """The numbers under the chart: peak allocated / reserved / device total, when the peak happens, and
-    the breakdown."""
-    rows = "".join(
-        f"<tr><td>{k}</td><td style='text-align:right'>{format_bytes(est.breakdown_bytes[k])}</td>"
-        f"<td style='color:#666;padding-left:1em'>{html.escape(CATEGORY_HELP[k])}</td></tr>" for k in TOP_KEYS
-    )
-    host = f" &middot; host {format_bytes(est.host_bytes)}" if est.host_bytes else ""
-    return (
-        f"<div style='font-size:0.9em'><p>{html.escape(est.model.name)}: {format_count(est.n_params)} parameters "
-        f"({format_count(est.n_trainable_params)} trained) &middot; peak <b>{format_bytes(est.peak_allocated_bytes)}"
-        f"</b> allocated during <b>{html.escape(est.peak_phase)}</b> ({html.escape(est.peak_at)}) &middot; reserved "
-        f"{format_bytes(est.peak_reserved_bytes)}{_reserved_note(est)} &middot; device total "
-        f"{format_bytes(est.device_total_bytes)}{host}</p><table>{rows}</table></div>"
-    )
-
-
-def _reserved_note(est: MemoryEstimate) -> str:
-    """Where the reserved bytes come from (`MemoryEstimate.reserved_from`), in a few words."""
-    if est.reserved_from == "replay":
-        return (f" (allocator replayed: {format_bytes(est.fragmentation_bytes)} cached but unused, largest free "
-                f"block {format_bytes(est.largest_free_block_bytes)})")
-    if est.reserved_from == "churn model":
-        return " (not replayed, beyond the replay's limits: allocated + a share of the temporaries)"
-    if est.reserved_from == "calibration":
-        return " (from the GPU calibration)"
-    return ""
-
-
-def _legend_html() -> str:
-    from .plots import CATEGORY_COLORS
-
-    items = "".join(
-        f"<span style='white-space:nowrap;margin-right:0.9em'><span style='display:inline-block;width:0.9em;"
-        f"height:0.9em;background:{color};vertical-align:middle;margin-right:0.3em'></span>{html.escape(key)}</span>"
-        for key, color in CATEGORY_COLORS.items()
-    )
-    band = ("<span style='white-space:nowrap'><span style='display:inline-block;width:0.9em;height:0.9em;"
-            "background:#e6a532;opacity:0.45;vertical-align:middle;margin-right:0.3em'></span>10–15 % headroom"
-            "</span> &middot; black line: the GPU's usable memory")
-    stale = "<style>.trainmem-stale { opacity: 0.35; }</style>"  # the last valid chart, greyed under an error
-    return f"{stale}<div style='font-size:0.85em;line-height:1.6'>{items}{band}</div>"
