@@ -139,6 +139,12 @@ VARIATIONS: dict[str, dict[str, Any]] = {
     "fsdp-cp2": dict(gpus=4, engine="fsdp", zero=3, cp=2),
     "fsdp-tp2-sp": dict(gpus=4, engine="fsdp", zero=3, tp=2, sp=True),
     "ep2": dict(gpus=4, engine="fsdp", zero=3, ep=2),
+    "loss-chunked": dict(loss_impl="chunked", loss_chunks=4),
+    "loss-chunked-lora": dict(loss_impl="chunked", method="lora", lora_rank=8),
+    "loss-liger": dict(loss_impl="liger"),
+    "loss-liger-bf16-fsdp": dict(loss_impl="liger", precision="bf16-true", gpus=4, engine="fsdp", zero=3),
+    "loss-cce": dict(loss_impl="cce"),
+    "loss-cce-qlora": dict(loss_impl="cce", method="qlora", lora_rank=8),
 }
 
 #: Random combinations per shape (seeded, stored with the data: the grid never changes silently).

@@ -117,3 +117,14 @@ def test_the_summary_says_where_the_reserved_bytes_come_from(app: Explorer) -> N
             in app.summary_html.value)
     cpu = tm.estimate("llama-3.2-1b", micro_batch=1, seq_len=256, device="cpu")
     assert cpu.reserved_from == "allocated" and "replayed" not in summary_html(cpu)
+
+
+def test_the_loss_toggle_estimates_with_that_loss_or_says_why_not(app: Explorer) -> None:
+    before = app.estimate.peak_allocated_bytes
+    app.set(loss_impl="liger", seq_len=8192)
+    assert app.estimate.training.loss_impl.value == "liger" and app.message == ""
+    assert app.estimate.peak_allocated_bytes < tm.estimate("llama-3.2-1b", seq_len=8192).peak_allocated_bytes
+    app.set(model="gpt2", seq_len=1024)  # a bespoke head: the message says so, the explorer keeps working
+    assert "loss_impl='liger' on gpt2 is not modelled" in app.message
+    app.set(loss_impl="standard")
+    assert app.message == "" and app.estimate.model.name == "gpt2" and before > 0

@@ -7,7 +7,7 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from ..spec.choices import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
+from ..spec.choices import Attention, Checkpointing, LossImpl, Method, OptimizerImpl, OptimizerName, Precision
 
 __all__ = ['add_model_options', 'add_training_options', 'model_from_args', 'parallel_options_from_args', 'training_options_from_args']
 
@@ -55,6 +55,10 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                    help="default: the device's PyTorch default (cuda: foreach, cpu: for-loop)")
     g.add_argument("--checkpointing", default="none", metavar="|".join(_choices(Checkpointing)))
     g.add_argument("--attention", default="sdpa", metavar="|".join(_choices(Attention)))
+    g.add_argument("--loss-impl", default="standard", metavar="|".join(_choices(LossImpl)),
+                   help="the head's loss: transformers' (standard), torchtune's chunked, Liger's fused linear "
+                        "cross-entropy or Cut Cross-Entropy (the last two: CUDA)")
+    g.add_argument("--loss-chunks", type=int, default=None, help="--loss-impl chunked: chunks of tokens (default 8)")
     g.add_argument("--dropout", type=float, default=None, help="every dropout rate (default: the config's)")
     g.add_argument("--device", default=device_choices[0], choices=list(device_choices))
     p = parser.add_argument_group("parallel layout")
@@ -125,7 +129,7 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
         "lora_dtype": args.lora_dtype, "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
-        "alloc_conf": args.alloc_conf,
+        "alloc_conf": args.alloc_conf, "loss_impl": args.loss_impl, "loss_chunks": args.loss_chunks,
     }
 
 

@@ -96,6 +96,14 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
                             "the router and the 3-D expert stacks (ParamWrapper, the qwen2_moe conversion); target the "
                             "attention's linears ('qv', or names such as q_a_proj,q_b_proj,kv_a_proj_with_mqa,"
                             "kv_b_proj,o_proj)")
+    if t.loss_impl.value != "standard":
+        d = describe(m.family)
+        why = ("its head is bespoke" if not d.composed else "its final-logit soft-capping" if m.final_softcap
+               else "its logits multiplier" if d.multipliers else "its lm_head bias" if m.lm_head_bias else "")
+        if why:
+            raise SpecError(f"loss_impl={t.loss_impl.value!r} on {m.family.value} is not modelled ({why}); it is "
+                            "modelled for the decoders composed from parts (llama, mistral, qwen2, qwen3, gemma, "
+                            "gemma3, olmo2, smollm3, mixtral, qwen3_moe, ...); use loss_impl='standard'")
     if t.method.value != "full":
         from ..model.params import lora_modules, lora_moe_params
 

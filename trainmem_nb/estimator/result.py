@@ -9,6 +9,7 @@ from typing import Any
 
 from ..engine.breakdown import TOP_KEYS, roll_up
 from ..model.spec import ModelSpec
+from ..recipes import head as _head
 from ..spec.calibration import Calibration
 from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec
@@ -170,6 +171,7 @@ class MemoryEstimate:
             f"{self.model.name}: {format_count(self.n_params)} parameters ({format_count(self.n_trainable_params)} "
             f"trained{method}), {t.precision.value}, {opt}, micro-batch {t.micro_batch} x {t.seq_len} tokens, "
             f"checkpointing {t.checkpointing.value}, {t.attention.value} attention, device {t.device.value}"
+            f"{_LOSS_NOTES[t.loss_impl.value].format(chunks=t.loss_chunks)}"
         )
 
     def summary(self) -> str:
@@ -247,3 +249,12 @@ class MemoryEstimate:
             f"({html.escape(self.peak_at)}) &middot; reserved {format_bytes(self.peak_reserved_bytes)} "
             f"&middot; device total {format_bytes(self.device_total_bytes)}</p></div>"
         )
+
+
+#: How the headline names a memory-efficient loss, with the version it is modelled from (`recipes.head`).
+_LOSS_NOTES: dict[str, str] = {
+    "standard": "",
+    "chunked": f", loss chunked in {{chunks}} (torchtune {_head.TORCHTUNE_VERSION} LinearCrossEntropyLoss)",
+    "liger": f", loss: Liger Kernel {_head.LIGER_VERSION} fused linear cross-entropy",
+    "cce": f", loss: Cut Cross-Entropy {_head.CCE_VERSION}",
+}

@@ -87,6 +87,11 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
             f"optimizer={t.optimizer.value!r} cannot be measured here: it is not in torch.optim (it needs "
             f"bitsandbytes or another package); measure adamw, adam, sgd, sgd-momentum, adafactor or none"
         )
+    if t.loss_impl.value != "standard":
+        raise RuntimeError(
+            f"loss_impl={t.loss_impl.value!r} cannot be measured here: the measured step runs transformers' own "
+            "loss (Liger and Cut Cross-Entropy are Triton kernels); measure loss_impl='standard'"
+        )
     if t.method is Method.QLORA:
         raise RuntimeError(
             "method='qlora' cannot be measured here: it needs bitsandbytes CUDA kernels for the NF4 base; "

@@ -30,6 +30,12 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
             raise SpecError("method='qlora' with engine='megatron': Megatron-LM has no 4-bit (bitsandbytes NF4) "
                             "weights; use method='lora' with megatron, or qlora with engine='ddp', 'fsdp' or "
                             "'deepspeed'")
+        if t.loss_impl.value != "standard" and (p.engine is Engine.MEGATRON or p.tp > 1 or p.cp > 1):
+            # Megatron (and tensor parallelism) shard the head over the vocabulary with their own
+            # vocab-parallel cross-entropy; the modelled losses take the whole head on one rank
+            raise SpecError(f"loss_impl={t.loss_impl.value!r} with engine={p.engine.value!r}, tp={p.tp}, cp={p.cp} "
+                            "is not modelled (a vocabulary-sharded head has its own vocab-parallel cross-entropy); "
+                            "use it with ddp, fsdp or deepspeed and tp=1, cp=1, or loss_impl='standard'")
     if m.n_heads % p.tp:
         ok = [d for d in range(1, min(m.n_heads, p.gpus_per_node) + 1) if m.n_heads % d == 0 and m.n_kv_heads % d == 0]
         raise SpecError(f"tp={p.tp} does not divide {m.name}'s n_heads={m.n_heads}; use tp in {ok}")

@@ -99,7 +99,7 @@ class Recipe:
     def final_norm(self, g: Graph, x: T, p: dict[str, T]) -> T:
         raise NotImplementedError
 
-    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
+    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T | None]:
         raise NotImplementedError
 
 

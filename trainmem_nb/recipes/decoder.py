@@ -17,11 +17,11 @@ from ..engine.tape import Graph, T, const, per_seq
 from ..model.families import describe
 from ..model.layers import LayerKind
 from ..model.spec import ModelSpec
-from ..spec.choices import Attention
+from ..spec.choices import Attention, LossImpl
 from ..spec.training import TrainingSpec
 from .attention import ATTENTIONS
 from .base import DEFAULT_KIND, Recipe, Shared, peft_input_leaf, tok
-from .head import causal_lm_loss
+from .head import causal_lm_loss, fused_head_loss
 from .layers import LAYERS
 from .masks import causal_mask, sliding_window_mask
 from .mlp import MLPS
@@ -184,10 +184,13 @@ class DecoderRecipe(Recipe):
         self.embed_locals = []
         return out
 
-    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
-        """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits)."""
+    def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T | None]:
+        """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits). With a
+        memory-efficient `TrainingSpec.loss_impl` the head's projection is part of the loss (no logits)."""
         m, ctx = self.m, self.ctx
         w = p.get("lm_head.weight") or p["embed_tokens.weight"]
+        if self.t.loss_impl is not LossImpl.STANDARD:  # no logits returned (`check_model_options` refuses the rest)
+            return fused_head_loss(g, ctx, self.t, h, w, m.hidden, m.vocab), None
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
         if self.d.multipliers:  # Granite: ``logits = logits / self.config.logits_scaling`` (a new tensor)
             raw = logits

@@ -1,4 +1,5 @@
-"""The language-model head's loss as transformers computes it.
+"""The language-model head's loss: as transformers computes it, and the memory-efficient losses people
+switch on instead (torchtune's chunked loss, Liger's fused linear cross-entropy, Cut Cross-Entropy).
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from collections.abc import Sequence
 from ..engine import ops
 from ..engine.ops import F32, I64
 from ..engine.tape import Graph, Sz, T, const
+from ..spec.choices import LossImpl
+from ..spec.training import TrainingSpec
 from .base import tok
 
 
@@ -33,3 +36,204 @@ def causal_lm_loss(g: Graph, logits: T, vocab: int, batch1: bool = False) -> T:
     g.record("nll_loss", [ls, shift], [loss, total_weight], [shift, total_weight], nll_bwd)
     g.drop(ls, shift, total_weight, lf, pad)
     return loss
+
+
+# -- memory-efficient losses people switch on (TrainingSpec.loss_impl) ------------------------------
+#: Versions the fused losses are modelled from (their sources, read line by line; neither can run on the
+#: CPU this project is measured on: both are Triton kernels).
+LIGER_VERSION = "0.8.2"  # linkedin/Liger-Kernel@ead96b61, src/liger_kernel/ops/fused_linear_cross_entropy.py
+CCE_VERSION = "25.6.4"  # apple/ml-cross-entropy@d42911f9, cut_cross_entropy/cce.py, cce_backward.py
+
+
+def liger_chunk_rows(tokens: int, hidden: int, vocab: int) -> int:
+    """Rows of one Liger logits chunk: ``inc_factor = cdiv(V, H)``, ``chunk_size =
+    next_power_of_2(cdiv(BT, inc_factor))`` (fused_linear_cross_entropy.py:64-70)."""
+    inc = -(-vocab // hidden)
+    rows = -(-tokens // inc)
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+def _shifted_labels(g: Graph, batch1: bool) -> tuple[T, T]:
+    """transformers' label shift (``ForCausalLMLoss``, also Liger's ``LigerForCausalLMLoss``):
+    ``F.pad(labels, (0, 1))`` then ``labels[..., 1:].contiguous()`` (a view with one sequence)."""
+    pad = g.alloc(Sz(bs=1, b_=1), I64, "labels pad")
+    shift = g.view(pad, "shift_labels", n=tok(1)) if batch1 else g.alloc(tok(1), I64, "shift_labels")
+    return pad, shift
+
+
+def liger_fused_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int, tokens: int) -> T:
+    """Liger's fused linear cross-entropy (``apply_liger_kernel_to_*``, or ``use_liger_kernel=True`` in
+    the HF Trainer): no logits over the whole batch. The forward walks the tokens in chunks, computes
+    each chunk's logits, writes their gradient in place (the CE kernel), and accumulates the input's
+    and the weight's gradients then and there (``grad_input`` (BT, H) in the hidden dtype, always;
+    ``grad_weight`` (V, H) in the weight's dtype when it is trained); backward only scales them in place.
+    Two logits chunks are alive while the next is computed (``logits_chunk`` is rebound before
+    ``grad_logits_chunk`` lets the old one go). Under autocast (no ``cast_inputs``) the matmuls run in
+    16 bits: a trained fp32 weight's cast is autocast's cached copy, a frozen one is cast per matmul, and
+    with an fp32 ``grad_weight`` and 16-bit logits the update is ``addmm(out_dtype=fp32)`` into it (torch
+    >= 2.8, compute capability >= 8: fused_linear_cross_entropy.py:235-255); otherwise each chunk makes a
+    (V, H) product and its ``.float()`` copy before adding (:257). Modelled from Liger 0.8.2."""
+    rows = liger_chunk_rows(tokens, hidden, vocab)
+    n_chunks = -(-tokens // rows)
+    pad, shift = _shifted_labels(g, ctx.batch1)
+    trains_w = w.rg
+    grad_input = g.alloc(h.n, h.dt, "liger grad_input")
+    grad_weight = g.alloc(w.n, w.dt, "liger grad_weight") if trains_w else None
+    loss_1d = g.alloc(tok(1), F32, "liger loss_1d")
+    mask = g.alloc(tok(1), ops.BOOL, "liger target_mask")
+    g.drop(mask)  # target_mask.sum().item()
+    cdt = ctx.autocast if ctx.autocast is not None else max(h.dt, w.dt)
+    wc = ops.autocast_weight(g, ctx, w) if ctx.autocast is not None and trains_w else None
+    chunk_n, chunk_h = const(rows * vocab), const(rows * hidden)
+    fast = grad_weight is not None and grad_weight.dt == F32 and cdt == ops.F16
+    prev: T | None = None
+    for i in range(min(n_chunks, 2)):  # every later chunk repeats the second's allocations
+        def matmul_weight() -> T | None:  # the weight as a 16-bit matmul operand under autocast
+            if ctx.autocast is None or w.dt == ctx.autocast:
+                return None
+            return g.hold(wc) if wc is not None else ops.cast(g, w, ctx.autocast, f"autocast {w.label}")
+
+        xin = g.alloc(chunk_h, cdt, f"liger chunk {i} input cast") if ctx.autocast is not None and h.dt != cdt else None
+        wm = matmul_weight()
+        logits = g.alloc(chunk_n, cdt, f"liger logits chunk {i}")
+        g.drop(xin, wm)
+        g.drop(prev)  # grad_logits_chunk = logits_chunk: the last chunk's buffer goes
+        prev = logits
+        wm = matmul_weight()
+        gi = g.alloc(chunk_h, cdt, f"liger chunk {i} grad_logits @ weight")
+        g.drop(gi, wm)  # copied into grad_input's rows
+        if grad_weight is not None:
+            if fast:
+                xc = g.alloc(chunk_h, cdt, f"liger chunk {i} input.to(16-bit)") if h.dt != cdt else None
+                g.drop(xc)
+            else:
+                prod = g.alloc(w.n, cdt, f"liger chunk {i} grad_logits.t() @ input")
+                up = g.alloc(w.n, F32, f"liger chunk {i} .float()") if cdt != F32 else None
+                g.drop(prod, up)
+    g.drop(prev, loss_1d)
+    loss = g.alloc(const(1), F32, "loss")
+    g.drop(pad, shift)
+    saved = [grad_input, grad_weight]
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:  # element_mul_kernel in place
+        return [g.hold(grad_input), g.hold(grad_weight) if grad_weight is not None else None]
+
+    g.record("liger fused linear cross-entropy", [h, w], [loss], saved, bwd)
+    g.drop(grad_input, grad_weight, wc)
+    return loss
+
+
+def cut_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int) -> T:
+    """Apple's Cut Cross-Entropy (``cce_patch``, impl ``"cce"``): nothing of (tokens, vocab) is ever
+    allocated. Under autocast the forward casts the hidden state and the classifier to 16 bits itself
+    (new copies, not autocast's cache; cce.py:71-76) and saves them with the per-token log-sum-exp, the
+    targets, the valid-row indices and the vocabulary's average logit; labels are shifted by indexing,
+    not copied. Backward allocates the hidden state's and the classifier's gradients in the saved
+    dtype and casts them back to the originals' dtype (cce_backward.py:390-394, 511-519), both
+    copies alive at the cast. Modelled from CCE 25.6.4 (default settings: no fp32 accumulation)."""
+    cdt = ctx.autocast if ctx.autocast is not None else None
+    # inside the autograd Function: plain copies, no autograd nodes of their own
+    e = g.alloc(h.n, cdt, "cce e.to(autocast dtype)") if cdt is not None and h.dt != cdt else g.hold(h)
+    c = g.alloc(w.n, cdt, "cce c.to(autocast dtype)") if cdt is not None and w.dt != cdt else g.hold(w)
+    nz = g.alloc(tok(2), I64, "cce (targets != ignore).nonzero()")
+    valids = g.alloc(tok(1), 4, "cce valids")
+    g.drop(nz)
+    lse = g.alloc(tok(1), F32, "cce lse")
+    logit_avg = g.alloc(const(vocab), F32, "cce logit_avg")
+    nll = g.alloc(tok(1), F32, "cce neg_dot + lse")
+    loss = g.alloc(const(1), F32, "loss")
+    g.drop(nll)
+    saved = [e, c, lse, valids, logit_avg]
+    e_dt, c_dt, trains_w = e.dt, c.dt, w.rg
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        order = g.alloc(const(vocab), I64, "cce argsort(logit_avg)")
+        order32 = g.alloc(const(vocab), 4, "cce vocab_ordering")
+        g.drop(order)
+        de = g.alloc(h.n, e_dt, "cce de")
+        dc = g.alloc(w.n, c_dt, "cce dc") if trains_w else None
+        g.drop(order32)
+        gh = de
+        if h.dt != e_dt:
+            gh = g.alloc(h.n, h.dt, "cce de.to(e dtype)")
+            g.drop(de)
+        gw = dc
+        if dc is not None and w.dt != c_dt:
+            gw = g.alloc(w.n, w.dt, "cce dc.to(c dtype)")
+            g.drop(dc)
+        return [gh, gw]
+
+    g.record("cut cross-entropy", [h, w], [loss], saved, bwd)
+    g.drop(e, c, lse, valids, logit_avg)
+    return loss
+
+
+#: torchtune's version the chunked loss is modelled from (torchtune/modules/loss/cross_entropy_loss.py).
+TORCHTUNE_VERSION = "0.7.0"  # pytorch/torchtune@bd2a0fc7
+
+
+def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int, chunks: int) -> T:
+    """torchtune's ``LinearCrossEntropyLoss`` (its recipes' default; eager, ``compile: False``): the model
+    skips its output layer; the loss keeps the rows of valid targets (``index_select``: a copy of the
+    hidden state), splits them into `chunks` (views) and, chunk by chunk, projects to the vocabulary,
+    upcasts to fp32 and takes ``cross_entropy(reduction="sum")``, whose ``log_softmax`` keeps its fp32
+    output for backward: chunking lowers the transient peak, not what is saved (all chunks' fp32
+    log-probabilities, as many as one full fp32 copy of the logits). Labels come shifted from the
+    dataset (on the host); every token is taken as valid. Modelled from torchtune 0.7.0 (eager)."""
+    mask = g.alloc(tok(1), ops.BOOL, "targets != ignore_index")
+    count = g.alloc(tok(1), I64, "torch.where(mask)[0]")
+    g.drop(count)
+    idx = g.alloc(tok(1), I64, "valid indices")
+    g.drop(mask)
+    kept = g.alloc(h.n, h.dt, "hidden.index_select(valid)")
+    n_h = h.n
+
+    def sel_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:  # zeros(...).index_add_(0, idx, grad)
+        return [g.alloc(n_h, h.dt, "index_select backward"), None]
+
+    g.record("index_select", [h, idx], [kept], [idx], sel_bwd)
+    tgt = g.alloc(tok(1), I64, "target.index_select(valid)")
+    g.drop(idx)
+    parts = ops.split(g, kept, [1.0 / chunks] * chunks, "tensor_split")
+    g.drop(kept)
+    total: T | None = None
+    for i, part in enumerate(parts):
+        logits = ops.linear(g, ctx, part, w, hidden, vocab, None, f"chunk {i} output")
+        g.drop(part)
+        lf = ops.cast(g, logits, F32, f"chunk {i} logits.float()")
+        g.drop(logits)
+        ls = g.alloc(lf.n, F32, f"chunk {i} log_softmax")
+        n_lf = lf.n
+
+        def ls_bwd(g: Graph, go: Sequence[T | None], i: int = i, n_lf: Sz = n_lf) -> list[T | None]:
+            return [g.alloc(n_lf, F32, f"chunk {i} log_softmax backward")]
+
+        g.record(f"chunk {i} log_softmax", [lf], [ls], [ls], ls_bwd)
+        g.drop(lf)
+        loss_i = g.alloc(const(1), F32, f"chunk {i} loss")
+        tw = g.alloc(const(1), F32, f"chunk {i} nll total_weight")
+
+        def nll_bwd(g: Graph, go: Sequence[T | None], i: int = i, n_lf: Sz = n_lf) -> list[T | None]:
+            return [g.alloc(n_lf, F32, f"chunk {i} nll_loss backward"), None]
+
+        g.record(f"chunk {i} nll_loss", [ls, tgt], [loss_i, tw], [tgt, tw], nll_bwd)
+        g.drop(ls, tw)
+        if total is None:
+            total = loss_i
+        else:
+            new = ops.add(g, total, loss_i, f"total_loss + chunk {i}")
+            g.drop(total, loss_i)
+            total = new
+    assert total is not None
+    loss = ops.scalar_op(g, total, "total_loss / total_elements")
+    g.drop(total, tgt)
+    return loss
+
+
+def fused_head_loss(g: Graph, ctx: ops.Ctx, t: TrainingSpec, h: T, w: T, hidden: int, vocab: int) -> T:
+    """The head's projection and loss by `t.loss_impl` (not ``standard``): the loss, no logits."""
+    if t.loss_impl is LossImpl.LIGER:
+        return liger_fused_linear_cross_entropy(g, ctx, h, w, hidden, vocab, t.tokens)
+    if t.loss_impl is LossImpl.CCE:
+        return cut_cross_entropy(g, ctx, h, w, hidden, vocab)
+    return chunked_linear_cross_entropy(g, ctx, h, w, hidden, vocab, t.loss_chunks)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .base import _Choice
 
-__all__ = ['CHECKPOINTING_HELP', 'AdapterDtype', 'Attention', 'Checkpointing', 'Device', 'Method', 'OptimizerImpl', 'OptimizerName', 'Precision']
+__all__ = ['CHECKPOINTING_HELP', 'AdapterDtype', 'Attention', 'Checkpointing', 'Device', 'LossImpl', 'Method', 'OptimizerImpl', 'OptimizerName', 'Precision']
 
 
 class Precision(_Choice):
@@ -88,3 +88,12 @@ class AdapterDtype(_Choice):
 
     FP32 = "fp32"  #: peft's default on a 16-bit base (``autocast_adapter_dtype=True``)
     BASE = "base"  #: the base weights' dtype (``autocast_adapter_dtype=False``): bf16 under bf16-true
+
+
+class LossImpl(_Choice):
+    """How the language-model head's loss is computed (`trainmem_nb.recipes.head`)."""
+
+    STANDARD = "standard"  #: transformers' ForCausalLMLoss: all logits, upcast to fp32, then cross-entropy
+    CHUNKED = "chunked"  #: torchtune's LinearCrossEntropyLoss: logits chunk by chunk (``loss_chunks``)
+    LIGER = "liger"  #: Liger Kernel's fused linear cross-entropy: gradients in the forward, no full logits
+    CCE = "cce"  #: Apple's Cut Cross-Entropy: no logits tensor at all

@@ -11,7 +11,17 @@ from pydantic import Field, model_validator
 
 from ..errors import SpecError, did_you_mean
 from .base import _FROZEN, SpecModel, _validate
-from .choices import AdapterDtype, Attention, Checkpointing, Device, Method, OptimizerImpl, OptimizerName, Precision
+from .choices import (
+    AdapterDtype,
+    Attention,
+    Checkpointing,
+    Device,
+    LossImpl,
+    Method,
+    OptimizerImpl,
+    OptimizerName,
+    Precision,
+)
 
 __all__ = ['TrainingSpec']
 
@@ -54,6 +64,12 @@ class TrainingSpec(SpecModel):
         default=False,
         description="the very first step: optimizer state does not exist yet and is created inside step()",
     )
+    loss_impl: LossImpl = Field(
+        default=LossImpl.STANDARD,
+        description="the head's loss: 'standard' (transformers'), 'chunked' (torchtune's), 'liger' (Liger's fused "
+        "linear cross-entropy) or 'cce' (Apple's Cut Cross-Entropy)")
+    loss_chunks: int = Field(default=8, ge=1, le=4096,
+                             description="loss_impl='chunked': chunks of tokens (torchtune's num_output_chunks)")
     alloc_conf: str = Field(
         default="", max_length=1000,
         description="PYTORCH_CUDA_ALLOC_CONF for the caching allocator's replay, e.g. 'expandable_segments:True'")
@@ -72,6 +88,7 @@ class TrainingSpec(SpecModel):
         for key, enum in (
             ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
             ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
+            ("loss_impl", LossImpl),
         ):
             if key in data and data[key] is not None:
                 data[key] = enum.parse(data[key], key)
@@ -111,6 +128,13 @@ class TrainingSpec(SpecModel):
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainingSpec:
+        default_chunks = TrainingSpec.model_fields["loss_chunks"].default
+        if self.loss_chunks != default_chunks and self.loss_impl is not LossImpl.CHUNKED:
+            raise SpecError(f"loss_chunks={self.loss_chunks} applies to loss_impl='chunked' only (got "
+                            f"loss_impl={self.loss_impl.value!r}); drop loss_chunks or set loss_impl='chunked'")
+        if self.loss_impl in (LossImpl.LIGER, LossImpl.CCE) and self.device is Device.CPU:
+            raise SpecError(f"loss_impl={self.loss_impl.value!r} is a Triton kernel: it runs on CUDA only; use "
+                            "device='cuda', or loss_impl='standard' or 'chunked' on the CPU")
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (
             OptimizerName.ADAMW, OptimizerName.ADAM, OptimizerName.SGD, OptimizerName.SGD_MOMENTUM,
         ):

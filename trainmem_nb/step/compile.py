@@ -18,7 +18,7 @@ from ..engine.tape import Graph, Sz, T, const, per_token
 from ..model.params import buffer_inventory, on_stage, quantized, weight_tensors
 from ..model.spec import ModelSpec
 from ..recipes.registry import recipe_for
-from ..spec.choices import Checkpointing, Device, Method, OptimizerName, Precision
+from ..spec.choices import Checkpointing, Device, LossImpl, Method, OptimizerName, Precision
 from ..spec.training import TrainingSpec
 from .checkpoint import _checkpointed_layer, _Frame
 from .layers import in_layer_of, layer_plan
@@ -387,10 +387,11 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     if hit is not None and hit[0] is t and hit[1] == window:  # one estimate asks up to four times
         return hit[2]
     seq = window if window and t.seq_len >= window else 1
-    # model_copy skips validation: the values come from a validated spec
-    key = t.model_copy(update={"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq,
-                               "grad_accum": min(t.grad_accum, 2),
-                               "alloc_conf": ""})
+    # model_copy skips validation: the values come from a validated spec. Liger's chunk size depends on
+    # the token count (`recipes.head.liger_chunk_rows`): its programs keep the batch shape.
+    shape = ({} if t.loss_impl is LossImpl.LIGER else
+             {"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq})
+    key = t.model_copy(update={**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": ""})
     if len(_KEYS) >= 64:
         _KEYS.clear()
     _KEYS[id(t)] = (t, window, key)  # holding `t` keeps its id from being reused while it is here

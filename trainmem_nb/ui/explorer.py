@@ -32,7 +32,7 @@ from ..estimator.result import MemoryEstimate
 from ..model.families import Family
 from ..model.presets import list_presets, resolve_model
 from ..model.spec import ModelSpec
-from ..spec.choices import CHECKPOINTING_HELP, Attention, Checkpointing, Method, OptimizerName, Precision
+from ..spec.choices import CHECKPOINTING_HELP, Attention, Checkpointing, LossImpl, Method, OptimizerName, Precision
 from ..step.reserved import screening
 from ..units import format_count
 from .explorer_text import legend_html, summary_html, verdict_text
@@ -59,7 +59,7 @@ ENGINES: tuple[str, ...] = ("deepspeed", "fsdp", "ddp", "megatron")
 
 #: The controls and the option each one sets (model controls are handled apart).
 TRAINING_CONTROLS: tuple[str, ...] = (
-    "micro_batch", "seq_len", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "method",
+    "micro_batch", "seq_len", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "loss_impl", "method",
     "lora_rank", "alloc_conf",
 )
 #: The caching allocator's settings offered (``PYTORCH_CUDA_ALLOC_CONF``): its default and expandable segments.
@@ -170,6 +170,12 @@ class Explorer:
                                              description="checkpoint", style={"button_width": "6.5em"}),
             "attention": w.ToggleButtons(options=[a.value for a in Attention], value=t["attention"],
                                          description="attention", style={"button_width": "5.5em"}),
+            "loss_impl": w.ToggleButtons(options=[x.value for x in LossImpl], value=t["loss_impl"], description="loss",
+                                         style={"button_width": "5.5em"},
+                                         tooltips=["transformers' loss: all logits, upcast to fp32",
+                                                   "torchtune's chunked loss (8 chunks)",
+                                                   "Liger's fused linear cross-entropy (CUDA)",
+                                                   "Apple's Cut Cross-Entropy (CUDA)"]),
             "method": w.ToggleButtons(options=[m.value for m in Method], value=t["method"], description="method",
                                       style={"button_width": "5.5em"}),
             "lora_rank": w.SelectionSlider(options=_with(LORA_RANKS, t["lora_rank"]), value=t["lora_rank"],
@@ -544,7 +550,8 @@ def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
         "precision": t.precision.value, "optimizer": t.optimizer.value, "checkpointing": t.checkpointing.value,
-        "attention": t.attention.value, "method": t.method.value, "lora_rank": t.lora_rank,
+        "attention": t.attention.value, "loss_impl": t.loss_impl.value, "method": t.method.value,
+        "lora_rank": t.lora_rank,
         "alloc_conf": t.alloc_conf, "gpus": p.gpus, "zero": p.zero, "engine": p.engine.value, "tp": p.tp, "pp": p.pp,
     }
 

@@ -1,0 +1,106 @@
+"""The memory-efficient losses people switch on (`TrainingSpec.loss_impl`), each against transformers'
+standard loss: torchtune's chunked loss, Liger's fused linear cross-entropy, Apple's Cut Cross-Entropy."""
+
+from __future__ import annotations
+
+import pytest
+
+import trainmem_nb as tm
+from trainmem_nb.errors import SpecError
+from trainmem_nb.model.presets import get_model
+from trainmem_nb.recipes.head import liger_chunk_rows
+from trainmem_nb.spec.training import TrainingSpec
+from trainmem_nb.step.compile import compile_step, program_key
+
+M = get_model("llama-3.2-1b").layer_slice(0, 1)  # vocab 128256, hidden 2048: the head dominates
+B, S = 2, 512
+
+
+def _events(loss_impl: str, seq_len: int = S, **kw: object) -> list[tuple[str, int, int, str]]:
+    """(phase, +1 alloc / -1 free, bytes, label) of every event of the step at B x `seq_len`."""
+    t = TrainingSpec(micro_batch=B, seq_len=seq_len, loss_impl=loss_impl, **kw)
+    return [(seg.phase, sign, int(sz.at(B, seq_len)), label) for seg in compile_step(M, program_key(t, M)).segments
+            for _cat, sign, sz, label in seg.events]
+
+
+def _labels(loss_impl: str, **kw: object) -> set[str]:
+    return {label for *_rest, label in _events(loss_impl, **kw)}
+
+
+def test_liger_chunk_rows_follow_its_formula() -> None:
+    # inc_factor = cdiv(V, H); chunk_size = next_power_of_2(cdiv(BT, inc_factor))
+    assert liger_chunk_rows(16384, 4096, 128256) == 512  # llama-3-8b, 4 x 4096
+    assert liger_chunk_rows(100, 4096, 128256) == 4  # cdiv(100, 32) = 4
+    assert liger_chunk_rows(129, 4096, 128256) == 8  # cdiv(129, 32) = 5, rounded up to a power of two
+    assert liger_chunk_rows(1, 4096, 128256) == 1
+
+
+@pytest.mark.parametrize("loss_impl", ["liger", "cce"])
+def test_fused_losses_never_allocate_the_logits_of_the_whole_batch(loss_impl: str) -> None:
+    seq = 8192  # the logits (4.2 GB in 16 bits) outweigh every weight-sized buffer (1.05 GB in fp32)
+    full_logits = B * seq * M.vocab * 2
+    assert max(n for _p, sign, n, _l in _events("standard", seq) if sign > 0) >= full_logits
+    assert max(n for _p, sign, n, _l in _events(loss_impl, seq) if sign > 0) <= M.vocab * M.hidden * 4
+
+
+def test_liger_computes_the_gradients_in_the_forward_and_none_for_a_frozen_head() -> None:
+    fwd = {label: n for phase, sign, n, label in _events("liger") if sign > 0 and phase == "forward"}
+    assert fwd["liger grad_input"] == B * S * M.hidden * 4  # the fp32 hidden state under bf16-mixed
+    assert fwd["liger grad_weight"] == M.vocab * M.hidden * 4  # the (tied) fp32 weight's gradient
+    assert "liger grad_weight" not in _labels("liger", method="lora")
+    assert not any(phase == "backward" and sign > 0 and "liger" in label for phase, sign, _n, label in _events("liger"))
+
+
+def test_liger_weight_update_in_pure_16_bit_makes_a_product_and_its_fp32_copy_per_chunk() -> None:
+    # bf16 grad_weight: torch.mm(...).float() per chunk; fp32 grad_weight with 16-bit logits (AMP): addmm(out_dtype)
+    pure, amp = _labels("liger", precision="bf16-true"), _labels("liger")
+    assert {"liger chunk 0 grad_logits.t() @ input", "liger chunk 0 .float()"} <= pure
+    assert not any("grad_logits.t() @ input" in label for label in amp)
+    assert "liger chunk 0 input.to(16-bit)" in amp
+
+
+def test_cce_under_autocast_saves_16_bit_copies_and_casts_its_gradients_back() -> None:
+    amp, pure = _labels("cce"), _labels("cce", precision="bf16-true")
+    copies = {"cce e.to(autocast dtype)", "cce c.to(autocast dtype)", "cce de.to(e dtype)", "cce dc.to(c dtype)"}
+    assert copies <= amp
+    assert not copies & pure and {"cce de", "cce dc"} <= pure
+
+
+def test_chunked_loss_saves_every_chunks_fp32_log_probabilities_and_lowers_the_transient_peak() -> None:
+    ev = _events("chunked", loss_chunks=4)
+    saved = sum(n for phase, sign, n, label in ev if sign > 0 and phase == "forward" and label.endswith("log_softmax"))
+    assert saved == B * S * M.vocab * 4  # as much as the standard loss's one fp32 log_softmax
+    seq = 4096  # the head's peak is the step's
+    peaks = {impl: tm.estimate(M, micro_batch=B, seq_len=seq, loss_impl=impl, **kw).peak_allocated_bytes
+             for impl, kw in (("standard", {}), ("chunked", {"loss_chunks": 4}), ("liger", {}), ("cce", {}))}
+    assert peaks["chunked"] < peaks["standard"]
+    assert peaks["liger"] < peaks["chunked"] and peaks["cce"] < peaks["chunked"]
+    more = tm.estimate(M, micro_batch=B, seq_len=seq, loss_impl="chunked", loss_chunks=16).peak_allocated_bytes
+    assert more < peaks["chunked"]
+
+
+def test_liger_programs_keep_the_batch_shape_the_others_share_one() -> None:
+    # Liger's chunk size depends on the token count, so its program is compiled per batch shape
+    liger = program_key(TrainingSpec(micro_batch=3, seq_len=700, loss_impl="liger"), M)
+    std = program_key(TrainingSpec(micro_batch=3, seq_len=700), M)
+    assert (liger.micro_batch, liger.seq_len) == (3, 700)
+    assert (std.micro_batch, std.seq_len) == (2, 1)
+
+
+@pytest.mark.parametrize(("model", "options", "text"), [
+    ("gemma-2-2b", {"loss_impl": "liger"}, "soft-capping"),
+    ("granite-3.1-2b", {"loss_impl": "cce"}, "multiplier"),
+    ("gpt2", {"loss_impl": "chunked", "seq_len": 512}, "bespoke"),
+    ("phi-1.5", {"loss_impl": "liger"}, "bespoke"),
+    ("llama-3.2-1b", {"loss_impl": "liger", "device": "cpu"}, "CUDA only"),
+    ("llama-3.2-1b", {"loss_chunks": 4}, "loss_impl='chunked' only"),
+    ("llama-3.2-1b", {"loss_impl": "fused"}, "valid values: standard, chunked, liger, cce"),
+])
+def test_a_loss_that_is_not_modelled_is_refused_saying_what_works(model: str, options: dict, text: str) -> None:
+    with pytest.raises(SpecError, match=text):
+        tm.estimate(model, **options)
+
+
+def test_the_summary_names_the_loss_and_the_version_it_is_modelled_from() -> None:
+    assert "Liger Kernel 0.8.2" in tm.estimate(M, loss_impl="liger").summary()
+    assert "loss" not in tm.estimate(M).summary().splitlines()[0]
