@@ -42,6 +42,7 @@ from ..model.hf_config import to_hf_config
 from ..model.spec import ModelSpec
 from ..spec.choices import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
 from ..spec.training import TrainingSpec
+from .losses import step_loss
 from .models import hf_config_object, instantiate
 from .tracker import StorageTracker, cuda_round
 
@@ -87,10 +88,13 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
             f"optimizer={t.optimizer.value!r} cannot be measured here: it is not in torch.optim (it needs "
             f"bitsandbytes or another package); measure adamw, adam, sgd, sgd-momentum, adafactor or none"
         )
-    if t.loss_impl.value != "standard":
+    if t.loss_impl.value == "chunked" and device == "fake":
+        raise RuntimeError("loss_impl='chunked' cannot run under fake tensors: torchtune's loss keeps the rows of "
+                           "valid targets (torch.where, a data-dependent shape); measure it with device='cpu'")
+    if t.loss_impl.value in ("liger", "cce"):
         raise RuntimeError(
-            f"loss_impl={t.loss_impl.value!r} cannot be measured here: the measured step runs transformers' own "
-            "loss (Liger and Cut Cross-Entropy are Triton kernels); measure loss_impl='standard'"
+            f"loss_impl={t.loss_impl.value!r} cannot be measured here: it is a Triton kernel, not installed with "
+            "the measure extra; measure loss_impl='standard' or 'chunked'"
         )
     if t.method is Method.QLORA:
         raise RuntimeError(
@@ -317,6 +321,7 @@ class _Setup:
     """A built model with its inputs, optimizer and (fp16-mixed) grad scaler, ready for steps."""
 
     def __init__(self, m: ModelSpec, t: TrainingSpec, device: str, prime: bool) -> None:
+        self.t = t
         self.model, self.inputs = build(m, t, device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = make_optimizer(t, self.trainable)
@@ -341,7 +346,7 @@ class _Setup:
         # gradients, which it adds to (the estimator's later micro-step with ``.grad`` alive)
         for _ in range(t.grad_accum - 1):
             with self.autocast:
-                loss = self.model(**self.inputs).loss
+                loss = step_loss(self.model, self.inputs, self.t)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             del loss
 
@@ -361,7 +366,7 @@ class _Setup:
         t0 = clock()
         mark("forward")
         with self.autocast:
-            loss = self.model(**self.inputs).loss
+            loss = step_loss(self.model, self.inputs, self.t)
         t1 = clock()
         mark("backward")
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss

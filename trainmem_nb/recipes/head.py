@@ -172,14 +172,16 @@ def cut_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: in
 TORCHTUNE_VERSION = "0.7.0"  # pytorch/torchtune@bd2a0fc7
 
 
-def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int, chunks: int) -> T:
+def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int, chunks: int,
+                                 tokens: int) -> T:
     """torchtune's ``LinearCrossEntropyLoss`` (its recipes' default; eager, ``compile: False``): the model
     skips its output layer; the loss keeps the rows of valid targets (``index_select``: a copy of the
     hidden state), splits them into `chunks` (views) and, chunk by chunk, projects to the vocabulary,
     upcasts to fp32 and takes ``cross_entropy(reduction="sum")``, whose ``log_softmax`` keeps its fp32
     output for backward: chunking lowers the transient peak, not what is saved (all chunks' fp32
     log-probabilities, as many as one full fp32 copy of the logits). Labels come shifted from the
-    dataset (on the host); every token is taken as valid. Modelled from torchtune 0.7.0 (eager)."""
+    dataset (on the host); every token is taken as valid. Modelled from torchtune 0.7.0 (eager) and
+    measured (`trainmem_nb.measure.losses` runs the same statements; tests/test_loss_impl.py)."""
     mask = g.alloc(tok(1), ops.BOOL, "targets != ignore_index")
     count = g.alloc(tok(1), I64, "torch.where(mask)[0]")
     g.drop(count)
@@ -194,14 +196,14 @@ def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int
     g.record("index_select", [h, idx], [kept], [idx], sel_bwd)
     tgt = g.alloc(tok(1), I64, "target.index_select(valid)")
     g.drop(idx)
-    parts = ops.split(g, kept, [1.0 / chunks] * chunks, "tensor_split")
+    # tensor_split: the first tokens % chunks chunks one row longer (the program keeps the batch shape)
+    rows = [tokens // chunks + (i < tokens % chunks) for i in range(chunks)]
+    parts = ops.split(g, kept, [r / tokens for r in rows], "tensor_split", sizes=[const(r * hidden) for r in rows])
     g.drop(kept)
-    total: T | None = None
+    total = g.alloc(const(1), F32, "total_loss = torch.tensor(0.0)")
     for i, part in enumerate(parts):
         logits = ops.linear(g, ctx, part, w, hidden, vocab, None, f"chunk {i} output")
-        g.drop(part)
         lf = ops.cast(g, logits, F32, f"chunk {i} logits.float()")
-        g.drop(logits)
         ls = g.alloc(lf.n, F32, f"chunk {i} log_softmax")
         n_lf = lf.n
 
@@ -209,7 +211,6 @@ def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int
             return [g.alloc(n_lf, F32, f"chunk {i} log_softmax backward")]
 
         g.record(f"chunk {i} log_softmax", [lf], [ls], [ls], ls_bwd)
-        g.drop(lf)
         loss_i = g.alloc(const(1), F32, f"chunk {i} loss")
         tw = g.alloc(const(1), F32, f"chunk {i} nll total_weight")
 
@@ -217,15 +218,11 @@ def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int
             return [g.alloc(n_lf, F32, f"chunk {i} nll_loss backward"), None]
 
         g.record(f"chunk {i} nll_loss", [ls, tgt], [loss_i, tw], [tgt, tw], nll_bwd)
-        g.drop(ls, tw)
-        if total is None:
-            total = loss_i
-        else:
-            new = ops.add(g, total, loss_i, f"total_loss + chunk {i}")
-            g.drop(total, loss_i)
-            total = new
-    assert total is not None
-    loss = ops.scalar_op(g, total, "total_loss / total_elements")
+        g.drop(ls, tw, lf, logits)  # cross_entropy and compute_cross_entropy return: the fp32 copy, the logits go
+        total = ops.add_(g, total, loss_i, f"total_loss += chunk {i} loss")
+        g.drop(loss_i)
+    g.drop(*parts)  # the tuple of chunks (views of the kept rows) lives until the loop ends
+    loss = ops.scalar_op(g, total, "total_loss / total_valid_tokens")
     g.drop(total, tgt)
     return loss
 
@@ -236,4 +233,4 @@ def fused_head_loss(g: Graph, ctx: ops.Ctx, t: TrainingSpec, h: T, w: T, hidden:
         return liger_fused_linear_cross_entropy(g, ctx, h, w, hidden, vocab, t.tokens)
     if t.loss_impl is LossImpl.CCE:
         return cut_cross_entropy(g, ctx, h, w, hidden, vocab)
-    return chunked_linear_cross_entropy(g, ctx, h, w, hidden, vocab, t.loss_chunks)
+    return chunked_linear_cross_entropy(g, ctx, h, w, hidden, vocab, t.loss_chunks, t.tokens)

@@ -387,9 +387,9 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     if hit is not None and hit[0] is t and hit[1] == window:  # one estimate asks up to four times
         return hit[2]
     seq = window if window and t.seq_len >= window else 1
-    # model_copy skips validation: the values come from a validated spec. Liger's chunk size depends on
-    # the token count (`recipes.head.liger_chunk_rows`): its programs keep the batch shape.
-    shape = ({} if t.loss_impl is LossImpl.LIGER else
+    # model_copy skips validation: the values come from a validated spec. The chunked losses' chunk
+    # sizes depend on the token count (`recipes.head`): their programs keep the batch shape.
+    shape = ({} if t.loss_impl in (LossImpl.LIGER, LossImpl.CHUNKED) else
              {"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq})
     key = t.model_copy(update={**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": ""})
     if len(_KEYS) >= 64:

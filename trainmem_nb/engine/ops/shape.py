@@ -88,14 +88,15 @@ def repeat_kv(g: Graph, x: T, n_rep: int, label: str, kv_heads: int = 0) -> T:
     return out
 
 
-def split(g: Graph, x: T, parts: Sequence[float], label: str = "split") -> list[T]:
-    """``x.split(...)`` along the last dim: views (fractions `parts` of x); backward
-    (``split_with_sizes_backward``) concatenates the parts' gradients into one x-sized tensor
-    (missing ones are zero-filled first)."""
-    views = [g.view(x, f"{label} part", n=x.n * f) for f in parts]
+def split(g: Graph, x: T, parts: Sequence[float], label: str = "split", sizes: Sequence[Sz] | None = None) -> list[T]:
+    """``x.split(...)`` along the last dim: views (fractions `parts` of x, or exactly `sizes`
+    elements each); backward (``split_with_sizes_backward``) concatenates the parts' gradients into
+    one x-sized tensor (missing ones are zero-filled first)."""
+    ns = list(sizes) if sizes is not None else [x.n * f for f in parts]
+    views = [g.view(x, f"{label} part", n=n) for n in ns]
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        zeros = [g.alloc(x.n * f, x.dt, f"{label} zeros") for f, gr in zip(parts, go, strict=True) if gr is None]
+        zeros = [g.alloc(n, x.dt, f"{label} zeros") for n, gr in zip(ns, go, strict=True) if gr is None]
         out = g.alloc(x.n, x.dt, f"{label} backward cat")
         g.drop(*zeros)
         return [out]
