@@ -125,3 +125,15 @@ def test_the_chunked_loss_matches_a_measured_cpu_step_byte_for_byte(family: str,
     est = tm.estimate(m, t)
     assert est.phase_peaks_bytes == measured["phase_peaks"]
     assert est.saved_activations_bytes == measured["saved_activations"]
+
+
+def test_the_cli_takes_the_loss_and_its_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from trainmem_nb.cli.main import main
+
+    assert main(["estimate", "--model", "llama-3.2-1b", "--loss-impl", "chunked", "--loss-chunks", "2", "--json"]) == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert (training["loss_impl"], training["loss_chunks"]) == ("chunked", 2)
+    assert main(["estimate", "--model", "llama-3.2-1b", "--loss-impl", "cce", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["loss_impl"] == "cce"

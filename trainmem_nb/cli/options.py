@@ -129,7 +129,8 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
         "lora_dtype": args.lora_dtype, "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
-        "alloc_conf": args.alloc_conf, "loss_impl": args.loss_impl, "loss_chunks": args.loss_chunks,
+        "alloc_conf": args.alloc_conf, "loss_impl": args.loss_impl,
+        **({"loss_chunks": args.loss_chunks} if args.loss_chunks is not None else {}),
     }
 
 
