@@ -137,3 +137,13 @@ def test_the_cli_takes_the_loss_and_its_chunks(capsys: pytest.CaptureFixture[str
     assert (training["loss_impl"], training["loss_chunks"]) == ("chunked", 2)
     assert main(["estimate", "--model", "llama-3.2-1b", "--loss-impl", "cce", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["training"]["loss_impl"] == "cce"
+
+
+
+def test_liger_logits_chunks_have_its_chunk_rows() -> None:
+    # 2 x 550 tokens of llama-3.2-1b: cdiv(V, H) = 63, chunks of next_power_of_2(cdiv(1100, 63)) = 32 rows,
+    # 16-bit logits under autocast; two chunks are modelled (the later ones repeat the second)
+    rows = liger_chunk_rows(B * 550, M.hidden, M.vocab)
+    assert rows == 32
+    sizes = [n for _p, sign, n, label in _events("liger", seq_len=550) if sign > 0 and label.startswith("liger logits")]
+    assert sizes == [rows * M.vocab * 2] * 2

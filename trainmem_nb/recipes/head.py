@@ -84,10 +84,11 @@ def liger_fused_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden:
     g.drop(mask)  # target_mask.sum().item()
     cdt = ctx.autocast if ctx.autocast is not None else max(h.dt, w.dt)
     wc = ops.autocast_weight(g, ctx, w) if ctx.autocast is not None and trains_w else None
-    chunk_n, chunk_h = const(rows * vocab), const(rows * hidden)
     fast = grad_weight is not None and grad_weight.dt == F32 and cdt == ops.F16
     prev: T | None = None
-    for i in range(min(n_chunks, 2)):  # every later chunk repeats the second's allocations
+    for i in range(min(n_chunks, 2)):  # every later chunk repeats the second's allocations (the last may be shorter)
+        r = min(rows, tokens - i * rows)
+        chunk_n, chunk_h = const(r * vocab), const(r * hidden)
         def matmul_weight() -> T | None:  # the weight as a 16-bit matmul operand under autocast
             if ctx.autocast is None or w.dt == ctx.autocast:
                 return None
