@@ -101,9 +101,12 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
         why = ("its head is bespoke" if not d.composed else "its final-logit soft-capping" if m.final_softcap
                else "its logits multiplier" if d.multipliers else "its lm_head bias" if m.lm_head_bias else "")
         if why:
+            from ..model.families import DESCRIPTIONS
+
+            ok = ", ".join(f.value for f, dd in DESCRIPTIONS.items() if dd.composed and not dd.multipliers)
             raise SpecError(f"loss_impl={t.loss_impl.value!r} on {m.family.value} is not modelled ({why}); it is "
-                            "modelled for the decoders composed from parts (llama, mistral, qwen2, qwen3, gemma, "
-                            "gemma3, olmo2, smollm3, mixtral, qwen3_moe, ...); use loss_impl='standard'")
+                            f"modelled for the decoders composed from parts ({ok}; without soft-capped logits); "
+                            "use loss_impl='standard'")
     if t.method.value != "full":
         from ..model.params import lora_modules, lora_moe_params
 

@@ -18,22 +18,8 @@ def causal_lm_loss(g: Graph, logits: T, vocab: int, batch1: bool = False) -> T:
     """transformers' ForCausalLMLoss: logits upcast to fp32, labels padded and shifted, then
     ``cross_entropy`` = log_softmax (saves its fp32 result) + nll_loss (mean)."""
     lf = ops.cast(g, logits, F32, "logits.float()")
-    pad = g.alloc(Sz(bs=1, b_=1), I64, "labels pad")  # F.pad(labels, (0, 1)): (b, s+1) int64
-    # labels[..., 1:].contiguous(): a copy, except with one sequence, where the slice is contiguous
-    shift = g.view(pad, "shift_labels", n=tok(1)) if batch1 else g.alloc(tok(1), I64, "shift_labels")
-    ls = g.alloc(lf.n, F32, "log_softmax")
-
-    def ls_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        return [g.alloc(lf.n, F32, "log_softmax backward")]
-
-    g.record("log_softmax", [lf], [ls], [ls], ls_bwd)
-    loss = g.alloc(const(1), F32, "loss")
-    total_weight = g.alloc(const(1), F32, "nll total_weight")
-
-    def nll_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        return [g.alloc(lf.n, F32, "nll_loss backward"), None]
-
-    g.record("nll_loss", [ls, shift], [loss, total_weight], [shift, total_weight], nll_bwd)
+    pad, shift = _shifted_labels(g, batch1)
+    loss, ls, total_weight = _cross_entropy(g, lf, shift)
     g.drop(ls, shift, total_weight, lf, pad)
     return loss
 
@@ -61,6 +47,27 @@ def _shifted_labels(g: Graph, batch1: bool) -> tuple[T, T]:
     return pad, shift
 
 
+def _cross_entropy(g: Graph, lf: T, target: T, prefix: str = "") -> tuple[T, T, T]:
+    """``F.cross_entropy`` on fp32 logits `lf`: ``log_softmax`` (saves its output), then ``nll_loss``
+    (saves the target and its total weight). Returns (loss, log-probabilities, total weight); the
+    caller lets the last two go."""
+    ls = g.alloc(lf.n, F32, f"{prefix}log_softmax")
+    n = lf.n
+
+    def ls_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(n, F32, f"{prefix}log_softmax backward")]
+
+    g.record(f"{prefix}log_softmax", [lf], [ls], [ls], ls_bwd)
+    loss = g.alloc(const(1), F32, f"{prefix}loss")
+    total_weight = g.alloc(const(1), F32, f"{prefix}nll total_weight")
+
+    def nll_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(n, F32, f"{prefix}nll_loss backward"), None]
+
+    g.record(f"{prefix}nll_loss", [ls, target], [loss, total_weight], [target, total_weight], nll_bwd)
+    return loss, ls, total_weight
+
+
 def liger_fused_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int, tokens: int) -> T:
     """Liger's fused linear cross-entropy (``apply_liger_kernel_to_*``, or ``use_liger_kernel=True`` in
     the HF Trainer): no logits over the whole batch. The forward walks the tokens in chunks, computes
@@ -86,14 +93,14 @@ def liger_fused_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden:
     wc = ops.autocast_weight(g, ctx, w) if ctx.autocast is not None and trains_w else None
     fast = grad_weight is not None and grad_weight.dt == F32 and cdt == ops.F16
     prev: T | None = None
+    def matmul_weight() -> T | None:  # the weight as a 16-bit matmul operand under autocast
+        if ctx.autocast is None or w.dt == ctx.autocast:
+            return None
+        return g.hold(wc) if wc is not None else ops.cast(g, w, ctx.autocast, f"autocast {w.label}")
+
     for i in range(min(n_chunks, 2)):  # every later chunk repeats the second's allocations (the last may be shorter)
         r = min(rows, tokens - i * rows)
         chunk_n, chunk_h = const(r * vocab), const(r * hidden)
-        def matmul_weight() -> T | None:  # the weight as a 16-bit matmul operand under autocast
-            if ctx.autocast is None or w.dt == ctx.autocast:
-                return None
-            return g.hold(wc) if wc is not None else ops.cast(g, w, ctx.autocast, f"autocast {w.label}")
-
         xin = g.alloc(chunk_h, cdt, f"liger chunk {i} input cast") if ctx.autocast is not None and h.dt != cdt else None
         wm = matmul_weight()
         logits = g.alloc(chunk_n, cdt, f"liger logits chunk {i}")
@@ -205,20 +212,7 @@ def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int
     for i, part in enumerate(parts):
         logits = ops.linear(g, ctx, part, w, hidden, vocab, None, f"chunk {i} output")
         lf = ops.cast(g, logits, F32, f"chunk {i} logits.float()")
-        ls = g.alloc(lf.n, F32, f"chunk {i} log_softmax")
-        n_lf = lf.n
-
-        def ls_bwd(g: Graph, go: Sequence[T | None], i: int = i, n_lf: Sz = n_lf) -> list[T | None]:
-            return [g.alloc(n_lf, F32, f"chunk {i} log_softmax backward")]
-
-        g.record(f"chunk {i} log_softmax", [lf], [ls], [ls], ls_bwd)
-        loss_i = g.alloc(const(1), F32, f"chunk {i} loss")
-        tw = g.alloc(const(1), F32, f"chunk {i} nll total_weight")
-
-        def nll_bwd(g: Graph, go: Sequence[T | None], i: int = i, n_lf: Sz = n_lf) -> list[T | None]:
-            return [g.alloc(n_lf, F32, f"chunk {i} nll_loss backward"), None]
-
-        g.record(f"chunk {i} nll_loss", [ls, tgt], [loss_i, tw], [tgt, tw], nll_bwd)
+        loss_i, ls, tw = _cross_entropy(g, lf, tgt, f"chunk {i} ")
         g.drop(ls, tw, lf, logits)  # cross_entropy and compute_cross_entropy return: the fp32 copy, the logits go
         total = ops.add_(g, total, loss_i, f"total_loss += chunk {i} loss")
         g.drop(loss_i)
