@@ -30,3 +30,40 @@ def test_experts_outnumbered_by_ranks_are_sharded_along_their_second_dim_and_the
     assert any("sharded along their second dim" in line for line in est.summary().splitlines())
     small = tm.estimate("mixtral-8x7b", micro_batch=1, seq_len=2048, engine="fsdp", zero=3, gpus=8)
     assert "second dim" not in small.summary()
+
+
+_DENSE_THEN_MOE = dict(family="deepseek_v3", n_layers=4, hidden=32, n_heads=4, head_dim=8, ffn=64, vocab=8,
+                       tie_embeddings=False, max_positions=4096, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8,
+                       kv_lora_rank=16, q_lora_rank=0, n_experts=4, experts_top_k=1, n_expert_groups=2,
+                       topk_groups=1, expert_ffn=32, n_shared_experts=0, dense_layers=(0,))
+
+
+def test_fsdp_gradients_of_dense_and_moe_layers_are_each_their_own_layers_shards() -> None:
+    """A layer unit holds only its kind's parameters (a dense layer no expert, an MoE layer no dense MLP):
+    the sharded gradients before the optimizer step are the trainable parameters' shards, once each, and
+    no category goes negative when a pipeline stage starts with a dense layer (it did: zero_grad freed
+    every layer's union of dense and MoE gradients)."""
+    from trainmem_nb.engine.breakdown import TOP_KEYS
+    from trainmem_nb.engine.program import timeline
+    from trainmem_nb.model.params import weight_tensors
+    from trainmem_nb.model.spec import ModelSpec
+    from trainmem_nb.parallel.ranks import _padded_shard
+
+    m = ModelSpec.model_validate(_DENSE_THEN_MOE)
+    opts = dict(micro_batch=1, seq_len=4, precision="fp32", optimizer="sgd", engine="fsdp", zero=2, gpus=2)
+    est = tm.estimate(m, **opts)
+    t = tm.TrainingSpec(precision="fp32", optimizer="sgd")
+    # FSDP2 makes one flat sharded-gradient tensor per unit (the root, each layer), 512-byte rounded
+    dense = [p for p, _dt, trainable in weight_tensors(m, t) if trainable and p.kind != "moe"]
+    moe = [p for p, _dt, trainable in weight_tensors(m, t) if trainable and p.kind != "dense"]
+    def unit(params: list, in_layer: bool) -> int:
+        return -(-sum(_padded_shard(p, 2) * 4 for p in params if p.in_layer == in_layer) // 512) * 512
+    shards = unit(dense, False) + unit(dense, True) + 3 * unit(moe, True)
+    points = timeline(est.rank_programs[0], *est.rank_shape, max_points=10**7)
+    grads = [p.by_category[TOP_KEYS.index("gradients")] for p in points]
+    before_zero_grad = next(i for i, p in enumerate(points) if p.phase == "zero") - 1
+    assert grads[before_zero_grad] == shards
+    assert grads[-1] == 0  # zero_grad frees exactly those
+    staged = tm.estimate(m, **opts | dict(pp=2, gpus=4))
+    for prog in staged.rank_programs:
+        assert min(min(p.by_category) for p in timeline(prog, *staged.rank_shape, max_points=10**7)) >= 0

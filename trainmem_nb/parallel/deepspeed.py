@@ -45,7 +45,8 @@ class DeepSpeedHooks(EngineHooks):
         if unit in st:
             g.drop(st.pop(unit))
 
-    unit_backward_begin = unit_forward_begin
+    def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None:
+        self.unit_forward_begin(g, unit)  # ZeRO-3 gathers the unit again for its backward
 
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
         self.unit_forward_end(g, unit)

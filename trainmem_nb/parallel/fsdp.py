@@ -4,7 +4,9 @@ prefetch and reshard points, the mixed-precision policy and gradient accumulatio
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
+from itertools import groupby
 from typing import Any
 
 from ..engine.program import Segment, _segment
@@ -14,7 +16,7 @@ from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.optimizers import optimizer_program
-from .ranks import _CAT, _held, _padded_shard, _Param, _row_shard, _sharded_states
+from .ranks import _CAT, _held, _padded_shard, _Param, _row_shard, _sharded_states, layer_units
 
 
 @dataclass(frozen=True)
@@ -40,7 +42,11 @@ class FSDP2Hooks(EngineHooks):
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def _unit(self, unit: str) -> tuple[_Param, ...]:
-        return dict(self.units)["root" if unit == "root" else "layer"]
+        """The parameters of the step's unit `unit` (``"root"``, ``"L3"``, ``"L0/dense"``...; `layer_units`)."""
+        if unit == "root" or unit.startswith("layer"):
+            return dict(self.units)[unit]
+        kind = unit.partition("/")[2]
+        return dict(self.units)[f"layer/{kind}" if kind else "layer"]
 
     def _st(self, g: Graph) -> dict[str, Any]:
         return self.state.setdefault(id(g), {"ups": {}})
@@ -96,7 +102,7 @@ class FSDP2Hooks(EngineHooks):
         elif self.reshard_after_forward:
             self._reshard(g, unit)
 
-    def unit_backward_begin(self, g: Graph, unit: str) -> None:
+    def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None:
         if self.pipelined:
             return
         st = self._st(g)
@@ -107,10 +113,10 @@ class FSDP2Hooks(EngineHooks):
                 g.drop(pre)
             elif unit not in st["ups"]:
                 self._gather(g, unit, linger=False)
-        # backward prefetch: the next unit in backward order is all-gathered now (the root is
-        # already unsharded; the first layer has nothing after it)
-        if self.reshard_after_forward and unit != "L0":
-            st["prefetched"] = self._all_gather_output(g, "layer", "all-gather prefetch")
+        # backward prefetch: the next unit in backward order, `prefetch`, is all-gathered now (the root
+        # is already unsharded; the first layer has nothing after it)
+        if self.reshard_after_forward and prefetch is not None:
+            st["prefetched"] = self._all_gather_output(g, prefetch, "all-gather prefetch")
 
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
         if self.pipelined:
@@ -206,14 +212,20 @@ class FSDP2Hooks(EngineHooks):
         segs = []
         root, prev = unit_events("root", 0)
         segs.append(_segment("backward", f"{PIPELINE_REDUCE}: root", 1, tuple(root)))
-        first, after_first = unit_events("layer", prev)
-        segs.append(_segment("backward", f"{PIPELINE_REDUCE}: layer 0", 1, tuple(first)))
-        if m.n_layers > 1:
-            rest, after_first = unit_events("layer", after_first)
-            segs.append(_segment("backward", f"{PIPELINE_REDUCE}: layers", m.n_layers - 1, tuple(rest)))
-        if after_first:
+        # the layers in order, each run of layers of one kind as its first layer and the rest repeated
+        start = 0
+        for unit, run in groupby(layer_units(m)):
+            n = len(list(run))
+            first, prev = unit_events(unit, prev)
+            segs.append(_segment("backward", f"{PIPELINE_REDUCE}: layer {start}", 1, tuple(first)))
+            if n > 1:
+                rest, prev = unit_events(unit, prev)
+                segs.append(_segment("backward", f"{PIPELINE_REDUCE}: layers {start + 1}-{start + n - 1}", n - 1,
+                                     tuple(rest)))
+            start += n
+        if prev:
             segs.append(_segment("backward", f"{PIPELINE_REDUCE}: finalize", 1,
-                                 ((comm, -1, const(after_first), "last reduce-scatter input freed"),)))
+                                 ((comm, -1, const(prev), "last reduce-scatter input freed"),)))
         return segs
 
     def _grad_shard_bytes(self, unit: str) -> int:
@@ -221,8 +233,8 @@ class FSDP2Hooks(EngineHooks):
         return sum(q.shard * (self.reduce_dt or q.dt) for q in self._unit(unit) if q.trainable)
 
     def _grads(self, m: ModelSpec) -> list[tuple[int, int]]:
-        return [(n, c) for n, c in ((self._grad_shard_bytes("root"), 1), (self._grad_shard_bytes("layer"), m.n_layers))
-                if n]
+        counts = [("root", 1), *Counter(layer_units(m)).items()]
+        return [(n, c) for n, c in ((self._grad_shard_bytes(unit), count) for unit, count in counts) if n]
 
     def param_shards(self, weights: list[Any]) -> list[tuple[int, int]]:
         """(bytes, count) of the rank's parameter shards: rank 0's padded dim-0 chunk of each parameter."""
@@ -242,7 +254,7 @@ class FSDP2Hooks(EngineHooks):
             # does not reshard after backward (stage.py, backward_maybe_with_nosync:
             # ``set_reshard_after_backward(False)``); a later micro-batch finds the earlier ones'
             # unsharded gradients (`_accumulate_unsharded`)
-            for unit, count in (("root", 1), ("layer", m.n_layers)):
+            for unit, count in (("root", 1), *Counter(layer_units(m)).items()):
                 for q in self._unit(unit):
                     out.append(("weights/gathered", const(self._gathered_bytes(q)), count))
                     if self.accumulate and q.trainable:

@@ -121,7 +121,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
         world = p.shard_degree
         mixed = t.mixed
         units = tuple((name, tuple(_Param(_padded_shard(w[0], world), w[2], w[1], w[0].numel) for w in ws))
-                      for name, ws in _units(weights).items())
+                      for name, ws in _units(weights, m).items())
         # torch.distributed.pipelining with FSDP2 stages (not with CPU offload, which is not modelled there)
         pipelined = p.pp > 1 and p.offload is Offload.NONE
         # the recipe of torchtitan and accelerate: MixedPrecisionPolicy(param_dtype=16-bit,
@@ -132,9 +132,11 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
                           offload=p.offload is not Offload.NONE, pipelined=pipelined,
                           local_grads_accumulate=pipelined and not mixed, **stage)
     if p.engine is Engine.DEEPSPEED:
-        # what ZeRO-3 gathers per layer, in 16-bit elements (QLoRA's NF4 weights gather packed)
+        # what ZeRO-3 gathers per layer, in 16-bit elements (QLoRA's NF4 weights gather packed); of a model
+        # whose MoE and dense layers differ, its largest layer
         model_dt = 2 if t.precision is not Precision.FP32 else 4
-        layer_params = int(sum(w[0].numel * (w[1] / model_dt if w[1] < 1 else 1) for w in weights if w[0].in_layer))
+        layer_params = max((int(sum(w[0].numel * (w[1] / model_dt if w[1] < 1 else 1) for w in ws))
+                            for name, ws in _units(weights, m).items() if name != "root"), default=0)
         return DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero,
                               model_dt=model_dt,
                               offload=p.offload.value, layer_params=layer_params, **stage)

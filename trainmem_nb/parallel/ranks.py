@@ -13,6 +13,7 @@ from ..model.params import ParamTensor, on_stage, trainable_tensors
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
+from ..step.layers import in_layer_of
 from ..step.optimizers import state_bytes
 
 __all__ = ['RankMemory']
@@ -68,9 +69,22 @@ def _row_shard(p: ParamTensor, world: int) -> ParamTensor:
     return p._replace(shape=(-(-p.shape[0] // world), *p.shape[1:]))
 
 
-def _units(weights: Sequence[tuple[ParamTensor, int, bool]]) -> dict[str, list[tuple[ParamTensor, int, bool]]]:
-    """Parameters of the root unit (outside the layers) and of one layer unit."""
-    return {"root": [w for w in weights if not w[0].in_layer], "layer": [w for w in weights if w[0].in_layer]}
+def _units(weights: Sequence[tuple[ParamTensor, int, bool]],
+           m: ModelSpec) -> dict[str, list[tuple[ParamTensor, int, bool]]]:
+    """Parameters of the root unit (outside the layers) and of one layer unit of each kind `layer_units`
+    names: a model whose MoE and dense layers differ has a ``"layer/moe"`` and a ``"layer/dense"`` unit."""
+    units = {"root": [w for w in weights if not w[0].in_layer]}
+    for name, kind in dict(zip(layer_units(m), m.layer_kinds, strict=True)).items():
+        units[name] = [w for w in weights if w[0].in_layer and in_layer_of(w[0], kind)]
+    return units
+
+
+def layer_units(m: ModelSpec) -> tuple[str, ...]:
+    """The unit key of each layer of `m`: ``"layer"``, or ``"layer/moe"`` / ``"layer/dense"`` when the
+    layers' MLPs differ (the suffix of the step's unit names, `trainmem_nb.step.layers.layer_plan`)."""
+    if len({k.moe for k in m.layer_kinds}) == 1:
+        return ("layer",) * m.n_layers
+    return tuple("layer/moe" if k.moe else "layer/dense" for k in m.layer_kinds)
 
 
 class _Param(NamedTuple):

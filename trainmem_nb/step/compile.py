@@ -76,7 +76,7 @@ class EngineHooks:
 
     def unit_forward_begin(self, g: Graph, unit: str) -> None: ...
     def unit_forward_end(self, g: Graph, unit: str) -> None: ...
-    def unit_backward_begin(self, g: Graph, unit: str) -> None: ...
+    def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None: ...
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None: ...
 
     def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment] | None:
@@ -215,6 +215,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
 
     unit_order = {"head_bwd_end": units[-1], **{f"L{i}_bwd_end": (units[i - 1] if i else None) for i in range(n_sim)}}
     ended = {"head_bwd_end": None, **{f"L{i}_bwd_end": units[i] for i in range(n_sim)}}
+    prefetch_of = {units[i]: units[i - 1] if i else None for i in range(n_sim)}  # the next unit in backward
     lo, hi = plan.block  # the repeated period: simulated layers lo..hi-1 (lo == hi: none)
 
     def on_node(index: int) -> None:
@@ -228,7 +229,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
                     below.chain = True  # the gradient handed to the layer below the repeated period
                 nxt = unit_order[name]
                 if nxt is not None:
-                    hooks.unit_backward_begin(g, nxt)
+                    hooks.unit_backward_begin(g, nxt, prefetch_of[nxt])
 
     def on_checkpoint(frame: object) -> None:
         assert isinstance(frame, _Frame)
@@ -246,7 +247,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
         scale = g.external(const(1), 4, "GradScaler _scale")
         g.external(const(1), 4, "GradScaler _growth_tracker")
     g.mark("bwd_start")
-    hooks.unit_backward_begin(g, "root")
+    hooks.unit_backward_begin(g, "root", units[-1] if units else None)
     if scaler:
         loss = ops.mul(g, loss, scale, "GradScaler.scale(loss)")
     g.backward(loss, seed_dt=4, on_node=on_node, on_checkpoint=on_checkpoint)
