@@ -145,6 +145,15 @@ VARIATIONS: dict[str, dict[str, Any]] = {
     "loss-liger-bf16-fsdp": dict(loss_impl="liger", precision="bf16-true", gpus=4, engine="fsdp", zero=3),
     "loss-cce": dict(loss_impl="cce"),
     "loss-cce-qlora": dict(loss_impl="cce", method="qlora", lora_rank=8),
+    # the stacks' mechanisms (trainmem_nb.spec.stack)
+    "zero-grad-keep": dict(zero_grad_set_to_none=False),
+    "zero-grad-keep-fsdp": dict(zero_grad_set_to_none=False, gpus=4, engine="fsdp", zero=3),
+    "qlora-bnb-saves-input": dict(method="qlora", lora_rank=8, precision="bf16-true", bnb_saves_input=True),
+    "hf-4.47-loss": dict(causal_lm_loss="logits-shifted"),
+    "hf-4.38-loss-lora": dict(causal_lm_loss="model-upcast", method="lora", lora_rank=8),
+    "hf-4.30-loss-b1": dict(causal_lm_loss="no-upcast", micro_batch=1),
+    "loop-keeps-outputs": dict(loop_keeps_outputs=True),
+    "stack-litgpt-lora": dict(stack="litgpt", method="lora", lora_rank=8),
 }
 
 #: Random combinations per shape (seeded, stored with the data: the grid never changes silently).
@@ -217,7 +226,7 @@ def program_fingerprint(prog: Any) -> str:
 
 #: Keys of the JSON contract left out of the numbers: labels that name code locations, and the echo of
 #: the inputs (a spec that gains a field with a default describes the same step).
-_NOT_NUMBERS = ("peak_at", "model_spec", "training", "parallel", "calibration", "reserved_from")
+_NOT_NUMBERS = ("peak_at", "model_spec", "training", "parallel", "calibration", "reserved_from", "stack")
 
 
 #: An odd batch shape at which `live_fingerprint` evaluates a program (no coincidences of b*s with dims).

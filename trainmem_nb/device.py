@@ -9,7 +9,7 @@ GPU); a calibration measured on the user's GPU (``trainmem measure --device cuda
 
 from __future__ import annotations
 
-__all__ = ['CUBLAS_WORKSPACE_BYTES', 'CUDA_BLOCK_BYTES', 'CUDA_CONTEXT_BYTES', 'LARGE_SEGMENT_BYTES', 'REPLAY_MAX_BYTES',
+__all__ = ['CUBLAS_WORKSPACE_BYTES', 'CUDA_BLOCK_BYTES', 'CUDA_CONTEXT_BYTES', 'CUDA_CONTEXT_EAGER_BYTES', 'LARGE_SEGMENT_BYTES', 'REPLAY_MAX_BYTES',
            'REPLAY_MAX_EVENTS', 'RESERVED_CHURN_FRACTION', 'round_block']
 
 #: Every CUDA caching-allocator block is a multiple of 512 B (``kMinBlockSize``,
@@ -30,6 +30,15 @@ CUBLAS_WORKSPACE_BYTES = {"default": 2 * (4 << 20) + 8 * (16 << 10), "sm90": 32 
 #: (pytorch/pytorch#107667, ptrblck 2023), growing as cuBLAS/cuDNN/attention kernels load; 512 MiB is
 #: a typical figure after a training step. Calibrate on your GPU for its own value.
 CUDA_CONTEXT_BYTES = 512 << 20
+
+#: The CUDA context when every kernel of the loaded libraries goes into it at start-up (no lazy module
+#: loading: CUDA before 11.7, or torch before 1.13, which does not set ``CUDA_MODULE_LOADING=LAZY``):
+#: 1343 MiB measured on a Tesla V100 16 GB with CUDA 11.2 (huggingface/transformers
+#: docs/source/en/perf_train_gpu_one.mdx @0016acf7: ``torch.ones((1, 1)).to("cuda")`` -> "GPU memory
+#: occupied: 1343 MB", pynvml ``used // 1024**2``). Others: 636 MiB vs 274 MiB lazy (pytorch/pytorch#86509,
+#: GPU not named); ">1000MB" (ptrblck, pytorch/pytorch#107667). The libraries' kernels differ by version
+#: and GPU: calibrate on yours.
+CUDA_CONTEXT_EAGER_BYTES = 1343 << 20
 
 #: Caching-allocator overhead above the allocated peak, as a fraction of the memory that churns
 #: within a step (activations and temporaries): freed blocks stay cached and split blocks fragment.

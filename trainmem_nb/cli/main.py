@@ -73,6 +73,26 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_stacks(args: argparse.Namespace) -> int:
+    from ..spec.stack import list_stacks, resolve_stack
+
+    stacks = [resolve_stack(name) for name in list_stacks()]
+    if args.json:
+        print(json.dumps([{"name": s.name, "title": s.title, "library": s.library, "version": s.version,
+                           "components": s.components,
+                           "options": {k: {"value": a.value, "source": a.source} for k, a in s.options.items()},
+                           "not_modelled": list(s.not_modelled)} for s in stacks], indent=2))
+        return 0
+    width = max(len(s.name) for s in stacks)
+    for s in stacks:
+        sets = ", ".join(f"{k}={a.value}" for k, a in s.options.items()) or "nothing"
+        lib = f"{s.library} {s.version}" if s.library else "torch " + s.components["torch"]
+        print(f"{s.name:<{width}}  {lib:<18}  {s.title}; sets {sets}")
+    print("NAME@VERSION takes another version of the stack's library (hf-trainer@4.38: transformers 4.38); "
+          "--torch, --transformers, --bitsandbytes and --cuda set one component")
+    return 0
+
+
 def _add_planner_subcommands(sub: Any) -> None:
     """``trainmem plan`` (which GPU, how many, how long, how much) and ``trainmem gpus`` (the catalog)."""
     pl = sub.add_parser("plan", help="which GPU, how many, how long and what it costs (searches layouts)")
@@ -234,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     pre = sub.add_parser("presets", help="list the model presets")
     pre.add_argument("--json", action="store_true")
     pre.set_defaults(func=_cmd_presets)
+    stk = sub.add_parser("stacks", help="list the named training stacks and what each sets")
+    stk.add_argument("--json", action="store_true")
+    stk.set_defaults(func=_cmd_stacks)
     _add_planner_subcommands(sub)
     try:
         from .measure import add_subcommands

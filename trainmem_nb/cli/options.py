@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..spec.choices import Attention, Checkpointing, LossImpl, Method, OptimizerImpl, OptimizerName, Precision
+from ..spec.stack import COMPONENTS
 
 __all__ = ['add_model_options', 'add_training_options', 'model_from_args', 'parallel_options_from_args', 'training_options_from_args']
 
@@ -55,12 +56,19 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                    help="default: the device's PyTorch default (cuda: foreach, cpu: for-loop)")
     g.add_argument("--checkpointing", default="none", metavar="|".join(_choices(Checkpointing)))
     g.add_argument("--attention", default="sdpa", metavar="|".join(_choices(Attention)))
-    g.add_argument("--loss-impl", default="standard", metavar="|".join(_choices(LossImpl)),
-                   help="the head's loss: transformers' (standard), torchtune's chunked, Liger's fused linear "
-                        "cross-entropy or Cut Cross-Entropy (the last two: CUDA)")
+    g.add_argument("--loss-impl", default=None, metavar="|".join(_choices(LossImpl)),
+                   help="the head's loss: transformers' (standard, the default), torchtune's chunked, Liger's fused "
+                        "linear cross-entropy or Cut Cross-Entropy (the last two: CUDA); default: the stack's")
     g.add_argument("--loss-chunks", type=int, default=None, help="--loss-impl chunked: chunks of tokens (default 8)")
-    g.add_argument("--dropout", type=float, default=None, help="every dropout rate (default: the config's)")
+    g.add_argument("--dropout", type=float, default=None, help="every dropout rate (default: the stack's, else the "
+                   "config's)")
     g.add_argument("--device", default=device_choices[0], choices=list(device_choices))
+    s = parser.add_argument_group("training stack")
+    s.add_argument("--stack", default="", metavar="NAME[@VERSION]|PATH",
+                   help="the stack that runs the step (`trainmem stacks`): e.g. hf-trainer@4.38 (transformers 4.38), "
+                        "torchtune, litgpt, or a stack file; default: today's versions")
+    for comp in COMPONENTS:
+        s.add_argument(f"--{comp}", default=None, metavar="VERSION", help=f"the {comp} version (default: the stack's)")
     p = parser.add_argument_group("parallel layout")
     p.add_argument("--gpus", type=int, default=1, help="GPUs in total (default 1)")
     p.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
@@ -125,12 +133,14 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
     return {
         "micro_batch": args.micro_batch, "seq_len": args.seq_len, "grad_accum": args.grad_accum,
         "precision": args.precision, "optimizer": args.optimizer, "optimizer_impl": args.optimizer_impl,
-        "checkpointing": args.checkpointing, "attention": args.attention, "dropout": args.dropout,
+        "checkpointing": args.checkpointing, "attention": args.attention,
         "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
         "lora_dtype": args.lora_dtype, "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
-        "alloc_conf": args.alloc_conf, "loss_impl": args.loss_impl,
+        "alloc_conf": args.alloc_conf, "loss_impl": args.loss_impl, "stack": args.stack,
         **({"loss_chunks": args.loss_chunks} if args.loss_chunks is not None else {}),
+        **({"dropout": args.dropout} if args.dropout is not None else {}),
+        **{comp: getattr(args, comp) for comp in COMPONENTS if getattr(args, comp) is not None},
     }
 
 

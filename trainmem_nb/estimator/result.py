@@ -159,6 +159,7 @@ class MemoryEstimate:
             "parallel": self.parallel.model_dump(mode="json"),
             "per_rank": [r.to_dict() for r in self.per_rank],
             "training": self.training.model_dump(mode="json"),
+            "stack": _stack_dict(self.training),
             "model_spec": self.model.model_dump(mode="json"),
         }
 
@@ -178,6 +179,7 @@ class MemoryEstimate:
         """A plain-text table for terminals."""
         lines = [
             self._headline(),
+            *_stack_lines(self.training),
             f"peak allocated {format_bytes(self.peak_allocated_bytes)} during {self.peak_phase} ({self.peak_at})",
         ]
         total = self.peak_allocated_bytes or 1
@@ -249,6 +251,32 @@ class MemoryEstimate:
             f"({html.escape(self.peak_at)}) &middot; reserved {format_bytes(self.peak_reserved_bytes)} "
             f"&middot; device total {format_bytes(self.device_total_bytes)}</p></div>"
         )
+
+
+def _stack_dict(t: TrainingSpec) -> dict[str, Any]:
+    """The stack the estimate assumed (`trainmem_nb.spec.stack`), for the JSON contract: its versions, the
+    options it set (each with its source) and its mechanisms that are not modelled."""
+    s = t.resolved_stack
+    return {"name": s.name, "label": s.label, "library": s.library, "version": s.version, "components": s.components,
+            "options": {k: {"value": a.value, "source": a.source, "overridden": k in t.model_fields_set}
+                        for k, a in s.options.items()},
+            "not_modelled": list(s.not_modelled)}
+
+
+def _stack_lines(t: TrainingSpec) -> list[str]:
+    """The stack and versions the estimate assumed, what it set, and what of it is not modelled."""
+    s = t.resolved_stack
+    lines = [s.describe()]
+    set_here = [_plain(t, k) for k in s.options if k not in t.model_fields_set]
+    if set_here:
+        lines.append(f"  it sets {', '.join(set_here)}")
+    lines += [f"  not modelled: {m}" for m in s.not_modelled]
+    return lines
+
+
+def _plain(t: TrainingSpec, key: str) -> str:
+    value = getattr(t, key)
+    return f"{key}={getattr(value, 'value', value)}"
 
 
 #: How the headline names a memory-efficient loss, with the version it is modelled from (`recipes.head`).

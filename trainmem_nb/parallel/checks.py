@@ -30,6 +30,13 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
             raise SpecError("method='qlora' with engine='megatron': Megatron-LM has no 4-bit (bitsandbytes NF4) "
                             "weights; use method='lora' with megatron, or qlora with engine='ddp', 'fsdp' or "
                             "'deepspeed'")
+        if not t.zero_grad_set_to_none and not p.single_device and (
+                p.engine in (Engine.DEEPSPEED, Engine.MEGATRON) or p.pp > 1 or p.offload.value != "none"):
+            # DeepSpeed and Megatron keep gradients in their own buffers and clear them themselves; a pipeline
+            # stage's accumulated gradients and an offloaded step's are modelled as set_to_none=True leaves them
+            raise SpecError(f"zero_grad_set_to_none=False (torch < 2.0's zero_grad) with engine={p.engine.value!r}, "
+                            f"pp={p.pp}, offload={p.offload.value!r} is not modelled; it is modelled on one device, with "
+                            "ddp, and with fsdp without pp or offload")
         if t.loss_impl.value != "standard" and (p.engine is Engine.MEGATRON or p.tp > 1 or p.cp > 1):
             # Megatron (and tensor parallelism) shard the head over the vocabulary with their own
             # vocab-parallel cross-entropy; the modelled losses take the whole head on one rank

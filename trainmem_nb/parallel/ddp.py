@@ -52,7 +52,7 @@ class DDPHooks(EngineHooks):
         else:
             # the reducer's flat buckets persist between steps: a second copy of every gradient
             out.append(("overhead/communication", const(buckets), 1))
-            if t.grad_accum > 1:  # a later micro-step: every .grad exists and new ones are added in place
+            if t.grads_persist:  # a later micro-step or set_to_none=False: every .grad exists, added in place
                 out += [("gradients", const(n), c) for n, c in grads]
         world = self.world if self.zero >= 1 else 1
         return out + _sharded_states(self, m, t, world)

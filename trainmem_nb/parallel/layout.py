@@ -127,7 +127,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
         # the recipe of torchtitan and accelerate: MixedPrecisionPolicy(param_dtype=16-bit,
         # reduce_dtype=fp32) for mixed precision, parameters' own dtypes otherwise
         return FSDP2Hooks(world=world, reshard_after_forward=p.zero >= 3, param_dt=2 if mixed else None,
-                          reduce_dt=4 if mixed else None, units=units, accumulate=t.grad_accum > 1,
+                          reduce_dt=4 if mixed else None, units=units, accumulate=t.grads_persist,
                           gloo=(backend or ("gloo" if t.device is Device.CPU else "nccl")) == "gloo",
                           offload=p.offload is not Offload.NONE, pipelined=pipelined,
                           local_grads_accumulate=pipelined and not mixed, **stage)

@@ -204,4 +204,4 @@ class DecoderRecipe(Recipe):
             g.drop(ld)
             logits = ops.scalar_op(g, lt, "logits * final_softcap")
             g.drop(lt)
-        return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
+        return causal_lm_loss(g, ctx, logits, m.vocab)

@@ -138,4 +138,4 @@ class GPT2Recipe(LayerNormRecipe):
         m, ctx = self.m, self.ctx
         w = p.get("lm_head.weight") or p["wte.weight"]
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
-        return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
+        return causal_lm_loss(g, ctx, logits, m.vocab)

@@ -150,4 +150,4 @@ class GPTNeoXRecipe(LayerNormRecipe):
         m, ctx = self.m, self.ctx
         w = p.get("embed_out.weight") or p.get("lm_head.weight") or p["embed_in.weight"]
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
-        return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
+        return causal_lm_loss(g, ctx, logits, m.vocab)

@@ -14,14 +14,47 @@ from ..spec.training import TrainingSpec
 from .base import tok
 
 
-def causal_lm_loss(g: Graph, logits: T, vocab: int, batch1: bool = False) -> T:
-    """transformers' ForCausalLMLoss: logits upcast to fp32, labels padded and shifted, then
-    ``cross_entropy`` = log_softmax (saves its fp32 result) + nll_loss (mean)."""
-    lf = ops.cast(g, logits, F32, "logits.float()")
-    pad, shift = _shifted_labels(g, batch1)
-    loss, ls, total_weight = _cross_entropy(g, lf, shift)
-    g.drop(ls, shift, total_weight, lf, pad)
-    return loss
+def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int) -> tuple[T, T]:
+    """The causal-LM loss on the head's `logits` as the transformers version computes it
+    (`ops.Ctx.causal_lm_loss`, `CausalLMLoss`); returns (loss, the logits the model outputs).
+
+    * ``labels-shifted`` (4.49 and later, ForCausalLMLoss): logits upcast to fp32, labels padded and
+      shifted, then ``cross_entropy`` = log_softmax (saves its fp32 result) + nll_loss (mean);
+    * ``logits-shifted`` (4.46-4.48): the same upcast, then ``shift_logits = logits[..., :-1, :].contiguous()``,
+      an fp32 copy (a view with one sequence), whose ``slice_backward`` makes a full-size fp32 gradient;
+    * ``model-upcast`` (4.31-4.45): the model itself runs ``logits = logits.float()`` (its 16-bit logits go)
+      and returns the fp32 logits, then shifts them as above;
+    * ``no-upcast`` (4.30 and before): the shifted copy in the head's dtype; under autocast log_softmax
+      casts it to fp32 (an autocast fp32 op), without it the loss runs in the head's dtype."""
+    variant = ctx.causal_lm_loss
+    if variant == "labels-shifted":
+        lf = ops.cast(g, logits, F32, "logits.float()")
+        pad, shift = _shifted_labels(g, ctx.batch1)
+        loss, ls, total_weight = _cross_entropy(g, lf, shift)
+        g.drop(ls, shift, total_weight, lf, pad)
+        return loss, logits
+    out = logits
+    src = g.hold(logits)
+    if variant in ("logits-shifted", "model-upcast"):
+        g.drop(src)
+        src = ops.cast(g, logits, F32, "logits.float()")
+        if variant == "model-upcast":  # `logits = logits.float()` in the model: the output is the fp32 copy
+            g.drop(logits)
+            out = g.hold(src)
+    shifted = ops.slice_view(g, src, src.n + Sz(b_=-vocab), "logits[..., :-1, :]")
+    if not ctx.batch1:  # one sequence: the slice is already contiguous
+        copy = ops.clone(g, shifted, "shift_logits .contiguous()")
+        g.drop(shifted)
+        shifted = copy
+    labels = g.alloc(Sz(bs=1, b_=-1), I64, "shift_labels") if not ctx.batch1 else None
+    target = labels if labels is not None else g.alloc(const(0), I64, "shift_labels (a view)")
+    x = shifted
+    if variant == "no-upcast" and ctx.autocast is not None and shifted.dt != F32:
+        x = ops.cast(g, shifted, F32, "autocast log_softmax input")  # log_softmax is an autocast fp32 op
+    loss, ls, total_weight = _cross_entropy(g, x, target)
+    # the function's locals go when it returns: the (upcast) logits, the shifted ones and the labels
+    g.drop(ls, target, total_weight, shifted, *((x,) if x is not shifted else ()), src)
+    return loss, out
 
 
 # -- memory-efficient losses people switch on (TrainingSpec.loss_impl) ------------------------------
@@ -48,21 +81,22 @@ def _shifted_labels(g: Graph, batch1: bool) -> tuple[T, T]:
 
 
 def _cross_entropy(g: Graph, lf: T, target: T, prefix: str = "") -> tuple[T, T, T]:
-    """``F.cross_entropy`` on fp32 logits `lf`: ``log_softmax`` (saves its output), then ``nll_loss``
-    (saves the target and its total weight). Returns (loss, log-probabilities, total weight); the
-    caller lets the last two go."""
-    ls = g.alloc(lf.n, F32, f"{prefix}log_softmax")
+    """``F.cross_entropy`` on logits `lf` (fp32, or the head's dtype without an upcast): ``log_softmax``
+    (saves its output), then ``nll_loss`` (saves the target and its total weight), in `lf`'s dtype.
+    Returns (loss, log-probabilities, total weight); the caller lets the last two go."""
+    dt = lf.dt
+    ls = g.alloc(lf.n, dt, f"{prefix}log_softmax")
     n = lf.n
 
     def ls_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        return [g.alloc(n, F32, f"{prefix}log_softmax backward")]
+        return [g.alloc(n, dt, f"{prefix}log_softmax backward")]
 
     g.record(f"{prefix}log_softmax", [lf], [ls], [ls], ls_bwd)
-    loss = g.alloc(const(1), F32, f"{prefix}loss")
-    total_weight = g.alloc(const(1), F32, f"{prefix}nll total_weight")
+    loss = g.alloc(const(1), dt, f"{prefix}loss")
+    total_weight = g.alloc(const(1), dt, f"{prefix}nll total_weight")
 
     def nll_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        return [g.alloc(n, F32, f"{prefix}nll_loss backward"), None]
+        return [g.alloc(n, dt, f"{prefix}nll_loss backward"), None]
 
     g.record(f"{prefix}nll_loss", [ls, target], [loss, total_weight], [target, total_weight], nll_bwd)
     return loss, ls, total_weight

@@ -163,4 +163,4 @@ class OPTRecipe(LayerNormRecipe):
         m, ctx = self.m, self.ctx
         w = p.get("lm_head.weight") or p["embed_tokens.weight"]
         logits = ops.linear(g, ctx, h, w, self.proj, m.vocab, None, "lm_head")
-        return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
+        return causal_lm_loss(g, ctx, logits, m.vocab)

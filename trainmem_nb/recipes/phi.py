@@ -134,4 +134,4 @@ class PhiRecipe(BiasedDecoderRecipe):
             logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
         else:
             logits = ops.addmm(g, ctx, h, w, b, m.hidden, m.vocab, "lm_head", linear_casts=True)
-        return causal_lm_loss(g, logits, m.vocab, ctx.batch1), logits
+        return causal_lm_loss(g, ctx, logits, m.vocab)

@@ -97,3 +97,13 @@ class LossImpl(_Choice):
     CHUNKED = "chunked"  #: torchtune's LinearCrossEntropyLoss: logits chunk by chunk (``loss_chunks``)
     LIGER = "liger"  #: Liger Kernel's fused linear cross-entropy: gradients in the forward, no full logits
     CCE = "cce"  #: Apple's Cut Cross-Entropy: no logits tensor at all
+
+
+class CausalLMLoss(_Choice):
+    """How the transformers version computes the standard causal-LM loss (`trainmem_nb.recipes.head.causal_lm_loss`;
+    the transformers component of a stack picks it, `trainmem_nb.spec.stack`)."""
+
+    LABELS_SHIFTED = "labels-shifted"  #: 4.49 and later: upcast in the loss, the labels shifted
+    LOGITS_SHIFTED = "logits-shifted"  #: 4.46-4.48: upcast in the loss, an fp32 copy of the shifted logits
+    MODEL_UPCAST = "model-upcast"  #: 4.31-4.45: the model returns fp32 logits, then the shifted copy
+    NO_UPCAST = "no-upcast"  #: 4.30 and before: the shifted copy in the head's dtype

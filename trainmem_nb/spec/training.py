@@ -5,15 +5,16 @@ kernels, fine-tuning method), validated and frozen.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
-from pydantic import Field, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
 from ..errors import SpecError, did_you_mean
 from .base import _FROZEN, SpecModel, _validate
 from .choices import (
     AdapterDtype,
     Attention,
+    CausalLMLoss,
     Checkpointing,
     Device,
     LossImpl,
@@ -22,6 +23,7 @@ from .choices import (
     OptimizerName,
     Precision,
 )
+from .stack import COMPONENTS, Stack, parse_versions, resolve_stack
 
 __all__ = ['TrainingSpec']
 
@@ -73,6 +75,34 @@ class TrainingSpec(SpecModel):
     alloc_conf: str = Field(
         default="", max_length=1000,
         description="PYTORCH_CUDA_ALLOC_CONF for the caching allocator's replay, e.g. 'expandable_segments:True'")
+    stack: str = Field(
+        default="", max_length=1000,
+        description="the training stack: NAME[@VERSION] (trainmem_nb.list_stacks(): 'hf-trainer@4.38' is transformers "
+        "4.38), the path of a stack file, or '' for today's versions; it sets the options below it that are not given")
+    versions: str = Field(
+        default="", max_length=1000,
+        description="component versions, 'torch=1.13,cuda=11.6' or a dict (torch, transformers, bitsandbytes, cuda)")
+    zero_grad_set_to_none: bool = Field(
+        default=True, description="optimizer.zero_grad(set_to_none=...): False zeroes the gradients in place and keeps "
+        "them between steps (torch < 2.0's default)")
+    bnb_saves_input: bool = Field(
+        default=False, description="QLoRA: bitsandbytes' MatMul4Bit saves its input for backward (bitsandbytes < 0.43.2)")
+    causal_lm_loss: CausalLMLoss = Field(
+        default=CausalLMLoss.LABELS_SHIFTED,
+        description="the standard loss as the transformers version computes it: 'labels-shifted' (4.49+), "
+        "'logits-shifted' (4.46-4.48), 'model-upcast' (4.31-4.45: the model returns fp32 logits), 'no-upcast' (<= 4.30)")
+    loop_keeps_outputs: bool = Field(
+        default=False, description="the training loop keeps the model's output (its logits) until its next forward "
+        "returns (`outputs = model(**batch)` in accelerate's examples, litgpt's `logits = model(...)`); the HF Trainer "
+        "keeps only the loss")
+    cuda_lazy_loading: bool = Field(
+        default=True, description="CUDA_MODULE_LOADING=LAZY (CUDA >= 11.7): kernels load when first used; False: every "
+        "kernel of the libraries loads with the CUDA context")
+
+    #: The options a stack may set (`trainmem_nb.spec.stack`); the others are the user's alone.
+    STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
+        "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
+        "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading"})
 
     @model_validator(mode="before")
     @classmethod
@@ -88,10 +118,12 @@ class TrainingSpec(SpecModel):
         for key, enum in (
             ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
             ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
-            ("loss_impl", LossImpl),
+            ("loss_impl", LossImpl), ("causal_lm_loss", CausalLMLoss),
         ):
             if key in data and data[key] is not None:
                 data[key] = enum.parse(data[key], key)
+        if isinstance(data.get("versions"), Mapping):  # {"torch": "1.13"} -> the canonical 'torch=1.13'
+            data["versions"] = ",".join(f"{k}={v}" for k, v in parse_versions(data["versions"]).items())
         if data.get("optimizer_impl") is not None:
             data["optimizer_impl"] = OptimizerImpl.parse(data["optimizer_impl"], "optimizer_impl")
         targets = data.get("lora_targets")
@@ -125,6 +157,36 @@ class TrainingSpec(SpecModel):
             raise SpecError(f"alloc_conf={self.alloc_conf!r}: {exc} (PYTORCH_CUDA_ALLOC_CONF syntax, e.g. "
                             "'expandable_segments:True,max_split_size_mb:128')") from None
         return self
+
+    @model_validator(mode="after")
+    def _apply_stack(self) -> TrainingSpec:
+        # like the precision's default: what the stack sets stays out of model_fields_set, so a spec
+        # rebuilt with another stack follows the new one
+        object.__setattr__(self, "versions", ",".join(f"{k}={v}" for k, v in parse_versions(self.versions).items()))
+        for key, applied in self.resolved_stack.options.items():
+            if key not in self.STACK_OPTIONS:
+                raise SpecError(f"stack {self.stack!r} sets {key!r}, which a stack cannot set; it may set "
+                                f"{', '.join(sorted(self.STACK_OPTIONS))}")
+            if key not in self.model_fields_set:
+                try:
+                    kind: Any = type(self).model_fields[key].annotation
+                    value = TypeAdapter(kind).validate_python(applied.value)
+                except ValidationError as exc:
+                    raise SpecError(f"stack {self.stack!r} sets {key}={applied.value!r}: "
+                                    f"{exc.errors()[0]['msg']}") from None
+                object.__setattr__(self, key, value)
+        return self
+
+    @property
+    def resolved_stack(self) -> Stack:
+        """The stack and component versions this step assumes, and the options they set (with sources)."""
+        return resolve_stack(self.stack, self.versions)
+
+    @property
+    def grads_persist(self) -> bool:
+        """Every ``.grad`` exists when the costliest micro-step starts (a later micro-step of gradient
+        accumulation, or ``zero_grad(set_to_none=False)`` keeping them): new gradients are added in place."""
+        return self.grad_accum > 1 or not self.zero_grad_set_to_none
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainingSpec:
@@ -189,6 +251,9 @@ def build_training(training: TrainingSpec | Mapping[str, Any] | None = None, **o
     elif training is not None:
         raise SpecError(f"training must be a TrainingSpec or a dict, got {type(training).__name__}")
     data.update({k: v for k, v in options.items() if v is not None or k in ("dropout",)})
+    given = {k: str(data.pop(k)) for k in COMPONENTS if k in data}  # torch="1.13": one component's version
+    if given:
+        data["versions"] = {**parse_versions(data.get("versions")), **given}
     unknown = sorted(set(data) - set(TrainingSpec.model_fields))
     if unknown:
         valid = sorted(TrainingSpec.model_fields)

@@ -102,9 +102,11 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
 def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_bytes: int,
                   unrolled: bool = False) -> Program:
     mixed = t.mixed and hooks.autocast
-    ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1)
+    ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1,
+                  causal_lm_loss=t.causal_lm_loss.value)
     g = Graph()
     g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
+    g.bnb_saves_input = t.bnb_saves_input
     all_weights = weight_tensors(m, t)
     weights = [w for w in all_weights if on_stage(w[0], m, hooks.first_stage, hooks.last_stage)]
     held = {id(w[0]) for w in weights}
@@ -136,8 +138,9 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
             unit_params["root"].append(other[p.name])
     recipe = recipe_for(m, t, ctx)
     # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
-    # start and new gradients are added in place (HF Trainer zeroes them only after optimizer.step())
-    g.grads_exist = t.grad_accum > 1 and hooks.local_grads_accumulate
+    # start and new gradients are added in place (HF Trainer zeroes them only after optimizer.step());
+    # so with zero_grad(set_to_none=False), which zeroes them in place and keeps them (`grads_persist`)
+    g.grads_exist = t.grads_persist and hooks.local_grads_accumulate
     ids = g.external(per_token(1), 8, "input_ids")
     ids.region = "inputs"
 
@@ -201,7 +204,11 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     g.drop(h)  # *ForCausalLM returns: the base output (holding h) goes
     if ctx.autocast is not None:
         ops.end_autocast(g, ctx)
-    g.drop(logits)  # the caller keeps only `.loss` of the output
+    # the caller keeps only `.loss` of the output; a loop that names the output keeps it until its next
+    # forward returns (`loop_keeps_outputs`): this step's logits stay, the last step's go after the forward
+    kept = logits if t.loop_keeps_outputs and logits is not None else None
+    if kept is None:
+        g.drop(logits)
     hooks.unit_forward_end(g, "root")
     g.mark("fwd_end")
     fwd_end = len(g.events)
@@ -299,6 +306,11 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
             continue
         segs.append(_segment("forward", plan.labels[i], 1, *evs(mk[f"L{i}_fwd_start"], mk[f"L{i}_fwd_end"])))
     segs.append(_segment("forward", "head and loss", 1, *evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
+    previous = kept is not None and not t.first_step  # the last step's output, alive until this forward returns
+    if previous:
+        assert kept is not None
+        segs.append(_segment("forward", "the loop rebinds `outputs`: the last step's logits go", 1,
+                             ((CAT_INDEX["activations/head"], -1, kept.bytes, "the last step's logits"),)))
     segs.append(_segment("backward", "loss and head", 1, *evs(mk["bwd_start"], mk["head_bwd_end"])))
     prev = "head_bwd_end"
     for i in reversed(range(n_sim)):
@@ -323,7 +335,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
         if not t.first_step:
             for nbytes, count in state_bytes(m, t):
                 init.append((CAT_INDEX["optimizer_states"], nbytes, count))
-        if t.grad_accum > 1:
+        if t.grads_persist:
             for p, dt, trainable in weights:
                 if trainable:
                     init.append((CAT_INDEX["gradients"], const(p.numel * dt), p.count))
@@ -332,6 +344,9 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     for _name, buf_bytes, count in buffer_inventory(m):
         init.append((CAT_INDEX["weights/buffers"], const(buf_bytes), count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
+    if previous:
+        assert kept is not None
+        init.append((CAT_INDEX["activations/head"], kept.bytes, 1))
     if scaler:
         init.append((CAT_INDEX["optimizer_states"], const(4), 2))  # GradScaler's _scale and _growth_tracker
     if t.device is Device.CUDA:
@@ -392,7 +407,9 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     # sizes depend on the token count (`recipes.head`): their programs keep the batch shape.
     shape = ({} if t.loss_impl in (LossImpl.LIGER, LossImpl.CHUNKED) else
              {"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq})
-    key = t.model_copy(update={**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": ""})
+    # the stack shapes the program only through the options it sets; the CUDA context is not in it
+    key = t.model_copy(update={**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": "", "stack": "",
+                               "versions": "", "cuda_lazy_loading": True})
     if len(_KEYS) >= 64:
         _KEYS.clear()
     _KEYS[id(t)] = (t, window, key)  # holding `t` keeps its id from being reused while it is here

@@ -210,6 +210,6 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
     if grads is None:
         grads = [(p.numel * pdt, p.count) for p, pdt in params]
     frees = tuple((grad, -count, const(_round(n)), "zero_grad(set_to_none)") for n, count in grads if n and count)
-    if frees:  # one free per gradient storage
+    if frees and t.zero_grad_set_to_none:  # one free per gradient storage (set_to_none=False: zeroed in place)
         segs.append(_segment("zero", "zero_grad", 1, frees))
     return segs

@@ -54,7 +54,7 @@ def reserved_and_total(t: TrainingSpec, peak: int, churn: int, calibration: Cali
     nvidia-smi counts while resident. CPU: both equal the peak."""
     if t.device is not Device.CUDA:
         return peak, peak
-    return _segments_and_total(peak + churn_fraction(calibration) * churn, calibration, unified)
+    return _segments_and_total(t, peak + churn_fraction(calibration) * churn, calibration, unified)
 
 
 def reserved_and_total_over_step(t: TrainingSpec, peak: int, high_water: float, calibration: Calibration | None,
@@ -64,15 +64,26 @@ def reserved_and_total_over_step(t: TrainingSpec, peak: int, high_water: float, 
     (`trainmem_nb.engine.program.peak_with_churn`). CPU: both equal the peak."""
     if t.device is not Device.CUDA:
         return peak, peak
-    return _segments_and_total(max(high_water, peak), calibration, unified)
+    return _segments_and_total(t, max(high_water, peak), calibration, unified)
 
 
-def _segments_and_total(nbytes: float, calibration: Calibration | None, unified: int) -> tuple[int, int]:
-    from ..device import CUDA_CONTEXT_BYTES, LARGE_SEGMENT_BYTES
+def cuda_context_bytes(t: TrainingSpec, calibration: Calibration | None) -> int:
+    """The CUDA context nvidia-smi shows besides the allocator's segments: a calibration's measured one,
+    else the modelled one, larger when the libraries' kernels load eagerly (``cuda_lazy_loading=False``:
+    CUDA before 11.7, `trainmem_nb.device.CUDA_CONTEXT_EAGER_BYTES`)."""
+    from ..device import CUDA_CONTEXT_BYTES, CUDA_CONTEXT_EAGER_BYTES
 
-    context = calibration.cuda_context_bytes if calibration else CUDA_CONTEXT_BYTES
+    if calibration:
+        return calibration.cuda_context_bytes
+    return CUDA_CONTEXT_BYTES if t.cuda_lazy_loading else CUDA_CONTEXT_EAGER_BYTES
+
+
+def _segments_and_total(t: TrainingSpec, nbytes: float, calibration: Calibration | None,
+                        unified: int) -> tuple[int, int]:
+    from ..device import LARGE_SEGMENT_BYTES
+
     reserved = -(-int(nbytes) // LARGE_SEGMENT_BYTES) * LARGE_SEGMENT_BYTES
-    return reserved, reserved + context + unified
+    return reserved, reserved + cuda_context_bytes(t, calibration) + unified
 
 
 class AllocatorReplay(NamedTuple):
@@ -163,11 +174,8 @@ def replayed_reserved_and_total(t: TrainingSpec, peak: int, replay: AllocatorRep
     replay (CUDA); CPU: both equal the peak."""
     if t.device is not Device.CUDA or replay is None:
         return peak, peak
-    from ..device import CUDA_CONTEXT_BYTES
-
-    context = calibration.cuda_context_bytes if calibration else CUDA_CONTEXT_BYTES
     reserved = max(replay.peak_reserved_bytes, peak)
-    return reserved, reserved + context + unified
+    return reserved, reserved + cuda_context_bytes(t, calibration) + unified
 
 
 def replay_on_card(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: str, capacity: int,

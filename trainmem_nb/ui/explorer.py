@@ -33,6 +33,7 @@ from ..model.families import Family
 from ..model.presets import list_presets, resolve_model
 from ..model.spec import ModelSpec
 from ..spec.choices import CHECKPOINTING_HELP, Attention, Checkpointing, LossImpl, Method, OptimizerName, Precision
+from ..spec.stack import list_stacks, resolve_stack
 from ..step.reserved import screening
 from ..units import format_count
 from .explorer_text import legend_html, summary_html, verdict_text
@@ -59,8 +60,8 @@ ENGINES: tuple[str, ...] = ("deepspeed", "fsdp", "ddp", "megatron")
 
 #: The controls and the option each one sets (model controls are handled apart).
 TRAINING_CONTROLS: tuple[str, ...] = (
-    "micro_batch", "seq_len", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "loss_impl", "method",
-    "lora_rank", "alloc_conf",
+    "micro_batch", "seq_len", "stack", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "loss_impl",
+    "method", "lora_rank", "alloc_conf",
 )
 #: The caching allocator's settings offered (``PYTORCH_CUDA_ALLOC_CONF``): its default and expandable segments.
 ALLOC_CONFS: tuple[tuple[str, str], ...] = (("default", ""), ("expandable", "expandable_segments:True"))
@@ -160,6 +161,8 @@ class Explorer:
                                          description="sequence", **slow),
             "grad_accum": w.IntSlider(value=t["grad_accum"], min=1, max=max(64, t["grad_accum"]),
                                       description="grad accum", **slow),
+            "stack": w.Dropdown(options=_with(tuple(list_stacks()), t["stack"] or "default"),
+                                value=t["stack"] or "default", description="stack"),
             "precision": w.Dropdown(options=[p.value for p in Precision], value=t["precision"],
                                     description="precision"),
             "optimizer": w.Dropdown(options=[o.value for o in OptimizerName], value=t["optimizer"],
@@ -381,6 +384,8 @@ class Explorer:
                     self._fill_custom(change.get("old"))  # start from the model shown, until you edit it
             elif owner is c["method"]:
                 self._sync_lora()
+            elif owner is c["stack"]:  # the loss control follows the stack (it passes loss_impl explicitly)
+                c["loss_impl"].value = _stack_loss(str(change["new"]))
             elif owner is c["upload"]:
                 self._read_upload()
             elif owner in (c["params"], c["size_family"]) and c["source"].value == "size":
@@ -550,10 +555,16 @@ def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
         "precision": t.precision.value, "optimizer": t.optimizer.value, "checkpointing": t.checkpointing.value,
-        "attention": t.attention.value, "loss_impl": t.loss_impl.value, "method": t.method.value,
+        "attention": t.attention.value, "loss_impl": t.loss_impl.value, "method": t.method.value, "stack": t.stack,
         "lora_rank": t.lora_rank,
         "alloc_conf": t.alloc_conf, "gpus": p.gpus, "zero": p.zero, "engine": p.engine.value, "tp": p.tp, "pp": p.pp,
     }
+
+
+def _stack_loss(stack: str) -> str:
+    """The loss a stack runs (`loss_impl`), for the explorer's loss control."""
+    applied = resolve_stack(stack).options.get("loss_impl")
+    return str(applied.value) if applied is not None else LossImpl.STANDARD.value
 
 
 def _preset_options() -> list[tuple[str, str]]:

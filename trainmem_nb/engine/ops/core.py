@@ -25,6 +25,8 @@ class Ctx:
     autocast: int | None
     device: str
     batch1: bool = False  # micro-batch 1: some slices are already contiguous (no copy)
+    #: how the transformers version computes the causal-LM loss (`trainmem_nb.recipes.head.causal_lm_loss`)
+    causal_lm_loss: str = "labels-shifted"
     wcache: dict[int, T] = field(default_factory=dict)
 
     @property

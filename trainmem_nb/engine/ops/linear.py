@@ -74,7 +74,9 @@ def linear_4bit(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T 
     """bitsandbytes ``Linear4bit`` (QLoRA's frozen NF4 base): the input goes to the compute dtype,
     ``MatMul4Bit`` dequantizes the weight into a temporary (out, in) buffer for the matmul and saves
     nothing of size; backward dequantizes again for the input's gradient. The output returns to the
-    input's dtype (bitsandbytes/nn/modules.py, autograd/_functions.py)."""
+    input's dtype (bitsandbytes/nn/modules.py, autograd/_functions.py). Before bitsandbytes 0.43.2
+    ``MatMul4Bit.forward`` kept its input too (``ctx.tensors = (A, B)``), which its backward never reads
+    (`Graph.bnb_saves_input`)."""
     cdt = w.nf4
     xc = cast(g, x, cdt, f"{label} input to compute dtype")
     ins = [xc] + ([b] if b is not None else [])
@@ -90,7 +92,7 @@ def linear_4bit(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T 
         g.drop(deq_b)
         return [gx] + ([None] if b is not None else [])
 
-    g.record(label, ins, [out], [], bwd)
+    g.record(label, ins, [out], [xc] if g.bnb_saves_input else [], bwd)
     g.drop(xc)
     res = cast(g, out, x.dt, f"{label} output to input dtype")
     g.drop(out)

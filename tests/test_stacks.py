@@ -1,0 +1,242 @@
+"""Training stacks (`trainmem_nb.spec.stack`): a named stack and its component versions set the options
+whose mechanisms they switch on, each mechanism changes the step as its source says, and the CLI, the
+explorer and the JSON contract say which stack and versions an estimate assumed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import trainmem_nb as tm
+from trainmem_nb.device import CUDA_CONTEXT_BYTES, CUDA_CONTEXT_EAGER_BYTES, round_block
+from trainmem_nb.engine.breakdown import TOP_KEYS
+from trainmem_nb.spec.stack import list_stacks, resolve_stack
+
+#: The stacks issue 14 names.
+NAMED = ("hf-trainer", "trl", "axolotl", "torchtune", "litgpt", "lightning-fabric", "torchtitan", "accelerate-fsdp1",
+         "deepspeed", "megatron", "fsdp_qlora")
+
+#: A small llama whose head dominates (a large vocabulary on a narrow model), so the loss's tensors set the peak.
+HEAVY_HEAD = dict(family="llama", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=8192,
+                  tie_embeddings=False, max_positions=4096)
+
+
+def _first_and_last(est: tm.MemoryEstimate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    points = est.timeline(max_points=10**7)
+    return points[0].by_category, points[-1].by_category
+
+
+# -- the stacks and their resolution --------------------------------------------------------------------
+
+
+def test_every_named_stack_of_the_issue_exists_and_each_setting_and_rule_cites_a_source() -> None:
+    assert set(NAMED) <= set(list_stacks())
+    assert list_stacks()[0] == "default"
+    for name in list_stacks():
+        s = resolve_stack(name)
+        assert all(a.source.strip() for a in s.options.values()), name
+    for rule_source in (a.source for a in resolve_stack("hf-trainer@4.30", "torch=1.12,cuda=11.6,bitsandbytes=0.41").options.values()):
+        assert rule_source.strip()
+
+
+def test_a_stack_version_is_its_key_librarys_and_older_components_switch_their_mechanisms_on() -> None:
+    today = resolve_stack("")
+    assert today.label == "default" and not today.options
+    old = resolve_stack("hf-trainer@4.38", {"torch": "1.13", "cuda": "11.6", "bitsandbytes": "0.43.1"})
+    assert old.components == {"torch": "1.13", "transformers": "4.38", "bitsandbytes": "0.43.1", "cuda": "11.6"}
+    values = {k: a.value for k, a in old.options.items()}
+    assert values == {"loop_keeps_outputs": False, "zero_grad_set_to_none": False, "cuda_lazy_loading": False,
+                      "bnb_saves_input": True, "causal_lm_loss": "model-upcast"}
+    assert {k: a.value for k, a in resolve_stack("hf-trainer@4.47").options.items()}["causal_lm_loss"] == "logits-shifted"
+    assert {k: a.value for k, a in resolve_stack("hf-trainer@4.30").options.items()}["causal_lm_loss"] == "no-upcast"
+    assert "causal_lm_loss" not in resolve_stack("hf-trainer@4.49").options  # today's loss from 4.49
+    assert resolve_stack("", "torch=1.12").options["cuda_lazy_loading"].value is False  # torch sets LAZY from 1.13
+    assert "cuda_lazy_loading" not in resolve_stack("", "torch=1.13,cuda=11.7").options
+
+
+def test_a_stack_sets_only_what_is_not_given_and_a_rebuilt_spec_follows_its_new_stack() -> None:
+    t = tm.TrainingSpec(stack="torchtune")
+    assert (t.loss_impl.value, t.loss_chunks, t.dropout) == ("chunked", 8, 0.0)
+    assert tm.TrainingSpec(stack="torchtune", loss_impl="standard").loss_impl.value == "standard"
+    assert tm.TrainingSpec(stack="torchtune@0.2.1").loss_impl.value == "standard"  # torch.nn.CrossEntropyLoss then
+    from trainmem_nb.spec.training import build_training
+
+    moved = build_training(t, stack="hf-trainer")
+    assert moved.loss_impl.value == "standard" and moved.dropout is None
+    assert build_training(None, stack="hf-trainer@4.38", torch="1.13").zero_grad_set_to_none is False
+    assert tm.TrainingSpec(versions={"torch": "1.13"}).versions == "torch=1.13"
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(stack="hf-trainr"), r"not a named stack \(did you mean 'hf-trainer'\?\)"),
+    (dict(stack="hf-trainer@four"), r"must be dotted numbers"),
+    (dict(stack="default@1.0"), r"the default stack has no version"),
+    (dict(versions="torch:1.13"), r"COMPONENT=VERSION pairs"),
+    (dict(versions={"pytorch": "1.13"}), r"'pytorch' is not a component \(did you mean 'torch'\?\)"),
+    (dict(stack="hf-trainer@4.38", transformers="4.40"), r"give it once"),
+    (dict(stack="no/such/stack.json"), r"does not exist"),
+])
+def test_bad_stacks_and_versions_are_refused_with_what_to_change(options: dict, message: str) -> None:
+    with pytest.raises(tm.SpecError, match=message):
+        tm.estimate("gpt2", **options)
+
+
+def test_a_users_own_stack_file_is_read_and_checked(tmp_path: Path) -> None:
+    mine = tmp_path / "my-loop.json"
+    mine.write_text(json.dumps({"name": "my-loop", "title": "my training loop", "library": "transformers",
+                                "version": "4.40", "source": "train.py of my repo",
+                                "settings": {"loop_keeps_outputs": {"value": True, "source": "train.py:88"}}}))
+    t = tm.TrainingSpec(stack=str(mine))
+    assert t.loop_keeps_outputs and t.causal_lm_loss.value == "model-upcast"
+    assert t.resolved_stack.label == "my-loop@4.40"
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "bad", "title": "t", "library": "x", "source": "s",
+                               "settings": {"loop_keeps_outputs": {"value": True}}}))
+    with pytest.raises(tm.SpecError, match=r"stack file .*bad.json: settings.loop_keeps_outputs.source: Field required"):
+        tm.TrainingSpec(stack=str(bad))
+    rogue = tmp_path / "rogue.json"
+    rogue.write_text(json.dumps({"name": "rogue", "title": "t", "library": "x", "source": "s",
+                                 "settings": {"micro_batch": {"value": 8, "source": "s"}}}))
+    with pytest.raises(tm.SpecError, match=r"sets 'micro_batch', which a stack cannot set"):
+        tm.TrainingSpec(stack=str(rogue))
+
+
+# -- each mechanism, switched on and off -----------------------------------------------------------------
+
+
+def test_zero_grad_without_set_to_none_keeps_every_gradient_through_the_step() -> None:
+    """torch < 2.0's ``zero_grad()`` zeroes the gradients in place: they exist when the step starts and
+    are still there when it ends; with set_to_none they are born in backward and freed by zero_grad."""
+    opts = dict(micro_batch=1, seq_len=64, precision="fp32", optimizer="sgd", device="cpu")
+    kept = tm.estimate("gpt2", zero_grad_set_to_none=False, **opts)
+    freed = tm.estimate("gpt2", **opts)
+    from trainmem_nb.model.params import weight_tensors
+
+    grads = sum(round_block(p.numel * dt) * p.count for p, dt, trains in weight_tensors(kept.model, kept.training)
+                if trains)
+    g = TOP_KEYS.index("gradients")
+    first, last = _first_and_last(kept)
+    assert first[g] == last[g] == grads
+    assert _first_and_last(freed)[0][g] == _first_and_last(freed)[1][g] == 0
+    assert kept.peak_allocated_bytes >= freed.peak_allocated_bytes
+    assert tm.estimate("gpt2", torch="1.13", **opts).to_dict()["peak_allocated_bytes"] == kept.peak_allocated_bytes
+
+
+def test_zero_grad_without_set_to_none_is_refused_where_it_is_not_modelled() -> None:
+    with pytest.raises(tm.SpecError, match=r"zero_grad_set_to_none=False .* is not modelled"):
+        tm.estimate("gpt2", seq_len=512, zero_grad_set_to_none=False, gpus=2, engine="deepspeed", zero=2)
+    assert tm.estimate("gpt2", seq_len=512, zero_grad_set_to_none=False, gpus=2, engine="fsdp",
+                       zero=3).peak_allocated_bytes > 0
+
+
+def test_an_eagerly_loaded_cuda_context_is_the_measured_v100_one_unless_calibrated() -> None:
+    lazy = tm.estimate("gpt2", seq_len=512)
+    eager = tm.estimate("gpt2", seq_len=512, cuda="11.6")
+    assert lazy.device_total_bytes - lazy.peak_reserved_bytes == CUDA_CONTEXT_BYTES
+    assert eager.device_total_bytes - eager.peak_reserved_bytes == CUDA_CONTEXT_EAGER_BYTES
+    assert eager.peak_allocated_bytes == lazy.peak_allocated_bytes
+    calibrated = tm.estimate("gpt2", seq_len=512, cuda="11.6", calibration={"cuda_context_bytes": 700 << 20})
+    assert calibrated.device_total_bytes - calibrated.peak_reserved_bytes == 700 << 20
+
+
+def test_old_bitsandbytes_keeps_each_4bit_linears_input_for_backward() -> None:
+    """bitsandbytes < 0.43.2 ``MatMul4Bit`` keeps its input (``ctx.tensors = (A, B)``): at least every
+    down_proj input, which nothing else saves, stays to the end of the forward; LoRA has no 4-bit layer."""
+    m = tm.ModelSpec.model_validate(dict(HEAVY_HEAD, vocab=256))
+    opts = dict(micro_batch=2, seq_len=128, method="qlora", lora_targets="qv")
+    new, old = tm.estimate(m, **opts), tm.estimate(m, bitsandbytes="0.43.1", **opts)
+    down_inputs = m.n_layers * round_block(2 * 128 * m.ffn * 2)
+    assert old.saved_activations_bytes - new.saved_activations_bytes >= down_inputs
+    lora = dict(opts, method="lora")
+    assert tm.estimate(m, bnb_saves_input=True, **lora).to_dict() == tm.estimate(m, **lora).to_dict() | {
+        "training": tm.estimate(m, bnb_saves_input=True, **lora).to_dict()["training"]}
+
+
+def test_the_transformers_version_decides_where_the_logits_are_upcast_and_shifted() -> None:
+    m = tm.ModelSpec.model_validate(HEAVY_HEAD)
+    opts = dict(micro_batch=2, seq_len=256, method="lora", precision="bf16-mixed")
+    # at the loss (the forward's peak), per logit: today 16-bit + fp32 + log-probabilities (10 B); 4.46-4.48
+    # an fp32 shifted copy more (14 B); 4.31-4.45 without the 16-bit logits the model dropped (12 B)
+    peak = {v: tm.estimate(m, causal_lm_loss=v, **opts).phase_peaks_bytes["forward"]
+            for v in ("labels-shifted", "logits-shifted", "model-upcast", "no-upcast")}
+    logit = 2 * 256 * m.vocab
+    assert 3.5 * logit < peak["logits-shifted"] - peak["labels-shifted"] < 4.5 * logit
+    assert 1.5 * logit < peak["model-upcast"] - peak["labels-shifted"] < 2.5 * logit
+    assert peak["no-upcast"] < peak["logits-shifted"]
+    # one sequence: the shifted slice is already contiguous, no copy
+    one = {v: tm.estimate(m, causal_lm_loss=v, **(opts | dict(micro_batch=1))).peak_allocated_bytes
+           for v in ("labels-shifted", "logits-shifted")}
+    assert one["logits-shifted"] - one["labels-shifted"] < round_block(256 * m.vocab * 4)
+
+
+@pytest.mark.parametrize(("causal_lm_loss", "dtype_bytes"), [("labels-shifted", 2), ("model-upcast", 4)])
+def test_a_loop_that_names_its_outputs_keeps_the_last_steps_logits_into_the_next_forward(
+        causal_lm_loss: str, dtype_bytes: int) -> None:
+    """``outputs = model(**batch)`` in the loop: the last step's logits (16-bit today, fp32 when the model
+    upcast them, transformers 4.31-4.45) are alive when the step starts, and this step's when it ends."""
+    m = tm.ModelSpec.model_validate(HEAVY_HEAD)
+    opts = dict(micro_batch=2, seq_len=256, method="lora", causal_lm_loss=causal_lm_loss)
+    kept, dropped = tm.estimate(m, loop_keeps_outputs=True, **opts), tm.estimate(m, **opts)
+    logits = round_block(2 * 256 * m.vocab * dtype_bytes)
+    a = TOP_KEYS.index("activations")
+    for k, d in zip(_first_and_last(kept), _first_and_last(dropped), strict=True):
+        assert k[a] - d[a] == logits
+    assert kept.peak_allocated_bytes > dropped.peak_allocated_bytes
+    assert tm.estimate(m, stack="litgpt", **opts).training.loop_keeps_outputs
+
+
+# -- where a stack shows ---------------------------------------------------------------------------------
+
+
+def test_the_estimate_says_which_stack_and_versions_it_assumed_and_what_it_set() -> None:
+    e = tm.estimate("llama-3-8b", stack="hf-trainer@4.38", torch="1.13", method="lora")
+    d = e.to_dict()["stack"]
+    assert d["label"] == "hf-trainer@4.38" and d["components"]["torch"] == "1.13"
+    assert d["options"]["zero_grad_set_to_none"]["value"] is False
+    assert "optimizer.py" in d["options"]["zero_grad_set_to_none"]["source"]
+    assert any("FSDP1" in n for n in d["not_modelled"])
+    text = e.summary()
+    assert "stack hf-trainer@4.38 (Hugging Face Trainer): torch 1.13, transformers 4.38" in text
+    assert "it sets loop_keeps_outputs=False, zero_grad_set_to_none=False, causal_lm_loss=model-upcast" in text
+    assert "stack default (today's versions): torch 2.13" in tm.estimate("gpt2", seq_len=512).summary()
+    mine = tm.estimate("llama-3-8b", stack="torchtune", loss_impl="standard", method="lora").to_dict()["stack"]
+    assert mine["options"]["loss_impl"]["overridden"] is True
+
+
+def test_the_cli_takes_a_stack_and_component_versions_and_lists_the_stacks(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainmem_nb.cli.main import main
+
+    assert main(["estimate", "--model", "gpt2", "--seq-len", "512", "--stack", "hf-trainer@4.38", "--cuda", "11.6",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["stack"]["components"]["cuda"] == "11.6"
+    assert d["device_total_bytes"] - d["peak_reserved_bytes"] == CUDA_CONTEXT_EAGER_BYTES
+    assert main(["stacks"]) == 0
+    out = capsys.readouterr().out
+    assert all(name in out for name in NAMED)
+    assert main(["estimate", "--model", "qwen2.5-0.5b", "--seq-len", "512", "--stack", "torchtune"]) == 0
+    assert "loss chunked in 8" in capsys.readouterr().out
+
+
+def test_the_planner_fits_with_the_stack_it_is_given() -> None:
+    from trainmem_nb.planning.fit import fit
+    from trainmem_nb.planning.gpus import get_gpu
+
+    lazy = fit(tm.estimate("llama-3-8b", method="qlora"), get_gpu("rtx-4090"))
+    eager = fit(tm.estimate("llama-3-8b", method="qlora", cuda="11.6"), get_gpu("rtx-4090"))
+    assert eager.needed_bytes - lazy.needed_bytes == CUDA_CONTEXT_EAGER_BYTES - CUDA_CONTEXT_BYTES
+
+
+def test_the_explorers_stack_dropdown_sets_the_stack_and_moves_the_loss_control_to_the_stacks() -> None:
+    pytest.importorskip("ipywidgets")
+    from trainmem_nb.ui.explorer import Explorer
+
+    ex = Explorer("qwen2.5-0.5b", method="lora", seq_len=512)
+    assert list(ex.controls["stack"].options) == list_stacks()
+    ex.controls["stack"].value = "torchtune"
+    assert ex.controls["loss_impl"].value == "chunked"
+    assert ex.estimate is not None and ex.estimate.training.resolved_stack.name == "torchtune"
+    ex.controls["stack"].value = "hf-trainer"
+    assert ex.controls["loss_impl"].value == "standard" and not ex.message
