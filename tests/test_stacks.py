@@ -240,3 +240,11 @@ def test_the_explorers_stack_dropdown_sets_the_stack_and_moves_the_loss_control_
     assert ex.estimate is not None and ex.estimate.training.resolved_stack.name == "torchtune"
     ex.controls["stack"].value = "hf-trainer"
     assert ex.controls["loss_impl"].value == "standard" and not ex.message
+
+
+def test_the_plan_runs_with_the_stack_and_says_which_it_assumed() -> None:
+    from trainmem_nb.planning.search import plan
+
+    p = plan("llama-3-8b", gpu="rtx-4090", method="qlora", seq_len=1024, stack="hf-trainer@4.38", cuda="11.6")
+    assert "stack hf-trainer@4.38 (Hugging Face Trainer): torch 2.13, transformers 4.38, bitsandbytes 0.50.2, " \
+           "cuda 11.6" in str(p)

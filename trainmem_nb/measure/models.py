@@ -18,14 +18,17 @@ def hf_config_object(config: Mapping[str, Any], **overrides: Any) -> Any:
     return AutoConfig.for_model(model_type, **data)
 
 
-def hf_model_class(model_type: str) -> Any:
+def hf_model_class(model_type: str, architectures: Any = None) -> Any:
     """The class a training run instantiates for `model_type`: its family's description names it
-    (``*ForCausalLM`` for decoders, ``BertForMaskedLM`` for bert)."""
+    (``*ForCausalLM`` for decoders, ``BertForMaskedLM`` for bert), or the sequence-classification class
+    `architectures` (a config's list) names (``BertForSequenceClassification``)."""
     import transformers
 
     from ..model.families import describe
     from ..model.hf_config import SUPPORTED_MODEL_TYPES
 
+    if isinstance(architectures, list) and architectures and str(architectures[0]).endswith("ForSequenceClassification"):
+        return getattr(transformers, architectures[0])
     return getattr(transformers, describe(SUPPORTED_MODEL_TYPES[model_type]).hf_class)
 
 
@@ -48,7 +51,7 @@ def hf_param_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
 
     config = language_model_config(config)
     cfg = hf_config_object(config)
-    cls = hf_model_class(config["model_type"])
+    cls = hf_model_class(config["model_type"], config.get("architectures"))
     with torch.device("meta"):
         model = cls.from_config(cfg) if hasattr(cls, "from_config") else cls(cfg)
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
@@ -60,6 +63,6 @@ def instantiate(config: Any, model_type: str, attn_implementation: str, dtype: A
     Decoders go through ``AutoModelForCausalLM.from_config``; ``BertForMaskedLM`` has no
     ``from_config`` of its own, so it goes through ``_from_config``, which that method wraps.
     """
-    cls = hf_model_class(model_type)
+    cls = hf_model_class(model_type, getattr(config, "architectures", None))
     make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
     return make(config, attn_implementation=attn_implementation, dtype=dtype)

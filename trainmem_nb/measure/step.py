@@ -275,7 +275,8 @@ def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[s
     """The Hugging Face model for `m` in training mode, in the recipe's dtype, and its inputs.
 
     Inputs are random token ids of shape (micro_batch, seq_len); ``labels`` is the same tensor (the
-    model shifts it for causal LM; bert's masked-LM loss covers every position).
+    model shifts it for causal LM; bert's masked-LM loss covers every position), or with a
+    sequence-classification head one random label per sequence.
     """
     cfg_dict = to_hf_config(m)
     cfg_dict.update(_dropout_overrides(m, t.dropout))
@@ -301,6 +302,9 @@ def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[s
         model = apply_lora(model, m, t)
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, m.vocab, (t.micro_batch, t.seq_len), generator=gen).to(torch_device)
+    if m.num_labels:
+        labels = torch.randint(0, max(2, m.num_labels), (t.micro_batch,), generator=gen).to(torch_device)
+        return model, {"input_ids": ids, "labels": labels.float() if m.num_labels == 1 else labels}
     return model, {"input_ids": ids, "labels": ids}
 
 

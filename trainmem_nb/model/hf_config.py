@@ -43,8 +43,10 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
             f"model_type={model_type!r} is not supported{did_you_mean(model_type, list(SUPPORTED_MODEL_TYPES))}; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    _check_head(cfg, family)
+    labels = _check_head(cfg, family)
     kw: dict[str, Any] = {"family": family, **READERS[family](cfg, family)}
+    if labels:
+        kw["num_labels"] = labels
     tie = cfg.get("tie_word_embeddings", DESCRIPTIONS[family].tie_default)
     if not isinstance(tie, bool):
         raise SpecError(f"config.json has tie_word_embeddings={tie!r}; it must be true or false")
@@ -62,20 +64,37 @@ _OTHER_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuest
                 "ForNextSentencePrediction")
 
 
-def _check_head(cfg: Mapping[str, Any], family: Family) -> None:
-    """Refuse a checkpoint saved with a task head the step does not model (it would be counted as the
-    family's LM head, whose (batch, seq, vocab) logits a classifier does not have)."""
+def _check_head(cfg: Mapping[str, Any], family: Family) -> int:
+    """The labels of a sequence-classification head the step models (``BertForSequenceClassification``:
+    ``num_labels``, else ``len(id2label)``, else transformers' default 2), 0 for the LM head; refuse a
+    checkpoint saved with a task head the step does not model (it would be counted as the family's LM
+    head, whose (batch, seq, vocab) logits a classifier does not have)."""
     archs = cfg.get("architectures")
     if not isinstance(archs, list):
-        return
+        return 0
     other = [a for a in archs if isinstance(a, str) and a.endswith(_OTHER_HEADS)]
-    if other and not any(isinstance(a, str) and a.endswith(("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration"))
-                         for a in archs):
+    lm = any(isinstance(a, str) and a.endswith(("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration")) for a in archs)
+    if other and not lm and family is Family.BERT and other[0].endswith("ForSequenceClassification"):
+        return _num_labels(cfg)
+    if other and not lm:
         head = DESCRIPTIONS[family].hf_class
         raise SpecError(
             f"config.json's architectures {other}: a {other[0].split('For', 1)[1]} head is not modelled; the estimate "
             f"models {head}, whose (batch, seq, vocab) logits a classifier does not have. To estimate it with the "
             f"{head} head (an upper bound on the head's memory), remove 'architectures' from the config")
+    return 0
+
+
+def _num_labels(cfg: Mapping[str, Any]) -> int:
+    """transformers' ``PretrainedConfig.num_labels``: ``num_labels`` if given, else ``len(id2label)``, else 2
+    (configuration_utils.py: ``self.id2label = ...`` from ``num_labels=kwargs.pop("num_labels", 2)``)."""
+    n = cfg.get("num_labels")
+    if n is None and isinstance(cfg.get("id2label"), Mapping):
+        n = len(cfg["id2label"])
+    n = 2 if n is None else n
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 1 << 16:
+        raise SpecError(f"config.json has num_labels={n!r}; it must be an integer from 1 to 65536")
+    return n
 
 
 # Llama-2/3 shape ratios: hidden = 128 * layers is 7B's and 13B's aspect; ffn ~ 8/3 hidden rounded to

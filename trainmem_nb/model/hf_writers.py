@@ -47,7 +47,8 @@ def _write_bert(m: Any) -> dict[str, Any]:
             "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "vocab_size": m.vocab,
             "max_position_embeddings": m.max_positions, "type_vocab_size": m.type_vocab,
             "hidden_act": m.activation, "hidden_dropout_prob": m.hidden_dropout,
-            "attention_probs_dropout_prob": m.attn_dropout}
+            "attention_probs_dropout_prob": m.attn_dropout,
+            **({"architectures": ["BertForSequenceClassification"], "num_labels": m.num_labels} if m.num_labels else {})}
 
 
 def _write_gpt_neox(m: Any) -> dict[str, Any]:

@@ -123,7 +123,8 @@ def _opt_params(m: ModelSpec) -> list[ParamTensor]:
 
 
 def _bert_params(m: ModelSpec) -> list[ParamTensor]:
-    """``BertForMaskedLM`` (an untied decoder keeps its own bias)."""
+    """``BertForMaskedLM`` (an untied decoder keeps its own bias), or with ``num_labels``
+    ``BertForSequenceClassification``: the pooler and the classifier instead of the MLM head."""
     L, h, V, f = m.n_layers, m.hidden, m.vocab, m.ffn
     items: list[ParamTensor] = []
     items.append(ParamTensor("embeddings.word_embeddings.weight", (V, h), 1, False, False))
@@ -138,6 +139,10 @@ def _bert_params(m: ModelSpec) -> list[ParamTensor]:
     items += _linear("layers.intermediate.dense", f, h, True, L)
     items += _linear("layers.output.dense", h, f, True, L)
     items += _norm("layers.output.LayerNorm", h, True, L)
+    if m.num_labels:
+        items += _linear("pooler.dense", h, h, True, 1, False)
+        items += _linear("classifier", m.num_labels, h, True, 1, False)
+        return items
     items += _linear("cls.predictions.transform.dense", h, h, True, 1, False)
     items += _norm("cls.predictions.transform.LayerNorm", h, True, 1, False)
     items.append(ParamTensor("cls.predictions.bias", (V,), 1, False, False))

@@ -82,6 +82,9 @@ class ModelSpec(SpecModel):
     pre_norm: bool = Field(default=True, description="OPT do_layer_norm_before; BERT is post-norm")
     type_vocab: int = Field(default=2, ge=0, le=1024, description="BERT token-type embeddings")
     lm_head_bias: bool = Field(default=False, description="the LM head has a bias (phi)")
+    num_labels: int = Field(
+        default=0, ge=0, le=1 << 16, description="a sequence-classification head with this many labels instead of "
+        "the language-model head (BertForSequenceClassification; 1: regression); 0: the LM head")
     qk_layernorm: bool = Field(default=False, description="a LayerNorm on each head's query and key (phi)")
     # Mixture-of-experts routing details (qwen3_moe, deepseek_v3, gpt_oss).
     norm_topk_prob: bool = Field(default=True, description="renormalise the top-k routing weights")
@@ -121,6 +124,9 @@ class ModelSpec(SpecModel):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelSpec:
+        if self.num_labels and self.family is not Family.BERT:
+            raise SpecError(f"num_labels={self.num_labels} (a sequence-classification head) is modelled for bert "
+                            f"only, not {self.family.value}; use num_labels=0 (the language-model head)")
         if not self.n_kv_heads:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if not self.head_dim:

@@ -175,7 +175,7 @@ def _breakdown_lines(est: MemoryEstimate) -> list[str]:
             f"checkpointing {t.checkpointing.value}, {_label(est.parallel)} on {est.parallel.gpus} GPU(s): "
             f"{format_bytes(needed_bytes(est))} per GPU (nvidia-smi), peak in {est.peak_phase}")
     parts = ", ".join(f"{k} {format_bytes(v)}" for k, v in est.breakdown_bytes.items() if v)
-    lines = [head, f"  per device: {parts}"]
+    lines = [head, f"  per device: {parts}", f"  {t.resolved_stack.describe()}"]
     if len(est.per_rank) > 1:
         for r in est.per_rank:
             d = r.to_dict() if hasattr(r, "to_dict") else {}

@@ -169,8 +169,11 @@ class BertRecipe(LayerNormRecipe):
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
         """BertOnlyMLMHead: transform (``dense``, GELU, ``LayerNorm``), ``decoder`` (tied to the word
         embeddings with bias ``cls.predictions.bias``, or untied with its own); then the masked-LM loss.
-        Returns (loss, scores)."""
+        Returns (loss, scores). With ``num_labels``, BertForSequenceClassification's head instead
+        (`sequence_classification_loss`)."""
         m, ctx = self.m, self.ctx
+        if m.num_labels:
+            return self.sequence_classification_loss(g, h, p)
         d = self.linear(g, h, p, "cls.predictions.transform.dense", m.hidden, m.hidden)
         a = ops.activation(g, ctx, d, m.activation, "transform_act_fn")
         g.drop(d)
@@ -183,6 +186,42 @@ class BertRecipe(LayerNormRecipe):
         scores = ops.addmm(g, ctx, n, w, b, m.hidden, m.vocab, "decoder", linear_casts=True)
         g.drop(n)
         return masked_lm_loss(g, ctx, scores, ids), scores
+
+    def sequence_classification_loss(self, g: Graph, h: T, p: dict[str, T]) -> tuple[T, T]:
+        """BertForSequenceClassification: ``BertPooler`` (``hidden_states[:, 0]``, whose backward
+        ``select_backward`` makes a full-size zero gradient, ``dense``, ``tanh``), the classifier's dropout
+        (``hidden_dropout_prob`` when ``classifier_dropout`` is unset), ``classifier``; then
+        ``CrossEntropyLoss`` over the labels (one per sequence, an input), or ``MSELoss`` for one label
+        (regression). Returns (loss, logits)."""
+        m, ctx = self.m, self.ctx
+        first = ops.slice_view(g, h, Sz(b_=m.hidden), "hidden_states[:, 0]")
+        d = self.linear(g, first, p, "pooler.dense", m.hidden, m.hidden)
+        g.drop(first)
+        pooled = ops.unary_saving_output(g, d, "pooler tanh")
+        g.drop(d)
+        dropped = ops.dropout(g, ctx, pooled, self.dropout_hidden, "classifier dropout")
+        g.drop(pooled)
+        logits = self.linear(g, dropped, p, "classifier", m.hidden, m.num_labels)
+        g.drop(dropped)
+        labels = g.external(Sz(b_=1), 8 if m.num_labels > 1 else F32, "labels")
+        if m.num_labels > 1:
+            return masked_lm_loss(g, ctx, logits, labels), logits
+        return _mse_loss(g, ctx, logits, labels), logits
+
+
+def _mse_loss(g: Graph, ctx: ops.Ctx, pred: T, target: T) -> T:
+    """``MSELoss()(logits.squeeze(), labels.squeeze())`` (views): saves both; backward makes the
+    prediction's gradient (under autocast ``mse_loss`` runs in fp32: a cast copy of the prediction)."""
+    src = ops.cast(g, pred, F32, "mse_loss autocast fp32") if ctx.autocast is not None and pred.dt != F32 else g.hold(pred)
+    loss = g.alloc(const(1), F32, "mse_loss")
+    n = src.n
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        return [g.alloc(n, F32, "mse_loss backward"), None]
+
+    g.record("mse_loss", [src, target], [loss], [src, target], bwd)
+    g.drop(src)
+    return loss
 
 
 _ = (Sz,)

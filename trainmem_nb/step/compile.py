@@ -344,6 +344,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     for _name, buf_bytes, count in buffer_inventory(m):
         init.append((CAT_INDEX["weights/buffers"], const(buf_bytes), count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
+    if m.num_labels:  # a classifier's labels, one per sequence, are a second input (int64; fp32 to regress)
+        init.append((CAT_INDEX["activations/inputs"], Sz(b_=8 if m.num_labels > 1 else 4), 1))
     if previous:
         assert kept is not None
         init.append((CAT_INDEX["activations/head"], kept.bytes, 1))
