@@ -54,7 +54,7 @@ def test_unsupported_model_type_names_the_supported_ones() -> None:
         ModelSpec.from_hf_config({"model_type": "t5", "d_model": 512})
 
 
-@pytest.mark.parametrize("arch", ["LlamaForSequenceClassification", "BertForTokenClassification"])
+@pytest.mark.parametrize("arch", ["LlamaForTokenClassification", "BertForTokenClassification"])
 def test_a_checkpoint_saved_with_a_task_head_is_refused_not_counted_as_the_lm_head(arch: str) -> None:
     from trainmem_nb.model.presets import get_preset
 

@@ -248,3 +248,14 @@ def test_the_plan_runs_with_the_stack_and_says_which_it_assumed() -> None:
     p = plan("llama-3-8b", gpu="rtx-4090", method="qlora", seq_len=1024, stack="hf-trainer@4.38", cuda="11.6")
     assert "stack hf-trainer@4.38 (Hugging Face Trainer): torch 2.13, transformers 4.38, bitsandbytes 0.50.2, " \
            "cuda 11.6" in str(p)
+
+
+@pytest.mark.torch
+def test_a_measurement_refuses_the_mechanisms_of_versions_it_does_not_run() -> None:
+    pytest.importorskip("torch")
+    from trainmem_nb.measure.api import measure
+
+    with pytest.raises(tm.SpecError, match=r"zero_grad_set_to_none=False, causal_lm_loss=model-upcast \(stack "
+                                           r"hf-trainer@4.38\) cannot be measured here"):
+        measure("gpt2", micro_batch=1, seq_len=32, stack="hf-trainer@4.38", torch="1.13")
+    assert measure("gpt2", micro_batch=1, seq_len=32, cuda="11.6").peak_allocated_bytes > 0  # the context: not a step's

@@ -96,6 +96,9 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
                             "the router and the 3-D expert stacks (ParamWrapper, the qwen2_moe conversion); target the "
                             "attention's linears ('qv', or names such as q_a_proj,q_b_proj,kv_a_proj_with_mqa,"
                             "kv_b_proj,o_proj)")
+    if t.loss_impl.value != "standard" and m.num_labels:
+        raise SpecError(f"loss_impl={t.loss_impl.value!r} replaces the language-model head's loss; a sequence "
+                        f"classifier (num_labels={m.num_labels}) has no such head: use loss_impl='standard'")
     if t.loss_impl.value != "standard":
         d = describe(m.family)
         why = ("its head is bespoke" if not d.composed else "its final-logit soft-capping" if m.final_softcap

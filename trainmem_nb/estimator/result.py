@@ -159,7 +159,7 @@ class MemoryEstimate:
             "parallel": self.parallel.model_dump(mode="json"),
             "per_rank": [r.to_dict() for r in self.per_rank],
             "training": self.training.model_dump(mode="json"),
-            "stack": _stack_dict(self.training),
+            "stack": self.training.stack_report(),
             "model_spec": self.model.model_dump(mode="json"),
         }
 
@@ -251,16 +251,6 @@ class MemoryEstimate:
             f"({html.escape(self.peak_at)}) &middot; reserved {format_bytes(self.peak_reserved_bytes)} "
             f"&middot; device total {format_bytes(self.device_total_bytes)}</p></div>"
         )
-
-
-def _stack_dict(t: TrainingSpec) -> dict[str, Any]:
-    """The stack the estimate assumed (`trainmem_nb.spec.stack`), for the JSON contract: its versions, the
-    options it set (each with its source) and its mechanisms that are not modelled."""
-    s = t.resolved_stack
-    return {"name": s.name, "label": s.label, "library": s.library, "version": s.version, "components": s.components,
-            "options": {k: {"value": a.value, "source": a.source, "overridden": k in t.model_fields_set}
-                        for k, a in s.options.items()},
-            "not_modelled": list(s.not_modelled)}
 
 
 def _stack_lines(t: TrainingSpec) -> list[str]:

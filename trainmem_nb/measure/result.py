@@ -104,6 +104,7 @@ class Measurement:
             "parallel": self.parallel or _single_device_layout(),
             "per_rank": [],
             "training": self.training.model_dump(mode="json"),
+            "stack": self.training.stack_report(),  # what the spec names; `measured_with` has what really ran
             "model_spec": self.model.model_dump(mode="json"),
             "peak_live_bytes": self.peak_live_bytes,
             "live_at_start_bytes": self.live_at_start_bytes,

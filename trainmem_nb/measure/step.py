@@ -83,6 +83,13 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
             f"seq_len={t.seq_len} exceeds the {m.max_positions} learned positions of {m.name!r}; "
             f"use seq_len <= {m.max_positions}"
         )
+    defaults = TrainingSpec()
+    older = [k for k in ("zero_grad_set_to_none", "bnb_saves_input", "causal_lm_loss", "loop_keeps_outputs")
+             if getattr(t, k) != getattr(defaults, k)]
+    if older:  # a stack's mechanisms of other versions: this process runs the installed ones
+        named = ", ".join(f"{k}={getattr(getattr(t, k), 'value', getattr(t, k))}" for k in older)
+        raise SpecError(f"{named} (stack {t.resolved_stack.label}) cannot be measured here: the step runs the installed torch, "
+                        "transformers and bitsandbytes and today's loop; measure with the default stack")
     if t.optimizer not in MEASURABLE_OPTIMIZERS:
         raise RuntimeError(
             f"optimizer={t.optimizer.value!r} cannot be measured here: it is not in torch.optim (it needs "
@@ -282,6 +289,8 @@ def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[s
     cfg_dict.update(_dropout_overrides(m, t.dropout))
     cfg = hf_config_object(cfg_dict, use_cache=False)
     _sanitize_token_ids(cfg, m.vocab)
+    if m.num_labels and getattr(cfg, "pad_token_id", None) is None:
+        cfg.pad_token_id = 0  # a decoder's classifier finds each sequence's last token by its pad id
     torch_device = "cuda" if device == "cuda" else "cpu"
     with torch.device(torch_device):
         model = instantiate(cfg, cfg_dict["model_type"], _attn_impl(t, m), model_dtype(t))

@@ -74,7 +74,8 @@ def _check_head(cfg: Mapping[str, Any], family: Family) -> int:
         return 0
     other = [a for a in archs if isinstance(a, str) and a.endswith(_OTHER_HEADS)]
     lm = any(isinstance(a, str) and a.endswith(("ForCausalLM", "ForMaskedLM", "ForConditionalGeneration")) for a in archs)
-    if other and not lm and family is Family.BERT and other[0].endswith("ForSequenceClassification"):
+    classifies = family is Family.BERT or DESCRIPTIONS[family].composed
+    if other and not lm and classifies and other[0].endswith("ForSequenceClassification"):
         return _num_labels(cfg)
     if other and not lm:
         head = DESCRIPTIONS[family].hf_class

@@ -24,7 +24,13 @@ def to_hf_config(m: Any) -> dict[str, Any]:
     >>> ModelSpec.from_hf_config(to_hf_config(m), name=m.name) == m
     True
     """
-    return {**WRITERS[m.family](m), "tie_word_embeddings": m.tie_embeddings}
+    out = {**WRITERS[m.family](m), "tie_word_embeddings": m.tie_embeddings}
+    if m.num_labels:  # the family's sequence-classification class (BertForSequenceClassification, ...)
+        from .families import DESCRIPTIONS
+
+        base = DESCRIPTIONS[m.family].hf_class.replace("ForCausalLM", "").replace("ForMaskedLM", "")
+        out.update(architectures=[f"{base}ForSequenceClassification"], num_labels=m.num_labels)
+    return out
 
 
 def _write_gpt2(m: Any) -> dict[str, Any]:
@@ -47,8 +53,7 @@ def _write_bert(m: Any) -> dict[str, Any]:
             "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "vocab_size": m.vocab,
             "max_position_embeddings": m.max_positions, "type_vocab_size": m.type_vocab,
             "hidden_act": m.activation, "hidden_dropout_prob": m.hidden_dropout,
-            "attention_probs_dropout_prob": m.attn_dropout,
-            **({"architectures": ["BertForSequenceClassification"], "num_labels": m.num_labels} if m.num_labels else {})}
+            "attention_probs_dropout_prob": m.attn_dropout}
 
 
 def _write_gpt_neox(m: Any) -> dict[str, Any]:

@@ -310,7 +310,9 @@ def _decoder_params(m: ModelSpec) -> list[ParamTensor]:
         items += _MLP_PARAMS[d.mlp](m, n_dense, dense)
     items += _LAYER_PARAMS[d.layer](m, L)
     items += _norm("norm", h, m.norm_bias, 1, False)
-    if not m.tie_embeddings:
+    if m.num_labels:  # GenericForSequenceClassification: ``score``, no LM head (tied or not)
+        items += _linear("score", m.num_labels, h, False, 1, False)
+    elif not m.tie_embeddings:
         items += _linear("lm_head", V, h, False, 1, False)
     return items
 

@@ -124,9 +124,10 @@ class ModelSpec(SpecModel):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelSpec:
-        if self.num_labels and self.family is not Family.BERT:
-            raise SpecError(f"num_labels={self.num_labels} (a sequence-classification head) is modelled for bert "
-                            f"only, not {self.family.value}; use num_labels=0 (the language-model head)")
+        if self.num_labels and not (self.family is Family.BERT or DESCRIPTIONS[self.family].composed):
+            ok = ", ".join(f.value for f, d in DESCRIPTIONS.items() if f is Family.BERT or d.composed)
+            raise SpecError(f"num_labels={self.num_labels} (a sequence-classification head) is modelled for {ok}, "
+                            f"not {self.family.value}; use num_labels=0 (the language-model head)")
         if not self.n_kv_heads:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
         if not self.head_dim:

@@ -10,49 +10,16 @@ of its Python locals.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ..engine import ops
-from ..engine.ops import F32, I64
-from ..engine.tape import Graph, Sz, T, const, per_seq, per_token_sq
+from ..engine.ops import I64
+from ..engine.tape import Graph, Sz, T, per_seq, per_token_sq
 from ..model.layers import LayerKind
 from ..spec.choices import Attention
 from .base import DEFAULT_KIND, Shared, tok
+from .head import classifier_labels, masked_lm_loss, sequence_classification_loss
 from .layernorm import LayerNormRecipe
 
-__all__ = ["BertRecipe", "masked_lm_loss"]
-
-
-def masked_lm_loss(g: Graph, ctx: ops.Ctx, scores: T, labels: T) -> T:
-    """``CrossEntropyLoss()(prediction_scores.view(-1, V), labels.view(-1))``: ``log_softmax`` (saves
-    its result) + ``nll_loss`` (mean; saves the target and ``total_weight``), on the scores' dtype
-    (no upcast by HF).
-
-    Under autocast the scores are 16-bit: CPU autocast runs ``cross_entropy_loss`` in fp32 (its fp32
-    list), so an fp32 copy lives for the whole loss; CUDA autocast has no rule for the composite op
-    but runs ``log_softmax`` in fp32 (fp32_set_opt_dtype: ``log_softmax(x, dtype=fp32)`` casts x),
-    so the copy dies as soon as ``log_softmax`` returns."""
-    upcast = ctx.autocast is not None and scores.dt != F32
-    src = ops.cast(g, scores, F32, "cross_entropy autocast fp32") if upcast else g.hold(scores)
-    ls = g.alloc(src.n, src.dt, "log_softmax")
-
-    def ls_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        return [g.alloc(src.n, src.dt, "log_softmax backward")]
-
-    g.record("log_softmax", [src], [ls], [ls], ls_bwd)
-    if ctx.cuda:
-        g.drop(src)
-    loss = g.alloc(const(1), src.dt, "loss")
-    total_weight = g.alloc(const(1), src.dt, "nll total_weight")
-
-    def nll_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        return [g.alloc(src.n, src.dt, "nll_loss backward"), None]
-
-    g.record("nll_loss", [ls, labels], [loss, total_weight], [labels, total_weight], nll_bwd)
-    g.drop(ls, total_weight)
-    if not ctx.cuda:
-        g.drop(src)
-    return loss
+__all__ = ["BertRecipe"]
 
 
 class BertRecipe(LayerNormRecipe):
@@ -203,25 +170,8 @@ class BertRecipe(LayerNormRecipe):
         g.drop(pooled)
         logits = self.linear(g, dropped, p, "classifier", m.hidden, m.num_labels)
         g.drop(dropped)
-        labels = g.external(Sz(b_=1), 8 if m.num_labels > 1 else F32, "labels")
-        if m.num_labels > 1:
-            return masked_lm_loss(g, ctx, logits, labels), logits
-        return _mse_loss(g, ctx, logits, labels), logits
-
-
-def _mse_loss(g: Graph, ctx: ops.Ctx, pred: T, target: T) -> T:
-    """``MSELoss()(logits.squeeze(), labels.squeeze())`` (views): saves both; backward makes the
-    prediction's gradient (under autocast ``mse_loss`` runs in fp32: a cast copy of the prediction)."""
-    src = ops.cast(g, pred, F32, "mse_loss autocast fp32") if ctx.autocast is not None and pred.dt != F32 else g.hold(pred)
-    loss = g.alloc(const(1), F32, "mse_loss")
-    n = src.n
-
-    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        return [g.alloc(n, F32, "mse_loss backward"), None]
-
-    g.record("mse_loss", [src, target], [loss], [src, target], bwd)
-    g.drop(src)
-    return loss
+        labels = classifier_labels(g, m.num_labels)
+        return sequence_classification_loss(g, ctx, logits, labels, m.num_labels), logits
 
 
 _ = (Sz,)

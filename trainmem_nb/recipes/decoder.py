@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from ..engine import ops
 from ..engine.ops import I64, Ctx
-from ..engine.tape import Graph, T, const, per_seq
+from ..engine.tape import Graph, Sz, T, const, per_seq
 from ..model.families import describe
 from ..model.layers import LayerKind
 from ..model.spec import ModelSpec
@@ -21,7 +21,7 @@ from ..spec.choices import Attention, LossImpl
 from ..spec.training import TrainingSpec
 from .attention import ATTENTIONS
 from .base import DEFAULT_KIND, Recipe, Shared, peft_input_leaf, tok
-from .head import causal_lm_loss, fused_head_loss
+from .head import causal_lm_loss, classifier_labels, fused_head_loss, sequence_classification_loss
 from .layers import LAYERS
 from .masks import causal_mask, sliding_window_mask
 from .mlp import MLPS
@@ -188,6 +188,8 @@ class DecoderRecipe(Recipe):
         """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits). With a
         memory-efficient `TrainingSpec.loss_impl` the head's projection is part of the loss (no logits)."""
         m, ctx = self.m, self.ctx
+        if m.num_labels:
+            return self.sequence_classification_loss(g, h, p)
         w = p.get("lm_head.weight") or p["embed_tokens.weight"]
         if self.t.loss_impl is not LossImpl.STANDARD:  # no logits returned (`check_model_options` refuses the rest)
             return fused_head_loss(g, ctx, self.t, h, w, m.hidden, m.vocab), None
@@ -205,3 +207,27 @@ class DecoderRecipe(Recipe):
             logits = ops.scalar_op(g, lt, "logits * final_softcap")
             g.drop(lt)
         return causal_lm_loss(g, ctx, logits, m.vocab)
+
+    def sequence_classification_loss(self, g: Graph, h: T, p: dict[str, T]) -> tuple[T, T]:
+        """transformers 5.x ``GenericForSequenceClassification``: ``logits = self.score(hidden_states)`` (every
+        token, a local until the forward returns), the last non-pad token of each sequence
+        (``(input_ids != pad_token_id).to(int32)``, ``arange(seq, dtype=int32)``, their product, ``argmax(-1)``;
+        a batch needs a pad token, so the pad path is the one modelled), ``logits[arange(batch), last]``
+        (saves both indices; backward ``index_backward``: zeros the size of ``logits``, then index_put), then
+        the loss on the pooled logits (`sequence_classification_loss`). Returns (loss, pooled logits)."""
+        m, ctx = self.m, self.ctx
+        logits = ops.linear(g, ctx, h, p["score.weight"], m.hidden, m.num_labels, None, "score")
+        mask = g.alloc(tok(1), ops.BOOL, "input_ids != pad_token_id")
+        mask32 = g.alloc(tok(1), 4, "non_pad_mask .to(int32)")
+        g.drop(mask)
+        positions = g.alloc(Sz(s_=1), 4, "token_indices arange")
+        product = g.alloc(tok(1), 4, "token_indices * non_pad_mask")
+        last = g.alloc(Sz(b_=1), I64, "last_non_pad_token argmax")
+        g.drop(product, positions, mask32)
+        rows = g.alloc(Sz(b_=1), I64, "arange(batch_size)")
+        pooled = ops.index_pairs(g, logits, rows, last, Sz(b_=m.num_labels), "logits[arange, last_non_pad_token]")
+        g.drop(rows, last)
+        labels = classifier_labels(g, m.num_labels)
+        loss = sequence_classification_loss(g, ctx, pooled, labels, m.num_labels)
+        g.drop(logits)  # a local of the forward
+        return loss, pooled

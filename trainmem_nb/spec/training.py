@@ -182,6 +182,16 @@ class TrainingSpec(SpecModel):
         """The stack and component versions this step assumes, and the options they set (with sources)."""
         return resolve_stack(self.stack, self.versions)
 
+    def stack_report(self) -> dict[str, Any]:
+        """The stack this step assumes, for the JSON contract: its versions, the options it set (each with
+        its source, and whether an option given here overrode it) and its mechanisms that are not modelled."""
+        s = self.resolved_stack
+        return {"name": s.name, "label": s.label, "library": s.library, "version": s.version,
+                "components": s.components,
+                "options": {k: {"value": a.value, "source": a.source, "overridden": k in self.model_fields_set}
+                            for k, a in s.options.items()},
+                "not_modelled": list(s.not_modelled)}
+
     @property
     def grads_persist(self) -> bool:
         """Every ``.grad`` exists when the costliest micro-step starts (a later micro-step of gradient

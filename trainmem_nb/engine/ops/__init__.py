@@ -47,6 +47,7 @@ from .shape import (
     copy_into_new,
     expand_view,
     heads_view,
+    index_pairs,
     index_rows,
     repeat_kv,
     rotate_half,
@@ -66,3 +67,4 @@ __all__ = [
 ]
 __all__ += ["add_", "clamp", "mul_reduce_cast", "sub"]  # gpt_oss
 __all__ += ["copy_into_new", "expand_view"]  # deepseek_v3
+__all__ += ["index_pairs"]  # sequence classification

@@ -206,6 +206,22 @@ def index_rows(g: Graph, x: T, idx: T, out_n: Sz, label: str = "index") -> T:
     return out
 
 
+def index_pairs(g: Graph, x: T, rows: T, cols: T, out_n: Sz, label: str = "index") -> T:
+    """``x[rows, cols]`` with two int64 index tensors (advanced indexing on the first two dims): a new
+    tensor; saves both indices; backward as `index_rows` (zeros the size of x, then index_put)."""
+    g.before_outputs([x, rows, cols], [rows, cols])
+    out = g.alloc(out_n, x.dt, label)
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        zeros = g.alloc(x.n, x.dt, f"{label} backward zeros")
+        res = g.alloc(x.n, x.dt, f"{label} backward index_put")
+        g.drop(zeros)
+        return [res, None, None]
+
+    g.record(label, [x, rows, cols], [out], [rows, cols], bwd)
+    return out
+
+
 # -- ops added for deepseek_v3 (multi-head latent attention) -------------------------------------------
 def expand_view(g: Graph, x: T, n: Sz, label: str = "expand") -> T:
     """``x.expand(...)``: a view `n` elements big; backward ``sum_to`` x's shape (one x-sized tensor)."""
