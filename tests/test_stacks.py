@@ -52,7 +52,9 @@ def test_a_stack_version_is_its_key_librarys_and_older_components_switch_their_m
     assert {k: a.value for k, a in resolve_stack("hf-trainer@4.47").options.items()}["causal_lm_loss"] == "logits-shifted"
     assert {k: a.value for k, a in resolve_stack("hf-trainer@4.30").options.items()}["causal_lm_loss"] == "no-upcast"
     assert "causal_lm_loss" not in resolve_stack("hf-trainer@4.49").options  # today's loss from 4.49
-    assert resolve_stack("", "torch=1.12").options["cuda_lazy_loading"].value is False  # torch sets LAZY from 1.13
+    # torch sets CUDA_MODULE_LOADING=LAZY from 1.13; CUDA loads lazily by itself from 12.2
+    assert resolve_stack("", "torch=1.12,cuda=12.1").options["cuda_lazy_loading"].value is False
+    assert "cuda_lazy_loading" not in resolve_stack("", "torch=1.12,cuda=12.2").options
     assert "cuda_lazy_loading" not in resolve_stack("", "torch=1.13,cuda=11.7").options
 
 
@@ -259,3 +261,117 @@ def test_a_measurement_refuses_the_mechanisms_of_versions_it_does_not_run() -> N
                                            r"hf-trainer@4.38\) cannot be measured here"):
         measure("gpt2", micro_batch=1, seq_len=32, stack="hf-trainer@4.38", torch="1.13")
     assert measure("gpt2", micro_batch=1, seq_len=32, cuda="11.6").peak_allocated_bytes > 0  # the context: not a step's
+
+
+# -- what the review of the stacks found ------------------------------------------------------------------
+
+
+def test_old_bitsandbytes_keeps_the_inputs_until_the_graph_goes_but_not_in_reentrant_checkpointed_layers() -> None:
+    """``ctx.tensors = (A, B)`` is a ctx attribute: backward does not free it, so without checkpointing every
+    4-bit input is alive to the end of backward; a checkpointed layer (reentrant, as the stacks of that era ran
+    it) builds no graph in its forward, so nothing of it is kept."""
+    m = tm.ModelSpec.model_validate(dict(HEAVY_HEAD, vocab=256))
+    opts = dict(micro_batch=2, seq_len=128, method="qlora", lora_targets="qv")
+    new, old = tm.estimate(m, **opts), tm.estimate(m, bitsandbytes="0.43.1", **opts)
+    kept = old.phase_peaks_bytes["backward"] - new.phase_peaks_bytes["backward"]
+    assert kept >= m.n_layers * round_block(2 * 128 * m.ffn * 2)  # the down_proj inputs, at least
+    last = old.timeline(max_points=10**7)[-1]  # and they are gone by the step's end
+    assert last.total_bytes == new.timeline(max_points=10**7)[-1].total_bytes
+    ckpt = dict(opts, checkpointing="full")
+    assert tm.estimate(m, bitsandbytes="0.43.1", **ckpt).saved_activations_bytes == tm.estimate(
+        m, **ckpt).saved_activations_bytes
+
+
+def test_an_edited_stack_file_is_read_again(tmp_path: Path) -> None:
+    import os
+
+    mine = tmp_path / "loop.json"
+    body = {"name": "loop", "title": "t", "library": "transformers", "version": "5.24", "source": "s",
+            "settings": {"loop_keeps_outputs": {"value": True, "source": "s"}}}
+    mine.write_text(json.dumps(body))
+    assert tm.TrainingSpec(stack=str(mine)).loop_keeps_outputs
+    body["settings"]["loop_keeps_outputs"]["value"] = False
+    mine.write_text(json.dumps(body))
+    os.utime(mine, (1, 1))  # a new modification time, however fast the edit
+    assert not tm.TrainingSpec(stack=str(mine)).loop_keeps_outputs
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(transformers=4.40), r"transformers=4.4 must be a string such as '4.40'"),
+    (dict(stack="hf-trainer@"), r"names no version after '@'"),
+])
+def test_versions_that_would_read_wrong_are_refused(options: dict, message: str) -> None:
+    with pytest.raises(tm.SpecError, match=message):
+        tm.estimate("gpt2", seq_len=512, **options)
+
+
+def test_versions_read_as_their_release_and_names_case_insensitively() -> None:
+    assert resolve_stack("Default", "torch=2.1.0+cu118").components["torch"] == "2.1.0+cu118"
+    assert "zero_grad_set_to_none" in resolve_stack("", "torch=1.13.1rc1").options
+    assert resolve_stack("hf-trainer@4.38", "transformers=4.38.0").label == "hf-trainer@4.38.0"  # one version, not two
+
+
+def test_families_whose_4x_head_never_upcast_run_the_16bit_loss_before_4_49() -> None:
+    opts = dict(micro_batch=2, seq_len=256, method="lora", lora_targets="c_attn")
+    assert tm.estimate("gpt2", stack="hf-trainer@4.38", **opts).peak_allocated_bytes == tm.estimate(
+        "gpt2", causal_lm_loss="no-upcast", **opts).peak_allocated_bytes
+    m = tm.ModelSpec.model_validate(HEAVY_HEAD)
+    llama = dict(opts, lora_targets="qv")
+    assert tm.estimate(m, stack="hf-trainer@4.38", **llama).peak_allocated_bytes == tm.estimate(
+        m, causal_lm_loss="model-upcast", **llama).peak_allocated_bytes
+
+
+def test_a_sweep_gives_each_row_its_own_cuda_context() -> None:
+    from trainmem_nb.planning.sweeps import sweep
+
+    df = sweep("tinyllama-1.1b", micro_batch=1, seq_len=128, cuda=["13.0", "11.6"])
+    totals = list(df["device_total_bytes"])
+    assert totals == [tm.estimate("tinyllama-1.1b", micro_batch=1, seq_len=128, cuda=c).device_total_bytes
+                      for c in ("13.0", "11.6")]
+    assert totals[1] - totals[0] == CUDA_CONTEXT_EAGER_BYTES - CUDA_CONTEXT_BYTES
+
+
+def test_a_stacks_values_obey_the_options_limits_and_its_rules_name_real_components(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "bad", "title": "t", "library": "x", "source": "s",
+                               "settings": {"loss_chunks": {"value": -3, "source": "s"}}}))
+    with pytest.raises(tm.SpecError, match=r"sets loss_chunks=-3: Input should be greater than or equal to 1"):
+        tm.TrainingSpec(stack=str(bad))
+    rule = tmp_path / "rule.json"
+    rule.write_text(json.dumps({"name": "r", "title": "t", "library": "mylib", "version": "1.0", "source": "s",
+                                "rules": [{"component": "torch", "below": "2.0", "option": "zero_grad_set_to_none",
+                                           "value": False, "source": "s"}]}))
+    assert tm.TrainingSpec(stack=str(rule)).zero_grad_set_to_none  # torch is today's 2.13, not mylib's 1.0
+    assert not tm.TrainingSpec(stack=str(rule), versions="torch=1.13").zero_grad_set_to_none
+    nope = tmp_path / "nope.json"
+    nope.write_text(json.dumps({"name": "n", "title": "t", "library": "mylib", "source": "s",
+                                "rules": [{"component": "nope", "below": "2.0", "option": "dropout", "value": 0.0,
+                                           "source": "s"}]}))
+    with pytest.raises(tm.SpecError, match=r"rule on 'nope'"):
+        tm.TrainingSpec(stack=str(nope))
+
+
+def test_the_cli_leaves_the_stacks_lora_dropout_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainmem_nb.cli.main import main
+
+    assert main(["estimate", "--model", "qwen2.5-0.5b", "--seq-len", "512", "--method", "lora", "--stack", "litgpt",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["training"]["lora_dropout"] == 0.05 and d["stack"]["options"]["lora_dropout"]["overridden"] is False
+
+
+def test_a_stacks_torch_1x_does_not_reach_engines_that_clear_their_own_gradients() -> None:
+    ds = dict(seq_len=512, gpus=2, engine="deepspeed", zero=2)
+    assert tm.estimate("gpt2", torch="1.13", **ds).peak_allocated_bytes == tm.estimate("gpt2", **ds).peak_allocated_bytes
+    with pytest.raises(tm.SpecError, match=r"zero_grad_set_to_none=False .* is not modelled"):
+        tm.estimate("gpt2", zero_grad_set_to_none=False, **ds)
+
+
+def test_the_last_steps_logits_go_when_this_forward_returns() -> None:
+    m = tm.ModelSpec.model_validate(HEAVY_HEAD)
+    est = tm.estimate(m, micro_batch=2, seq_len=256, method="lora", loop_keeps_outputs=True)
+    points = est.timeline(max_points=10**7)
+    i = next(i for i, p in enumerate(points) if "the last step's logits go" in p.label)
+    a = TOP_KEYS.index("activations")
+    assert points[i - 1].phase == points[i].phase == "forward" and points[i + 1].phase == "backward"
+    assert points[i - 1].by_category[a] - points[i].by_category[a] == round_block(2 * 256 * m.vocab * 2)

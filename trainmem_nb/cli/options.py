@@ -93,7 +93,7 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     f.add_argument("--lora-rank", type=int, default=16)
     f.add_argument("--lora-alpha", type=float, default=32.0)
     f.add_argument("--lora-targets", default="qv", help="'qv', 'all-linear' or comma-separated module names")
-    f.add_argument("--lora-dropout", type=float, default=0.0)
+    f.add_argument("--lora-dropout", type=float, default=None, help="default: the stack's, else 0")
     f.add_argument("--lora-dtype", default="fp32", metavar="fp32|base",
                    help="adapter dtype: fp32 (peft's default) or the base weights' dtype")
     f.add_argument("--qlora-single-quant", action="store_true",
@@ -135,12 +135,13 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         "precision": args.precision, "optimizer": args.optimizer, "optimizer_impl": args.optimizer_impl,
         "checkpointing": args.checkpointing, "attention": args.attention,
         "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
-        "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets, "lora_dropout": args.lora_dropout,
+        "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets,
         "lora_dtype": args.lora_dtype, "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
         "alloc_conf": args.alloc_conf, "stack": args.stack,
         **({"loss_impl": args.loss_impl} if args.loss_impl is not None else {}),
         **({"loss_chunks": args.loss_chunks} if args.loss_chunks is not None else {}),
         **({"dropout": args.dropout} if args.dropout is not None else {}),
+        **({"lora_dropout": args.lora_dropout} if args.lora_dropout is not None else {}),
         **{comp: getattr(args, comp) for comp in COMPONENTS if getattr(args, comp) is not None},
     }
 

@@ -164,8 +164,10 @@ class Graph:
         #: "op" (torchtitan: attention outputs and every other ``mm``, counted per layer and per pass)
         self.sac_policy = "all"
         self.sac_mm_count = 0  # ``mm`` ops seen in this layer's forward (or in its recomputation)
-        #: bitsandbytes < 0.43.2: ``MatMul4Bit`` saves its input for backward (`ops.linear_4bit`)
+        #: bitsandbytes < 0.43.2: ``MatMul4Bit`` keeps its input as a ctx attribute (`ops.linear_4bit`), and the
+        #: inputs so kept, alive until the graph goes (the driver releases them at the end of backward)
         self.bnb_saves_input = False
+        self.bnb_kept: list[T] = []
 
     # -- memory --------------------------------------------------------------------------------
     def alloc(self, n: Sz, dt: int, label: str, rg: bool = False) -> T:

@@ -15,7 +15,7 @@ from typing import Any
 from ..errors import SpecError
 from ..model.presets import resolve_model
 from ..model.spec import ModelSpec
-from ..parallel.checks import check_layout
+from ..parallel.checks import check_layout, keeps_grads_modelled
 from ..spec.calibration import Calibration, load_calibration
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
@@ -52,6 +52,8 @@ def estimate(
     p = build_parallel(parallel, **par_opts)
     check_model_options(m, t)
     check_layout(m, p, t)
+    if not t.zero_grad_set_to_none and not keeps_grads_modelled(p):  # a stack's torch < 2.0, on an engine that
+        t = t.model_copy(update={"zero_grad_set_to_none": True})  # clears its own gradients (`check_layout`)
     cal = load_calibration(calibration)
     return simulate(m, t, cal, p)
 

@@ -161,6 +161,12 @@ class Description:
     #: times: Gemma 3's 5:1 pattern, 14 simulated layers instead of 20 (checked against running every
     #: layer, tests/test_olmo2_gemma2_gemma3.py)
     period_once: bool = False
+    #: its transformers 4.x head upcast the logits to fp32 as Llama's did (4.31-4.48: `CausalLMLoss`'s
+    #: model-upcast and logits-shifted); GPT-2, OPT and GPT-NeoX shifted and cross-entropied them in the
+    #: head's dtype until 4.49 moved every family to the shared ForCausalLMLoss (modeling_gpt2.py,
+    #: modeling_opt.py, modeling_gpt_neox.py 4.30-4.48: ``shift_logits = lm_logits[..., :-1, :].contiguous()``,
+    #: no ``.float()``)
+    v4_upcast: bool = True
 
     @property
     def composed(self) -> bool:
@@ -200,20 +206,20 @@ DESCRIPTIONS: dict[Family, Description] = {
         {"norm": "layernorm", "mlp": "dense", "activation": "gelu_new", "positions": "learned", "fused_qkv": True,
          "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True},
         tie_default=True, lora_qv=("attn.c_attn",), dropout_keys=("attn_pdrop", "resid_pdrop", "embd_pdrop"),
-        input_side=("wte.", "wpe."), embedding="wte.weight"),
+        input_side=("wte.", "wpe."), embedding="wte.weight", v4_upcast=False),
     Family.GPT_NEOX: Description(
         Family.GPT_NEOX, ("gpt_neox",), "GPTNeoXForCausalLM", "GPTNeoXLayer", "gpt_neox",
         {"norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "rotary", "rotary_pct": 0.25,
          "fused_qkv": True, "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True,
          "parallel_residual": True},
         tie_default=False, lora_qv=("attention.query_key_value",), dropout_keys=("attention_dropout", "hidden_dropout"),
-        input_side=("embed_in.",), heads=("embed_out.weight",), embedding="embed_in.weight"),
+        input_side=("embed_in.",), heads=("embed_out.weight",), embedding="embed_in.weight", v4_upcast=False),
     Family.OPT: Description(
         Family.OPT, ("opt",), "OPTForCausalLM", "OPTDecoderLayer", "opt",
         {"norm": "layernorm", "mlp": "dense", "activation": "relu", "positions": "learned", "qkv_bias": True,
          "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("dropout", "attention_dropout"),
-        input_side=("embed_tokens.", "embed_positions.", "project_in.")),
+        input_side=("embed_tokens.", "embed_positions.", "project_in."), v4_upcast=False),
     Family.BERT: Description(
         Family.BERT, ("bert",), "BertForMaskedLM", "BertLayer", "bert",
         {"norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "learned", "qkv_bias": True,

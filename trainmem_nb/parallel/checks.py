@@ -9,7 +9,16 @@ from ..spec.choices import Method
 from ..spec.parallel import Engine, ParallelSpec, PipelineSchedule
 from ..spec.training import TrainingSpec
 
-__all__ = ['CP_CHUNKS_PER_RANK', 'check_layout']
+__all__ = ['CP_CHUNKS_PER_RANK', 'check_layout', 'keeps_grads_modelled']
+
+
+def keeps_grads_modelled(p: ParallelSpec) -> bool:
+    """Is ``zero_grad(set_to_none=False)`` modelled on layout `p`? On one device, DDP, and FSDP without pipelining
+    or offload. DeepSpeed and Megatron keep gradients in their own buffers and clear them themselves (torch's
+    default does not reach them); a pipeline stage's accumulated gradients and an offloaded step's are modelled
+    as set_to_none=True leaves them."""
+    return p.single_device or not (p.engine in (Engine.DEEPSPEED, Engine.MEGATRON) or p.pp > 1
+                                   or p.offload.value != "none")
 
 #: Context parallelism cuts each sequence into ``2 * cp`` equal chunks and gives rank r chunks r and
 #: ``2 * cp - 1 - r`` (a causal mask then costs every rank the same): PyTorch's ``context_parallel``
@@ -30,10 +39,7 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
             raise SpecError("method='qlora' with engine='megatron': Megatron-LM has no 4-bit (bitsandbytes NF4) "
                             "weights; use method='lora' with megatron, or qlora with engine='ddp', 'fsdp' or "
                             "'deepspeed'")
-        if not t.zero_grad_set_to_none and not p.single_device and (
-                p.engine in (Engine.DEEPSPEED, Engine.MEGATRON) or p.pp > 1 or p.offload.value != "none"):
-            # DeepSpeed and Megatron keep gradients in their own buffers and clear them themselves; a pipeline
-            # stage's accumulated gradients and an offloaded step's are modelled as set_to_none=True leaves them
+        if not t.zero_grad_set_to_none and not keeps_grads_modelled(p) and "zero_grad_set_to_none" in t.model_fields_set:
             raise SpecError(f"zero_grad_set_to_none=False (torch < 2.0's zero_grad) with engine={p.engine.value!r}, "
                             f"pp={p.pp}, offload={p.offload.value!r} is not modelled; it is modelled on one device, with "
                             "ddp, and with fsdp without pp or offload")

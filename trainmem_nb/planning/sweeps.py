@@ -190,7 +190,7 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
     base = build_training(training) if training is not None else None
     rows: list[dict[str, Any]] = []
     # rows sharing a step program: (model, program key) -> (a member's spec, [(row, micro_batch, seq_len)])
-    groups: dict[tuple[ModelSpec, TrainingSpec], tuple[TrainingSpec, list[tuple[int, int, int, str]]]] = {}
+    groups: dict[tuple[ModelSpec, TrainingSpec], tuple[TrainingSpec, list[tuple[int, int, int, TrainingSpec]]]] = {}
     shape_keys = [k for k in ("micro_batch", "seq_len") if k in axes]
     other_keys = [k for k in keys if k not in shape_keys]
     for shape_key in shape_keys:  # validate each batch-shape value once
@@ -213,7 +213,7 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
                     # model_copy skips validation: every value was validated above
                     keyed[cls] = program_key(t_base.model_copy(update=update) if update else t_base, m)
                 _, members = groups.setdefault((m, keyed[cls]), (t_base, []))
-                members.append((len(rows) - 1, b, s, t_base.alloc_conf))
+                members.append((len(rows) - 1, b, s, t_base))  # its own spec: alloc_conf, CUDA context
     for (m, key), (t, members) in groups.items():
         check_model_options(m, t.model_copy(update={"seq_len": min(s for _, _, s, _ in members)}))
         prog = compile_step(m, key)
@@ -222,14 +222,14 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
         # reserved bytes as `estimate` has them: the caching allocator replayed over the unrolled step
         unrolled = compile_step(m, key, unrolled=True) if t.device is Device.CUDA and replay else None
         load = loading_events(m, t) if unrolled is not None else ()
-        for j, (r, b, s, conf) in enumerate(members):
+        for j, (r, b, s, own) in enumerate(members):
             peak = int(res["peak"][j])
             tops = {f"{k}_bytes": int(res["breakdown"][i][j]) for i, k in enumerate(TOP_KEYS)}
             if unrolled is None and t.device is Device.CUDA:
                 reserved = total = None  # replay=False: not replayed, left empty
             else:
-                run = replay_step(unrolled, b, s, conf, load) if unrolled is not None else None
-                reserved, total = replayed_reserved_and_total(t, peak, run, None, paged)
+                run = replay_step(unrolled, b, s, own.alloc_conf, load) if unrolled is not None else None
+                reserved, total = replayed_reserved_and_total(own, peak, run, None, paged)
             rows[r].update(peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
                            peak_phase=str(res["phase"][j]), **tops,
                            saved_activations_bytes=int(res["saved_activations"][j]),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ..engine import ops
 from ..engine.ops import I64
 from ..engine.tape import Graph, T, per_seq, per_token_sq
+from ..model.families import describe
 from ..model.layers import LayerKind
 from ..spec.choices import Attention
 from .base import DEFAULT_KIND, Shared, tok
@@ -138,4 +139,4 @@ class GPT2Recipe(LayerNormRecipe):
         m, ctx = self.m, self.ctx
         w = p.get("lm_head.weight") or p["wte.weight"]
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
-        return causal_lm_loss(g, ctx, logits, m.vocab)
+        return causal_lm_loss(g, ctx, logits, m.vocab, v4_upcast=describe(m.family).v4_upcast)

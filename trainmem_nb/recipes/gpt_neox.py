@@ -14,6 +14,7 @@ from __future__ import annotations
 from ..engine import ops
 from ..engine.ops import F32, I64
 from ..engine.tape import Graph, T, per_seq, per_token_sq
+from ..model.families import describe
 from ..model.layers import LayerKind
 from ..spec.choices import Attention
 from .base import DEFAULT_KIND, Shared, tok
@@ -150,4 +151,4 @@ class GPTNeoXRecipe(LayerNormRecipe):
         m, ctx = self.m, self.ctx
         w = p.get("embed_out.weight") or p.get("lm_head.weight") or p["embed_in.weight"]
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
-        return causal_lm_loss(g, ctx, logits, m.vocab)
+        return causal_lm_loss(g, ctx, logits, m.vocab, v4_upcast=describe(m.family).v4_upcast)

@@ -14,7 +14,7 @@ from ..spec.training import TrainingSpec
 from .base import tok
 
 
-def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int) -> tuple[T, T]:
+def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int, v4_upcast: bool = True) -> tuple[T, T]:
     """The causal-LM loss on the head's `logits` as the transformers version computes it
     (`ops.Ctx.causal_lm_loss`, `CausalLMLoss`); returns (loss, the logits the model outputs).
 
@@ -25,8 +25,13 @@ def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int) -> tuple[T, T]
     * ``model-upcast`` (4.31-4.45): the model itself runs ``logits = logits.float()`` (its 16-bit logits go)
       and returns the fp32 logits, then shifts them as above;
     * ``no-upcast`` (4.30 and before): the shifted copy in the head's dtype; under autocast log_softmax
-      casts it to fp32 (an autocast fp32 op), without it the loss runs in the head's dtype."""
+      casts it to fp32 (an autocast fp32 op), without it the loss runs in the head's dtype.
+
+    A family whose 4.x head never upcast (`Description.v4_upcast`: GPT-2, OPT, GPT-NeoX) runs ``no-upcast``
+    for every version before 4.49."""
     variant = ctx.causal_lm_loss
+    if not v4_upcast and variant in ("logits-shifted", "model-upcast"):
+        variant = "no-upcast"
     if variant == "labels-shifted":
         lf = ops.cast(g, logits, F32, "logits.float()")
         pad, shift = _shifted_labels(g, ctx.batch1)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from ..engine import ops
 from ..engine.ops import F32, I64
 from ..engine.tape import Graph, T, per_token_sq
+from ..model.families import describe
 from ..model.layers import LayerKind
 from ..spec.choices import Attention
 from .base import DEFAULT_KIND, Shared, tok
@@ -163,4 +164,4 @@ class OPTRecipe(LayerNormRecipe):
         m, ctx = self.m, self.ctx
         w = p.get("lm_head.weight") or p["embed_tokens.weight"]
         logits = ops.linear(g, ctx, h, w, self.proj, m.vocab, None, "lm_head")
-        return causal_lm_loss(g, ctx, logits, m.vocab)
+        return causal_lm_loss(g, ctx, logits, m.vocab, v4_upcast=describe(m.family).v4_upcast)

@@ -16,13 +16,14 @@ versions into a `Stack`: the options it implies and where each comes from.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import SpecError, did_you_mean
 
@@ -33,9 +34,11 @@ COMPONENTS = ("torch", "transformers", "bitsandbytes", "cuda")
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
-    """``"4.38.2"`` -> ``(4, 38, 2)``: dotted integers, compared with missing parts as 0."""
-    parts = str(text).strip().split(".")
-    if not parts or not all(p.isdigit() for p in parts):
+    """``"4.38.2"`` -> ``(4, 38, 2)``: dotted integers, compared with missing parts as 0. A local tag or a
+    pre-release (``2.1.0+cu118``, ``2.0.0rc1``, ``4.38.0.dev0``) counts as its release."""
+    core = re.split(r"[+]|(?:\.?(?:a|b|rc|dev|post)\d*)$", str(text).strip())[0]
+    parts = core.split(".")
+    if not core or not all(p.isascii() and p.isdigit() for p in parts):
         raise ValueError(f"version {text!r} must be dotted numbers such as 4.38 or 0.43.2")
     out = [int(p) for p in parts]
     while len(out) > 1 and out[-1] == 0:
@@ -60,6 +63,8 @@ class _Rule(BaseModel):
     value: Any
     below: str
     since: str = "0"
+    #: the rule holds only while these other components are below these versions as well
+    also_below: dict[str, str] = {}
     source: str = Field(min_length=1)
 
     @field_validator("below", "since")
@@ -68,8 +73,10 @@ class _Rule(BaseModel):
         version_tuple(v)
         return v
 
-    def applies(self, version: str) -> bool:
-        return version_tuple(self.since) <= version_tuple(version) < version_tuple(self.below)
+    def applies(self, version: str, comps: Mapping[str, str] | None = None) -> bool:
+        others = all(version_tuple(comps.get(k, "0")) < version_tuple(v) for k, v in self.also_below.items()) \
+            if comps is not None else not self.also_below
+        return others and version_tuple(self.since) <= version_tuple(version) < version_tuple(self.below)
 
 
 class _Unmodelled(BaseModel):
@@ -78,6 +85,13 @@ class _Unmodelled(BaseModel):
     mechanism: str = Field(min_length=1)
     source: str = Field(min_length=1)
     below: str = ""  #: only when the key library is older than this version ("" always)
+
+    @field_validator("below")
+    @classmethod
+    def _dotted(cls, v: str) -> str:
+        if v:
+            version_tuple(v)
+        return v
 
 
 class StackFile(BaseModel):
@@ -100,6 +114,14 @@ class StackFile(BaseModel):
         if v:
             version_tuple(v)
         return v
+
+    @model_validator(mode="after")
+    def _rule_components(self) -> StackFile:
+        for r in self.rules:
+            if r.component != self.library and r.component not in COMPONENTS:
+                raise ValueError(f"rule on {r.component!r}: a stack's rule is on its library ({self.library!r}) or "
+                                 f"a component ({', '.join(COMPONENTS)})")
+        return self
 
 
 class Applied(NamedTuple):
@@ -173,7 +195,7 @@ def _user_file(path: str, mtime: float) -> StackFile:
 
 
 def _stack_file(name: str) -> StackFile:
-    if name.endswith(".json") or "/" in name or "\\" in name:
+    if _is_path(name):
         p = Path(name).expanduser()
         if not p.is_file():
             raise SpecError(f"stack file {name} does not exist; pass a named stack ({', '.join(list_stacks())}) "
@@ -198,7 +220,11 @@ def parse_versions(versions: str | Mapping[str, Any] | None) -> dict[str, str]:
             raise SpecError(f"versions={versions!r} must be COMPONENT=VERSION pairs, e.g. 'torch=1.13,cuda=11.6'")
         items = {k.strip().lower(): v.strip() for k, v in pairs}
     elif isinstance(versions, Mapping):
-        items = {str(k).strip().lower(): str(v).strip() for k, v in versions.items()}
+        for k, v in versions.items():
+            if not isinstance(v, str):
+                raise SpecError(f"versions: {k}={v!r} must be a string such as '4.40' (a number loses its trailing "
+                                "zeros: 4.40 reads as 4.4)")
+        items = {str(k).strip().lower(): v.strip() for k, v in versions.items()}
     else:
         raise SpecError(f"versions must be a dict or 'torch=1.13,cuda=11.6', got {type(versions).__name__}")
     for k, v in items.items():
@@ -214,17 +240,29 @@ def parse_versions(versions: str | Mapping[str, Any] | None) -> dict[str, str]:
 
 def resolve_stack(stack: str = "", versions: str | Mapping[str, Any] | None = None) -> Stack:
     """The options `stack` (``""``/``"default"``, ``NAME``, ``NAME@VERSION`` or a file path) implies at
-    `versions` (component versions; the stack's key-library version when it is a component too)."""
-    return _resolve(stack.strip(), tuple(parse_versions(versions).items()))
+    `versions` (component versions; the stack's key-library version when it is a component too). A stack
+    file is read again when it changes."""
+    stack = stack.strip()
+    stamp: tuple[str, float] | None = None
+    if _is_path(stack):
+        p = Path(stack).expanduser()
+        stamp = (str(p.resolve()), p.stat().st_mtime) if p.is_file() else None
+    return _resolve(stack, tuple(parse_versions(versions).items()), stamp)
+
+
+def _is_path(stack: str) -> bool:
+    return stack.endswith(".json") or "/" in stack or "\\" in stack
 
 
 @lru_cache(maxsize=256)
-def _resolve(stack: str, versions: tuple[tuple[str, str], ...]) -> Stack:
+def _resolve(stack: str, versions: tuple[tuple[str, str], ...], stamp: tuple[str, float] | None) -> Stack:
     defaults, rules = _components()
     comps = {k: s.value for k, s in defaults.items()}
-    name, _, version = stack.partition("@") if not stack.endswith(".json") else (stack, "", "")
+    name, at, version = stack.partition("@") if not _is_path(stack) else (stack, "", "")
+    if at and not version:
+        raise SpecError(f"stack={stack!r} names no version after '@'; give NAME or NAME@VERSION (e.g. hf-trainer@4.38)")
     options: dict[str, Applied] = {}
-    if name in ("", "default"):
+    if name.lower() in ("", "default"):
         if version:
             raise SpecError(f"stack={stack!r}: the default stack has no version; give component versions instead "
                             f"({', '.join(COMPONENTS)})")
@@ -242,7 +280,8 @@ def _resolve(stack: str, versions: tuple[tuple[str, str], ...]) -> Stack:
         if library in comps:
             comps[library] = version
     given = dict(versions)
-    if library in given and given[library] != version and sf is not None and stack.count("@"):
+    if (library in given and sf is not None and at
+            and version_tuple(given[library]) != version_tuple(version)):
         raise SpecError(f"stack={stack!r} says {library} {version} but versions says {library}={given[library]}; "
                         "give it once")
     comps.update(given)
@@ -250,11 +289,12 @@ def _resolve(stack: str, versions: tuple[tuple[str, str], ...]) -> Stack:
         if library in comps:
             version = comps[library]
         options.update({k: Applied(s.value, s.source) for k, s in sf.settings.items()})
-        for r in sf.rules:  # rules on the stack's own library version
-            if version and r.applies(version):
+        for r in sf.rules:  # rules on the stack's own library version, or on a component's
+            of = comps.get(r.component) if r.component in COMPONENTS else version
+            if of and r.applies(of, comps):
                 options[r.option] = Applied(r.value, r.source)
     for r in rules:  # rules on the component versions
-        if r.applies(comps[r.component]):
+        if r.applies(comps[r.component], comps):
             options[r.option] = Applied(r.value, r.source)
     missing = tuple(u.mechanism for u in (sf.not_modelled if sf else ())
                     if not u.below or (version and version_tuple(version) < version_tuple(u.below)))

@@ -5,7 +5,7 @@ kernels, fine-tuning method), validated and frozen.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
 
@@ -169,7 +169,8 @@ class TrainingSpec(SpecModel):
                                 f"{', '.join(sorted(self.STACK_OPTIONS))}")
             if key not in self.model_fields_set:
                 try:
-                    kind: Any = type(self).model_fields[key].annotation
+                    field = type(self).model_fields[key]
+                    kind: Any = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
                     value = TypeAdapter(kind).validate_python(applied.value)
                 except ValidationError as exc:
                     raise SpecError(f"stack {self.stack!r} sets {key}={applied.value!r}: "
@@ -261,7 +262,7 @@ def build_training(training: TrainingSpec | Mapping[str, Any] | None = None, **o
     elif training is not None:
         raise SpecError(f"training must be a TrainingSpec or a dict, got {type(training).__name__}")
     data.update({k: v for k, v in options.items() if v is not None or k in ("dropout",)})
-    given = {k: str(data.pop(k)) for k in COMPONENTS if k in data}  # torch="1.13": one component's version
+    given = {k: data.pop(k) for k in COMPONENTS if k in data}  # torch="1.13": one component's version
     if given:
         data["versions"] = {**parse_versions(data.get("versions")), **given}
     unknown = sorted(set(data) - set(TrainingSpec.model_fields))

@@ -206,8 +206,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
         ops.end_autocast(g, ctx)
     # the caller keeps only `.loss` of the output; a loop that names the output keeps it until its next
     # forward returns (`loop_keeps_outputs`): this step's logits stay, the last step's go after the forward
-    kept = logits if t.loop_keeps_outputs and logits is not None else None
-    if kept is None:
+    kept_logits = logits if t.loop_keeps_outputs and logits is not None else None
+    if kept_logits is None:
         g.drop(logits)
     hooks.unit_forward_end(g, "root")
     g.mark("fwd_end")
@@ -262,6 +262,10 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
         if name not in g.marks:
             on_node(-1)
     hooks.unit_backward_end(g, "root", [p.final_grad for p in unit_params["root"] if p.final_grad])
+    # bitsandbytes < 0.43.2's kept inputs go with the graph: the HF Trainer's `loss` (which holds the graph) is a
+    # local of training_step, gone before the optimizer step; a loop that keeps `loss` longer (litgpt) keeps
+    # them into its optimizer step, which this does not model (QLoRA's step updates only the adapters)
+    g.drop(*g.bnb_kept)
     g.mark("bwd_end")
     # the training loop keeps `loss` until after the optimizer step: it is not freed here
 
@@ -306,11 +310,13 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
             continue
         segs.append(_segment("forward", plan.labels[i], 1, *evs(mk[f"L{i}_fwd_start"], mk[f"L{i}_fwd_end"])))
     segs.append(_segment("forward", "head and loss", 1, *evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
-    previous = kept is not None and not t.first_step  # the last step's output, alive until this forward returns
+    # the last (micro-)step's output, alive until this forward returns (a first step with accumulation is
+    # modelled at a later micro-step, which has one before it)
+    previous = kept_logits is not None and (not t.first_step or t.grad_accum > 1)
     if previous:
-        assert kept is not None
+        assert kept_logits is not None
         segs.append(_segment("forward", "the loop rebinds `outputs`: the last step's logits go", 1,
-                             ((CAT_INDEX["activations/head"], -1, kept.bytes, "the last step's logits"),)))
+                             ((CAT_INDEX["activations/head"], -1, kept_logits.bytes, "the last step's logits"),)))
     segs.append(_segment("backward", "loss and head", 1, *evs(mk["bwd_start"], mk["head_bwd_end"])))
     prev = "head_bwd_end"
     for i in reversed(range(n_sim)):
@@ -347,8 +353,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     if m.num_labels:  # a classifier's labels, one per sequence, are a second input (int64; fp32 to regress)
         init.append((CAT_INDEX["activations/inputs"], Sz(b_=8 if m.num_labels > 1 else 4), 1))
     if previous:
-        assert kept is not None
-        init.append((CAT_INDEX["activations/head"], kept.bytes, 1))
+        assert kept_logits is not None
+        init.append((CAT_INDEX["activations/head"], kept_logits.bytes, 1))
     if scaler:
         init.append((CAT_INDEX["optimizer_states"], const(4), 2))  # GradScaler's _scale and _growth_tracker
     if t.device is Device.CUDA:
