@@ -206,6 +206,51 @@ LITGPT = [
 ]
 
 # ---------------------------------------------------------------------------------------------------------
+# LitGPT resource tables (Lightning-AI/litgpt tutorials/resource-tables.md, read at 26857050: "Last updated:
+# 10/20/2023 - LitGPT version: commit 8641822 - Hardware: NVIDIA A100-SXM4-40GB ... PyTorch 2.1.0+cu121 -
+# Bitsandbytes 0.41.1"; all runs --precision bf16-true on Alpaca). The figure is finetune/lora.py's
+# `torch.cuda.max_memory_allocated() / 1e9` (allocated, GB, never reset). finetune/lora.py @8641822 forces the
+# longest Alpaca sample into the first micro-batch and pads to it: "Llama 2: 1304 tokens", so the sequence
+# length is exact. LoRA r=8, alpha 16, dropout 0.05 on query and value (the table's 4,194,304 trainable
+# parameters for 7B are 32 x 2 x (8*4096 + 4096*8)); batch_size 128 -> grad_accum 128 / micro-batch; AdamW, or
+# bnb PagedAdamW with --quantize (bnb.nf4: no double quantization; bnb.nf4-dq: double); no checkpointing on
+# one device. The stack: litgpt with bitsandbytes 0.41.1, whose MatMul4Bit keeps its inputs.
+_LIT_RT = "Lightning-AI/litgpt tutorials/resource-tables.md (lit-gpt @8641822, A100 40GB)"
+_LIT_RT_CFG = dict(seq_len=1304, precision="bf16-true", checkpointing="none", attention="sdpa", lora_rank=8,
+                   lora_alpha=16, lora_dropout=0.05, lora_targets="qv")
+
+
+def _lit_rt(id: str, row: str, gb: float, model: str, micro_batch: int, quantize: str | None = None) -> Published:
+    opts: dict[str, Any] = dict(model=model, micro_batch=micro_batch, grad_accum=128 // micro_batch, **_LIT_RT_CFG)
+    if quantize:
+        opts.update(method="qlora", optimizer="paged-adamw", qlora_double_quant=quantize == "bnb.nf4-dq")
+    else:
+        opts.update(method="lora", optimizer="adamw")
+    return Published(id=id, source=_LIT_RT, quote=row, kind=ALLOCATED, value_bytes=gb * GB, config=opts,
+                     tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; sequence length, batch and LoRA "
+                     "layout read from finetune/lora.py @8641822", stack=dict(stack="litgpt", torch="2.1",
+                                                                              bitsandbytes="0.41.1"))
+
+
+LITGPT_RT = [
+    _lit_rt("litgpt-rt-llama2-7b-lora-mb1", "| 7 B | Llama 2 | None | 1 | 4,194,304 | 21.30 GB | 2.36 min |",
+            21.30, "llama-2-7b", 1),
+    _lit_rt("litgpt-rt-llama2-7b-lora-mb2", "| 7 B | Llama 2 | None | 2 | 4,194,304 | 29.07 GB | 2.52 min |",
+            29.07, "llama-2-7b", 2),
+    _lit_rt("litgpt-rt-llama2-13b-lora-mb1", "| 13 B | Llama 2 | None | 1 | 6,553,600 | 38.12 GB | 3.19 min |",
+            38.12, "llama-2-13b", 1),
+    _lit_rt("litgpt-rt-llama2-7b-qlora-nf4", "| 7 B | Llama 2 | bnb.nf4 | 1 | 4,194,304 | 14.14 GB | 3.68 min |",
+            14.14, "llama-2-7b", 1, "bnb.nf4"),
+    _lit_rt("litgpt-rt-llama2-7b-qlora-nf4-dq", "| 7 B | Llama 2 | bnb.nf4-dq | 1 | 4,194,304 | 13.84 GB | 3.83 min |",
+            13.84, "llama-2-7b", 1, "bnb.nf4-dq"),
+    _lit_rt("litgpt-rt-llama2-13b-qlora-nf4", "| 13 B | Llama 2 | bnb.nf4 | 1 | 6,553,600 | 23.14 GB | 6.38 min |",
+            23.14, "llama-2-13b", 1, "bnb.nf4"),
+    _lit_rt("litgpt-rt-llama2-13b-qlora-nf4-dq",
+            "| 13 B | Llama 2 | bnb.nf4-dq | 1 | 6,553,600 | 22.55 GB | 6.55 min |", 22.55, "llama-2-13b", 1,
+            "bnb.nf4-dq"),
+]
+
+# ---------------------------------------------------------------------------------------------------------
 # Answer.AI fsdp_qlora (AnswerDotAI/fsdp_qlora benchmarks_03_2024.md at 23fafdfb; Feb-Mar 2024, 2x RTX 3090,
 # no NVLink). Command: train.py --model_name meta-llama/Llama-2-7b-hf --batch_size 1 --context_length 512
 # --train_type qlora --use_gradient_checkpointing True --reentrant_checkpointing True --use_cpu_offload False
@@ -490,7 +535,7 @@ LITGPT = _ran_with(LITGPT, _LIT_STACK, qlora=_LIT_QLORA_STACK)
 ANSWERAI = _ran_with(ANSWERAI, dict(stack="fsdp_qlora", transformers="4.39", bitsandbytes="0.43.0"))
 HF = _ran_with(HF, dict(stack="hf-trainer@4.16", torch="1.10", cuda="11.2"))
 
-CASES: list[Published] = [*TITAN, *LITGPT, *ANSWERAI, *HF, *TITAN_PARALLEL]
+CASES: list[Published] = [*TITAN, *LITGPT, *LITGPT_RT, *ANSWERAI, *HF, *TITAN_PARALLEL]
 BY_ID = {c.id: c for c in CASES}
 
 
@@ -524,7 +569,7 @@ def test_estimate_matches_published_peak(case: Published) -> None:
     """The estimate of `case.kind` lies within `case.tolerance` of the published peak (see each case's
     comment block above for source, configuration, kind and the reason for its tolerance)."""
     err = relative_error(case)
-    unit = GB if case.source.startswith(_LITGPT) else (MiB if case.kind == SMI else GiB)
+    unit = GB if case.source.startswith("Lightning-AI/litgpt") else (MiB if case.kind == SMI else GiB)
     name = {GB: "GB", GiB: "GiB", MiB: "MiB"}[unit]
     assert abs(err) <= case.tolerance, (
         f"{case.id}: estimated {estimated_bytes(case) / unit:.2f} {name} vs published "
