@@ -299,6 +299,7 @@ def test_an_edited_stack_file_is_read_again(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("options", "message"), [
     (dict(transformers=4.40), r"transformers=4.4 must be a string such as '4.40'"),
     (dict(stack="hf-trainer@"), r"names no version after '@'"),
+    (dict(versions="torch=1.13,torch=2.1"), r"names a component twice"),
 ])
 def test_versions_that_would_read_wrong_are_refused(options: dict, message: str) -> None:
     with pytest.raises(tm.SpecError, match=message):

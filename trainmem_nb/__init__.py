@@ -19,6 +19,7 @@ from .estimator.api import estimate
 from .estimator.result import MemoryEstimate
 from .model.presets import get_model, list_presets
 from .model.spec import ModelSpec
+from .spec.stack import list_stacks
 from .spec.training import TrainingSpec
 from .units import format_bytes, format_count
 
@@ -33,6 +34,7 @@ __all__ = [
     "format_count",
     "get_model",
     "list_presets",
+    "list_stacks",
 ]
 
 __version__ = "0.1.0"

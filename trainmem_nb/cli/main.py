@@ -78,10 +78,7 @@ def _cmd_stacks(args: argparse.Namespace) -> int:
 
     stacks = [resolve_stack(name) for name in list_stacks()]
     if args.json:
-        print(json.dumps([{"name": s.name, "title": s.title, "library": s.library, "version": s.version,
-                           "components": s.components,
-                           "options": {k: {"value": a.value, "source": a.source} for k, a in s.options.items()},
-                           "not_modelled": list(s.not_modelled)} for s in stacks], indent=2))
+        print(json.dumps([s.to_dict() for s in stacks], indent=2))
         return 0
     width = max(len(s.name) for s in stacks)
     for s in stacks:

@@ -148,6 +148,15 @@ class Stack(NamedTuple):
         """``"hf-trainer@4.38"`` (``"default"`` for today's stack at today's versions)."""
         return self.name if self.name == "default" or not self.version else f"{self.name}@{self.version}"
 
+    def to_dict(self, given: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """JSON-ready: the versions, each option the stack sets with its source (``overridden`` when it is
+        among `given`, the options a spec was given itself) and the mechanisms not modelled."""
+        return {"name": self.name, "label": self.label, "title": self.title, "library": self.library,
+                "version": self.version, "components": dict(self.components),
+                "options": {k: {"value": a.value, "source": a.source, "overridden": k in given}
+                            for k, a in self.options.items()},
+                "not_modelled": list(self.not_modelled)}
+
     def describe(self) -> str:
         """One line: the stack and every component version it assumes."""
         comps = ", ".join(f"{k} {v}" for k, v in self.components.items())
@@ -219,6 +228,8 @@ def parse_versions(versions: str | Mapping[str, Any] | None) -> dict[str, str]:
         if any(len(p) != 2 for p in pairs):
             raise SpecError(f"versions={versions!r} must be COMPONENT=VERSION pairs, e.g. 'torch=1.13,cuda=11.6'")
         items = {k.strip().lower(): v.strip() for k, v in pairs}
+        if len(items) < len(pairs):
+            raise SpecError(f"versions={versions!r} names a component twice; give each once")
     elif isinstance(versions, Mapping):
         for k, v in versions.items():
             if not isinstance(v, str):

@@ -186,12 +186,7 @@ class TrainingSpec(SpecModel):
     def stack_report(self) -> dict[str, Any]:
         """The stack this step assumes, for the JSON contract: its versions, the options it set (each with
         its source, and whether an option given here overrode it) and its mechanisms that are not modelled."""
-        s = self.resolved_stack
-        return {"name": s.name, "label": s.label, "library": s.library, "version": s.version,
-                "components": s.components,
-                "options": {k: {"value": a.value, "source": a.source, "overridden": k in self.model_fields_set}
-                            for k, a in s.options.items()},
-                "not_modelled": list(s.not_modelled)}
+        return self.resolved_stack.to_dict(frozenset(self.model_fields_set))
 
     @property
     def grads_persist(self) -> bool:
