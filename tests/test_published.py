@@ -519,6 +519,32 @@ TITAN_PARALLEL = [
     ),
 ]
 
+# ---------------------------------------------------------------------------------------------------------
+# torchtune README "Optimization flags" (pytorch/torchtune README.md @1814feb17, 2024-11-18, "add flags to readme
+# (#2003)"): "Baseline uses Recipe=full_finetune_single_device, Model=Llama 3.2 3B, Batch size=2, Max sequence
+# length=4096, Precision=bf16, Hardware=A100 | Technique | Peak Memory Active (GiB)". The figure is
+# torchtune/training/memory.py get_memory_stats: memory_stats()["active_bytes.all.peak"] / 1024**3, reset at each
+# log: one step's allocated peak, in GiB. The "+ Packed Dataset" row packs every sample to exactly 4096 tokens.
+# Each later row adds compile, chunked CE, AC, optimizer-in-backward, offloading or 8-bit AdamW "on top", so the
+# baseline runs without them: torch.optim.AdamW, no AC, torch.nn.CrossEntropyLoss (inferred from which rows add
+# what: the recipe's yaml defaults differ). Pure bf16 (torchtune keeps weights, gradients and states in bf16).
+# The later rows run torch.compile without checkpointing, or activation offloading: not modelled, left out.
+_TUNE = "pytorch/torchtune README.md @1814feb17 (Optimization flags table)"
+TORCHTUNE = [
+    Published(
+        id="torchtune-llama3.2-3b-full-packed4096",
+        source=_TUNE + " + recipes/configs/llama3_2/3B_full_single_device.yaml",
+        quote="| [+ Packed Dataset](...) | 60.0 | +135.16% | 7075 | (Baseline: full_finetune_single_device, Llama 3.2 "
+              "3B, Batch size=2, Max sequence length=4096, Precision=bf16, A100)",
+        kind=ALLOCATED, value_bytes=60.0 * GiB,
+        config=dict(model="llama-3.2-3b", micro_batch=2, grad_accum=1, seq_len=4096, precision="bf16-true",
+                    optimizer="adamw", checkpointing="none", attention="sdpa", loss_impl="standard"),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; the baseline's flags inferred from the table",
+        stack=dict(stack="torchtune@0.4"),
+    ),
+]
+
+
 def _ran_with(cases: list[Published], stack: dict[str, Any], **by_method: dict[str, Any]) -> list[Published]:
     """`cases` checked with the stack their source ran (`by_method`: another stack for that method's rows)."""
     return [dataclasses.replace(c, stack=by_method.get(str(c.config.get("method", "full")), stack)) for c in cases]
@@ -535,7 +561,7 @@ LITGPT = _ran_with(LITGPT, _LIT_STACK, qlora=_LIT_QLORA_STACK)
 ANSWERAI = _ran_with(ANSWERAI, dict(stack="fsdp_qlora", transformers="4.39", bitsandbytes="0.43.0"))
 HF = _ran_with(HF, dict(stack="hf-trainer@4.16", torch="1.10", cuda="11.2"))
 
-CASES: list[Published] = [*TITAN, *LITGPT, *LITGPT_RT, *ANSWERAI, *HF, *TITAN_PARALLEL]
+CASES: list[Published] = [*TITAN, *LITGPT, *LITGPT_RT, *TORCHTUNE, *ANSWERAI, *HF, *TITAN_PARALLEL]
 BY_ID = {c.id: c for c in CASES}
 
 
