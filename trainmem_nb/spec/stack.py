@@ -46,6 +46,13 @@ def version_tuple(text: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _version_field(v: str) -> str:
+    """A version field of a stack file, checked (`version_tuple`); ``""`` means not stated."""
+    if v:
+        version_tuple(v)
+    return v
+
+
 class _Setting(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -61,7 +68,7 @@ class _Rule(BaseModel):
     component: str
     option: str
     value: Any
-    below: str
+    below: str = Field(min_length=1)
     since: str = "0"
     #: the rule holds only while these other components are below these versions as well
     also_below: dict[str, str] = {}
@@ -70,8 +77,7 @@ class _Rule(BaseModel):
     @field_validator("below", "since")
     @classmethod
     def _dotted(cls, v: str) -> str:
-        version_tuple(v)
-        return v
+        return _version_field(v)
 
     def applies(self, version: str, comps: Mapping[str, str] | None = None) -> bool:
         others = all(version_tuple(comps.get(k, "0")) < version_tuple(v) for k, v in self.also_below.items()) \
@@ -89,9 +95,7 @@ class _Unmodelled(BaseModel):
     @field_validator("below")
     @classmethod
     def _dotted(cls, v: str) -> str:
-        if v:
-            version_tuple(v)
-        return v
+        return _version_field(v)
 
 
 class StackFile(BaseModel):
@@ -111,9 +115,7 @@ class StackFile(BaseModel):
     @field_validator("version")
     @classmethod
     def _dotted(cls, v: str) -> str:
-        if v:
-            version_tuple(v)
-        return v
+        return _version_field(v)
 
     @model_validator(mode="after")
     def _rule_components(self) -> StackFile:
