@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import trainmem_nb as tm
 from trainmem_nb.engine.allocator import CachingAllocator
-from trainmem_nb.engine.program import _round, evaluate
+from trainmem_nb.engine.program import CAT_INDEX, _round, evaluate
 from trainmem_nb.engine.trace import allocator_trace, step_starts
 from trainmem_nb.errors import SpecError
 from trainmem_nb.model.spec import ModelSpec
@@ -71,6 +71,26 @@ def test_the_trace_frees_each_tensor_once_and_only_tensors_it_made() -> None:
     assert len(freed) == len(set(freed)) and all(0 <= f < made for f in freed)
 
 
+def test_a_loops_first_step_creates_the_optimizer_state_when_its_optimizer_runs() -> None:
+    """``first_step=True``: the state is not allocated before the step but when the optimizer segment starts
+    (one tensor per state, among the step's freed blocks), and stays; the second step is the steady one."""
+    t = TrainingSpec(micro_batch=2, seq_len=64)
+    unrolled = compile_step(SMALL, program_key(t, SMALL), unrolled=True)
+    steady, loop = allocator_trace(unrolled, 2, 64), allocator_trace(unrolled, 2, 64, first_step=True)
+    states = sum(n for cat, _sz, n in unrolled.init if cat == CAT_INDEX["optimizer_states"])
+    s0, l0 = step_starts(unrolled)[0], step_starts(unrolled, first_step=True)[0]
+    assert states > 0 and s0 - l0 == states  # fewer allocations before the first step
+    assert _live_peak(steady) == _live_peak(loop)  # the state is alive at the optimizer's peak either way
+    sizes = [round(sz.at(2, 64)) for cat, sz, n in unrolled.init if cat == CAT_INDEX["optimizer_states"]
+             for _ in range(n)]
+    first = list(loop[l0:step_starts(unrolled, first_step=True)[1]])
+    at = next(i for i in range(len(first)) if first[i:i + states] == sizes)  # made together, in the init's order
+    assert any(e < 0 for e in first[:at])  # after the forward and backward freed blocks
+    # nothing the first step made outlives it but the state: both traces end with the same live bytes
+    assert sum(1 for e in loop if e >= 0) - sum(1 for e in loop if e < 0) == (
+        sum(1 for e in steady if e >= 0) - sum(1 for e in steady if e < 0))
+
+
 def test_reserved_covers_allocated_and_fragmentation_is_what_the_cache_holds_unused() -> None:
     e = tm.estimate("llama-3.2-1b", micro_batch=2, seq_len=1024)
     assert e.peak_reserved_bytes >= e.peak_allocated_bytes
@@ -85,16 +105,16 @@ def test_reserved_covers_allocated_and_fragmentation_is_what_the_cache_holds_unu
 
 def test_the_replay_is_the_allocators_own_for_the_trace_of_the_step() -> None:
     """The headline is the second replayed step's reserved peak on a fresh allocator fed the loading and
-    step trace: recomputed here from the allocator model directly."""
+    the loop's first two steps: recomputed here from the allocator model directly."""
     t = TrainingSpec(micro_batch=2, seq_len=128)
     m = SMALL
     unrolled = compile_step(m, program_key(t, m), unrolled=True)
     load = loading_events(m, t)
     shift = sum(1 for e in load if e >= 0)
-    step = allocator_trace(unrolled, 2, 128)
+    step = allocator_trace(unrolled, 2, 128, first_step=True)
     events = load + tuple(e if e >= 0 else ~(~e + shift) for e in step)
     run = CachingAllocator().replay(events, timeline=True, memo=False)
-    second = len(load) + step_starts(unrolled)[1]
+    second = len(load) + step_starts(unrolled, first_step=True)[1]
     assert replay_step(unrolled, 2, 128, "", load).peak_reserved_bytes == max(run.reserved[second:])
     assert tm.estimate(m, micro_batch=2, seq_len=128).peak_reserved_bytes == max(run.reserved[second:])
 

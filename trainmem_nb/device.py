@@ -4,12 +4,13 @@
 to 512 B) plus cuBLAS workspaces, which PyTorch allocates through its caching allocator.
 ``peak_reserved_bytes`` adds what the caching allocator holds but has not handed out (segment rounding
 and fragmentation). ``device_total_bytes`` is what ``nvidia-smi`` shows: reserved plus the CUDA
-context. The constants below are modelled from their sources, not measured here (this machine has no
-GPU); a calibration measured on the user's GPU (``trainmem measure --device cuda``) replaces them."""
+context. The constants below are modelled from their sources and checked on one GPU (an H200, the
+measurements in validation/gpu); a calibration measured on the user's GPU (``trainmem measure --device
+cuda``) replaces them."""
 
 from __future__ import annotations
 
-__all__ = ['CUBLAS_WORKSPACE_BYTES', 'CUDA_BLOCK_BYTES', 'CUDA_CONTEXT_BYTES', 'CUDA_CONTEXT_EAGER_BYTES', 'LARGE_SEGMENT_BYTES', 'REPLAY_MAX_BYTES',
+__all__ = ['CUBLAS_HANDLES_PER_STEP', 'CUBLAS_HANDLE_WORKSPACE_BYTES', 'CUBLAS_WORKSPACE_BYTES', 'CUDA_BLOCK_BYTES', 'CUDA_CONTEXT_BYTES', 'CUDA_CONTEXT_EAGER_BYTES', 'LARGE_SEGMENT_BYTES', 'REPLAY_MAX_BYTES',
            'REPLAY_MAX_EVENTS', 'RESERVED_CHURN_FRACTION', 'round_block']
 
 #: Every CUDA caching-allocator block is a multiple of 512 B (``kMinBlockSize``,
@@ -20,16 +21,31 @@ CUDA_BLOCK_BYTES = 512
 LARGE_SEGMENT_BYTES = 2 << 20
 
 #: cuBLAS workspace PyTorch allocates per handle and stream through the caching allocator:
-#: ``:4096:2:16:8`` = 2 x 4 MiB + 8 x 16 KiB by default, 32 MiB on Hopper (sm90). Sources:
-#: pytorch/pytorch#89027 (aten/src/ATen/cuda/CublasHandlePool.cpp) and the cuBLAS docs'
-#: cublasSetWorkspace recommendation. One handle is used by a training step on one stream.
-CUBLAS_WORKSPACE_BYTES = {"default": 2 * (4 << 20) + 8 * (16 << 10), "sm90": 32 << 20}
+#: ``:4096:2:16:8`` = 2 x 4 MiB + 8 x 16 KiB, and 32 MiB on compute capability 9.x, 10.x and 12.x
+#: (Hopper, Blackwell). Sources: aten/src/ATen/cuda/CublasHandlePool.cpp ``parseChosenWorkspaceSize``
+#: (pytorch/pytorch#89027 for Hopper; #175344, 2026-02, for Blackwell) and the cuBLAS docs'
+#: cublasSetWorkspace recommendation. cuBLASLt shares it (no second workspace was allocated on an H200).
+CUBLAS_HANDLE_WORKSPACE_BYTES = {"pre-hopper": 2 * (4 << 20) + 8 * (16 << 10), "hopper+": 32 << 20}
 
-#: CUDA context (driver state and lazily loaded kernels) of a PyTorch training process, visible in
-#: nvidia-smi but not in PyTorch's counters: ~300 MB at start-up with CUDA lazy loading
-#: (pytorch/pytorch#107667, ptrblck 2023), growing as cuBLAS/cuDNN/attention kernels load; 512 MiB is
-#: a typical figure after a training step. Calibrate on your GPU for its own value.
-CUDA_CONTEXT_BYTES = 512 << 20
+#: cuBLAS handles a training step holds a workspace for: handles are per thread (``DeviceThreadHandlePool``),
+#: and autograd runs the backward on its own device thread, so the forward's thread and the backward's each
+#: have one. Measured on an H200 (torch 2.11, scripts/gpu_probe.py): 32 MiB allocated after a first matmul,
+#: 64 MiB after a backward through it; the measured H200 steps (validation/gpu/h200) begin with 64 MiB + 512 B
+#: allocated beyond their tensors.
+CUBLAS_HANDLES_PER_STEP = 2
+
+#: The workspaces of a step, by GPU generation; "default" is Hopper's and Blackwell's, the cards most
+#: training runs on now (an Ampere or Ada card holds 48 MiB less; a calibration from it says so).
+CUBLAS_WORKSPACE_BYTES = {k: CUBLAS_HANDLES_PER_STEP * v for k, v in CUBLAS_HANDLE_WORKSPACE_BYTES.items()}
+CUBLAS_WORKSPACE_BYTES["default"] = CUBLAS_WORKSPACE_BYTES["hopper+"]
+
+#: CUDA context (driver state and the kernels loaded so far) of a PyTorch training process, visible in
+#: nvidia-smi but not in PyTorch's counters: 766.8 MiB after a training step with SDPA on an NVIDIA H200
+#: (torch 2.11 + CUDA 13.0, driver 580.159; `trainmem measure --device cuda`, validation/gpu/h200:
+#: total - free - memory_reserved(); 750.8 MiB with eager attention, whose flash kernels never load).
+#: About 300 MB right after start-up with lazy loading (pytorch/pytorch#107667, ptrblck 2023). Other GPUs
+#: and CUDA versions differ: calibrate on yours.
+CUDA_CONTEXT_BYTES = 804061184
 
 #: The CUDA context when every kernel of the loaded libraries goes into it at start-up (no lazy module
 #: loading: CUDA before 11.7, or torch before 1.13, which does not set ``CUDA_MODULE_LOADING=LAZY``):
@@ -43,7 +59,8 @@ CUDA_CONTEXT_EAGER_BYTES = 1343 << 20
 #: Caching-allocator overhead above the allocated peak, as a fraction of the memory that churns
 #: within a step (activations and temporaries): freed blocks stay cached and split blocks fragment.
 #: The PyTorch memory-management notes and the measurement harness's notes put reserved 5-30 % above
-#: allocated for LLM training; 0.10 of the churn is a middle value. Calibrate for your own.
+#: allocated for LLM training; 0.10 of the churn is a middle value, and the median of the nine steps measured
+#: on an H200 (validation/gpu/h200: 0.047 to 0.426, the replay gets each within 1.4 %). Calibrate for your own.
 RESERVED_CHURN_FRACTION = 0.10
 
 #: The allocator replay's limits (design choices, not facts of the world). A step longer than this many

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .program import Program
+from .program import CAT_INDEX, Program
 
 __all__ = ["allocator_trace", "step_starts", "trace_length"]
 
@@ -33,14 +33,20 @@ def _bytes(sz: object, b: int, s: int) -> int:
     return n if n > 0 else 0
 
 
-def allocator_trace(prog: Program, micro_batch: int, seq_len: int, steps: int = 2) -> tuple[int, ...]:
+def allocator_trace(prog: Program, micro_batch: int, seq_len: int, steps: int = 2,
+                    first_step: bool = False) -> tuple[int, ...]:
     """The program's allocations and frees at (micro_batch, seq_len) as a replay trace: ``e >= 0``
     mallocs ``e`` bytes (allocations numbered 0, 1, ... in order; size-0 mallocs are numbered too),
     ``e < 0`` frees allocation ``~e``. `prog` should be unrolled: a repeated segment is replayed as its
     repetitions, each free taking the most recent live tensor of its name (the backward frees the
     forward's repetitions in reverse), which is exact only when no repetition frees a predecessor's
-    tensor by a name it no longer has (then the latest tensor of that size goes instead)."""
-    sizes, ops, _starts = _template(prog, steps)
+    tensor by a name it no longer has (then the latest tensor of that size goes instead).
+
+    `first_step`: the first of the steps is a training loop's first, whose ``optimizer.step()`` creates
+    the optimizer state (``_init_group``'s ``zeros_like``, one tensor at a time, when the step's
+    activations are freed and cached) instead of finding it allocated: the history a real run's
+    allocator has before its steady state (measured on an H200: the segments then match)."""
+    sizes, ops, _starts = _template(prog, steps, first_step)
     b, s = micro_batch, seq_len
     at = [_bytes(sz, b, s) for sz in sizes]
     return tuple(at[o] if o >= 0 else o for o in ops)
@@ -62,19 +68,20 @@ def trace_length(prog: Program, steps: int = 2) -> int:
 _LENGTHS: dict[int, tuple[Program, int, int]] = {}
 
 
-def step_starts(prog: Program, steps: int = 2) -> tuple[int, ...]:
+def step_starts(prog: Program, steps: int = 2, first_step: bool = False) -> tuple[int, ...]:
     """Where each step begins in `allocator_trace`'s events (after the loaded state)."""
-    return _template(prog, steps)[2]
+    return _template(prog, steps, first_step)[2]
 
 
-_TEMPLATES: dict[tuple[int, int], tuple[Program, list[object], tuple[int, ...], tuple[int, ...]]] = {}
+_TEMPLATES: dict[tuple[int, int, bool], tuple[Program, list[object], tuple[int, ...], tuple[int, ...]]] = {}
+_STATES = CAT_INDEX["optimizer_states"]
 
 
-def _template(prog: Program, steps: int) -> tuple[list[object], tuple[int, ...], tuple[int, ...]]:
+def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list[object], tuple[int, ...], tuple[int, ...]]:
     """The trace with sizes left symbolic: distinct size expressions, and per event the index of its
     size (a malloc) or ``~allocation`` (a free); built once per program (the compile cache keeps the
     program alive, so its id is a stable key while it is held here)."""
-    hit = _TEMPLATES.get((id(prog), steps))
+    hit = _TEMPLATES.get((id(prog), steps, first_step))
     if hit is not None and hit[0] is prog:
         return hit[1], hit[2], hit[3]
     index: dict[object, int] = {}
@@ -115,8 +122,14 @@ def _template(prog: Program, steps: int) -> tuple[list[object], tuple[int, ...],
         if stack:
             free(stack.pop())
 
-    for _cat, sz, n in prog.init:
+    kept: set[int] = set()  # allocations a step made that outlive it (a first step's optimizer states)
+    deferred: list[int] = []  # a first step's optimizer states: size indices, made when its optimizer runs
+    has_optimizer = any(seg.phase == "optimizer" for seg in prog.segments)
+    for cat, sz, n in prog.init:
         i = size_of(sz)
+        if first_step and has_optimizer and cat == _STATES:
+            deferred += [i] * n
+            continue
         persistent += [(i, new(i)) for _ in range(n)]
     starts: list[int] = []
     for _step in range(steps):
@@ -124,6 +137,11 @@ def _template(prog: Program, steps: int) -> tuple[list[object], tuple[int, ...],
         named: dict[int, list[int]] = defaultdict(list)
         first = count[0]
         for seg in prog.segments:
+            if deferred and seg.phase == "optimizer":
+                made = [(i, new(i)) for i in deferred]
+                persistent += made
+                kept.update(a for _i, a in made)
+                deferred = []
             toks = seg.tokens or (0,) * len(seg.events)
             for (_cat, k, sz, _label), tok in [e for _ in range(seg.repeat) for e in zip(seg.events, toks, strict=True)]:
                 i = size_of(sz)
@@ -144,12 +162,12 @@ def _template(prog: Program, steps: int) -> tuple[list[object], tuple[int, ...],
         # the step is over: what it made and did not free goes (the loss, the batch); what existed
         # before it is made again if the step freed it (accumulated gradients, zeroed in place)
         for a in range(count[0] - 1, first - 1, -1):
-            if a not in freed:
+            if a not in freed and a not in kept:
                 free(a)
         for j, (i, a) in enumerate(persistent):
             if a in freed:
                 persistent[j] = (i, new(i))
     if len(_TEMPLATES) >= 256:
         _TEMPLATES.pop(next(iter(_TEMPLATES)))
-    _TEMPLATES[(id(prog), steps)] = (prog, sizes, tuple(ops), tuple(starts))
+    _TEMPLATES[(id(prog), steps, first_step)] = (prog, sizes, tuple(ops), tuple(starts))
     return sizes, tuple(ops), tuple(starts)

@@ -87,9 +87,14 @@ def apply_alloc_conf(conf: str, setter: Any = None) -> None:
     _APPLIED.append(conf)
 
 
-def before_step(setup: Any) -> dict[str, Any]:
-    """Warm up with one full step, then reset the peak counters; returns the state at step start."""
-    setup.step()
+def before_step(setup: Any, warm_up: bool = True) -> dict[str, Any]:
+    """Release the cached blocks building the model freed (``from_pretrained`` leaves none), warm up with
+    one full step (the loop's first: `warm_up`, unless the first step is the one measured), then reset
+    the peak counters; returns the state at step start."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    if warm_up:
+        setup.step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     return {"allocated_at_start": torch.cuda.memory_allocated(), "reserved_at_start": torch.cuda.memory_reserved()}

@@ -453,13 +453,18 @@ def run_step(m: ModelSpec, t: TrainingSpec, device: str = "fake", prime: bool | 
         fake_ctx = FakeTensorMode(allow_non_fake_inputs=False)
         fixes = fake_mode_fixes()
     cuda_stats: dict[str, Any] | None = None
+    if device == "cuda":
+        # the caching allocator's history decides what it reserves, so it is a training loop's: the warm-up
+        # step before the measured one is the loop's first, whose optimizer.step() creates the state
+        # (no priming), after the construction's freed blocks are released (from_pretrained leaves none)
+        prime = False
     with quiet_transformers(), fake_ctx, fixes:
         setup = _Setup(m, t, device, prime)
         timing["build_s"] = time.perf_counter() - t0
         if device == "cuda":
             from .cuda import before_step
 
-            before = before_step(setup)
+            before = before_step(setup, warm_up=not t.first_step)
         t1 = time.perf_counter()
         tracker = traced_step(setup, "cuda" if device == "cuda" else None, timing)
         if device == "cuda":

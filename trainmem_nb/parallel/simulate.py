@@ -118,7 +118,8 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
                 unrolled = _with_micro_batches_in_flight(
                     prepare(compile_step(stage_model, program_key(t, stage_model), hooks, workspace, unrolled=True)),
                     _in_flight(p, stage, t.grad_accum) - 1)
-            replay = replay_step(unrolled, *shape, t.alloc_conf, loading_events(stage_model, t, load_share))
+            replay = replay_step(unrolled, *shape, t.alloc_conf, loading_events(stage_model, t, load_share),
+                                 first_step=False)
         if replay is None:  # a GPU run's measured cache fraction overrides the replay; a search screens without it
             high_water = (peak_with_churn(prog, *shape, churn_fraction(calibration))
                           if t.device is Device.CUDA else peak)  # CPU: nothing is cached

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Any
 
-from ..device import CUBLAS_WORKSPACE_BYTES
+from ..device import CUBLAS_HANDLES_PER_STEP, CUBLAS_WORKSPACE_BYTES
 from ..engine import ops
 from ..engine.program import CAT_INDEX, Program, Segment, _segment
 from ..engine.tape import Graph, Sz, T, const, per_token
@@ -91,15 +91,18 @@ def compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks = _SINGLE,
                  workspace_bytes: int | None = None, unrolled: bool = False) -> Program:
     """The step's program for `m` and `t` (the batch shape in `t` is ignored: sizes stay symbolic);
     `hooks` adds a parallel engine's buffers and sharding (hashable: part of the cache key);
-    `workspace_bytes`, a calibration's cuBLAS workspaces (None: `CUBLAS_WORKSPACE_BYTES`); `unrolled`
+    `workspace_bytes`, a calibration's cuBLAS workspaces (None: `CUBLAS_WORKSPACE_BYTES`, one per handle); `unrolled`
     runs every layer instead of repeating one period of the layer pattern (same bytes, slower: the
     check of the repetition argument). Cached: every spelling of the same arguments shares one entry."""
-    workspace = CUBLAS_WORKSPACE_BYTES["default"] if workspace_bytes is None else workspace_bytes
+    if workspace_bytes in (None, CUBLAS_WORKSPACE_BYTES["default"]):  # one per cuBLAS handle: forward's, backward's
+        workspace = (CUBLAS_WORKSPACE_BYTES["default"] // CUBLAS_HANDLES_PER_STEP, CUBLAS_HANDLES_PER_STEP)
+    else:
+        workspace = (workspace_bytes, 1)
     return _compile_step(m, t, hooks, workspace, unrolled)
 
 
 @lru_cache(maxsize=1024)
-def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_bytes: int,
+def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: tuple[int, int],
                   unrolled: bool = False) -> Program:
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1,
@@ -358,7 +361,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace_b
     if scaler:
         init.append((CAT_INDEX["optimizer_states"], const(4), 2))  # GradScaler's _scale and _growth_tracker
     if t.device is Device.CUDA:
-        init.append((CAT_INDEX["overhead/workspaces"], const(workspace_bytes), 1))
+        init.append((CAT_INDEX["overhead/workspaces"], const(workspace[0]), workspace[1]))
     n_params = sum(p.numel * p.count for p, _, _ in weights)
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     chain = frozenset(n for tt, n in tokens.items() if tt.chain)

@@ -34,7 +34,6 @@ from ..model.presets import list_presets, resolve_model
 from ..model.spec import ModelSpec
 from ..spec.choices import CHECKPOINTING_HELP, Attention, Checkpointing, LossImpl, Method, OptimizerName, Precision
 from ..spec.stack import list_stacks, resolve_stack
-from ..step.reserved import screening
 from ..units import format_count
 from .explorer_text import legend_html, summary_html, verdict_text
 
@@ -487,8 +486,9 @@ class Explorer:
         if key not in self._mmb_cache:  # independent of the micro-batch slider: computed once per setup
             if len(self._mmb_cache) > 256:
                 self._mmb_cache.clear()
-            with screening():  # the largest micro-batch: a search, screened (the shown step itself is replayed)
-                self._mmb_cache[key] = int(max_micro_batch(model, gpu, self.headroom, **rest))
+            # the largest micro-batch: a screened search whose answer is confirmed with `fit` (the replay on the
+            # card), so the verdict names the micro-batch that fits when the slider is set to it
+            self._mmb_cache[key] = int(max_micro_batch(model, gpu, self.headroom, **rest))
         return f, self._mmb_cache[key]
 
     def _show_error(self, text: str) -> None:
