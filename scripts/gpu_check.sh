@@ -17,7 +17,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>
 "$py" -c 'import torch, transformers, peft; print("torch", torch.__version__, "cuda", torch.version.cuda,
 "transformers", transformers.__version__, "peft", peft.__version__)'
 
-# name | environment | trainmem measure arguments
+# name | environment | trainmem measure arguments; RUNS=FILE replaces the list with that file's lines
 runs=(
   "llama1b-full||--model llama-3.2-1b --micro-batch 2 --seq-len 1024 --save-calibration $out/json/calibration-h200.json"
   "llama1b-full-expandable|PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True|--model llama-3.2-1b --micro-batch 2 --seq-len 1024"
@@ -29,12 +29,15 @@ runs=(
   "gpt2-fp16||--model gpt2 --precision fp16-mixed --micro-batch 8 --seq-len 1024"
   "smollm3-3b-lora-ckpt||--model smollm3-3b --method lora --micro-batch 4 --seq-len 4096 --checkpointing full"
 )
+if [[ -n ${RUNS:-} ]]; then
+  mapfile -t runs < <(grep -v '^ *#' "$RUNS" | grep -v '^ *$')
+fi
 for r in "${runs[@]}"; do
   IFS='|' read -r name envs args <<< "$r"
   [[ -n ${ONLY:-} && ! $name =~ $ONLY ]] && continue
   echo "== $name"
   # shellcheck disable=SC2086
-  env $envs timeout 90 "$py" -c 'import sys; from trainmem_nb.cli.main import main; sys.exit(main())' \
+  env $envs timeout "${STEP_TIMEOUT:-90}" "$py" -c 'import sys; from trainmem_nb.cli.main import main; sys.exit(main())' \
     measure $args --device "$device" --out "$out/json/$name.json" --force 2>&1 | tail -4
   [[ -n $tarball ]] && tar czf "$tarball" -C "$out" json
 done
