@@ -19,13 +19,10 @@ MIN_EXACT_SHARE = 0.98
 
 #: case id -> why the estimate is within 0.5 % but not to the byte (a fix must remove the entry)
 NOT_EXACT: dict[str, str] = {
-    "families/llama-small-bias/fp32-sgd-momentum-foreach-ckpt-selective-drop0.1/b2s64/fake":
-        "+2 KiB: a biased nn.Linear's bias gradient is allocated inside the node (ops.linear) while PyTorch's "
-        "addmm has the engine reduce it after the recomputed saved tensors are released (selective checkpointing)",
     "families/gemma3-tiny/fp32-sgd-momentum-foreach-ckpt-selective-drop0.1/b2s64/fake":
         "-48 KiB, (b, s, (heads - 1) x head_dim) fp32: with one kv head, SDPA's math kernel (CPU with dropout) "
         "reads the expanded key/value of repeat_kv, whose copy lives longer in the measured step than in the "
-        "program; the ordering gap of one-kv-head attention under autocast/eager that llama and gemma share",
+        "program (the eager path's copy of an expanded value is modelled; this SDPA math one is not yet)",
 }
 
 

@@ -203,14 +203,12 @@ def test_starcoder2_step_equals_the_hf_step_allocation_by_allocation(opts: dict[
     assert _first_divergence()(m, t) is None
 
 
-# Found while adding these families: two divergences of the composed decoder (`recipe="decoder"`) that its
-# own families carry today. Fixing them moves recorded fingerprints, so they are left to the lead.
+# Found while adding these families: two divergences of the composed decoder (`recipe="decoder"`), now fixed.
 @pytest.mark.torch
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs the measure extra")
-@pytest.mark.xfail(strict=True, reason="the decoder's biased nn.Linear allocates the bias gradient inside the node "
-                   "(ops.linear); at::linear runs addmm, whose bias gradient the engine reduces after recomputed saved "
-                   "tensors are released (what BiasedDecoderRecipe does)")
 def test_decoder_biased_projections_under_full_checkpointing_match_hf() -> None:
+    """at::linear runs a biased 3-D linear as ``addmm``, whose bias gradient the engine reduces after the node
+    returns, so after a checkpointed node's recomputed saved tensors are released."""
     m = ModelSpec(family="llama", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=1024, vocab=1000,
                   qkv_bias=True, out_bias=True, mlp_bias=True)
     t = TrainingSpec(device="cpu", seq_len=64, micro_batch=1, checkpointing="full")
@@ -219,10 +217,9 @@ def test_decoder_biased_projections_under_full_checkpointing_match_hf() -> None:
 
 @pytest.mark.torch
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="needs the measure extra")
-@pytest.mark.xfail(strict=True, reason="eager attention with one kv head under autocast, b > 1: the value (already "
-                   "16-bit, not cast by autocast) stays an expanded view that matmul copies; attention.eager_attention "
-                   "assumes autocast's cast made both key and value contiguous")
 def test_decoder_eager_mqa_under_autocast_copies_the_expanded_value() -> None:
+    """One kv head, b > 1, autocast: the value is already 16-bit, so autocast's cast leaves it an expanded view
+    (``repeat_kv``) that ``matmul`` copies; the rotated fp32 key is cast, which copies it."""
     m = ModelSpec(family="gemma", n_layers=3, hidden=256, n_heads=4, n_kv_heads=1, head_dim=64, ffn=512, vocab=1000)
     t = TrainingSpec(device="cpu", seq_len=64, micro_batch=2, attention="eager", precision="bf16-mixed")
     assert _first_divergence()(m, t) is None

@@ -222,19 +222,24 @@ def eager_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, mask: T | No
     ``matmul`` copies operands whose (b, heads) cannot fold into one batch dim (b > 1): the query and
     key in the projections' layout (not `qk_contiguous`), the key and value when not repeated, and an
     expanded key/value (one kv head: ``repeat_kv`` made a view) unless autocast's cast already made a
-    contiguous copy; with b == 1 nothing is copied and neither is the output's gradient. `softcap`:
+    contiguous copy (it casts only what is not already 16-bit: the rotated fp32 key, not the linear's 16-bit
+    value); with b == 1 nothing is copied and neither is the output's gradient. `softcap`:
     Gemma 2's ``attn_logit_softcapping`` (``/ softcap``, ``tanh``, ``* softcap`` after the scaling)."""
     m, ctx = rec.m, rec.ctx
     n_rep = m.n_heads // m.n_kv_heads
     fold = ctx.batch1
     copy_qk = not qk_contiguous and not fold
     copy_kv = n_rep == 1 and not fold
-    copy_expanded = n_rep > 1 and m.n_kv_heads == 1 and not fold and not ctx.autocast
+    expanded = n_rep > 1 and m.n_kv_heads == 1 and not fold
+
+    def still_expanded(x: T) -> bool:  # autocast's cast copies only a tensor not already in its dtype
+        return expanded and (not ctx.autocast or x.dt == ctx.autocast)
+
     kx = ops.repeat_kv(g, k, n_rep, "repeat_kv key", m.n_kv_heads)
     vx = ops.repeat_kv(g, v, n_rep, "repeat_kv value", m.n_kv_heads)
     out, pd = ops.eager_attention(g, ctx, q, kx, vx, mask, per_token_sq(m.n_heads), rec.dropout_attn,
-                                  copy_q=copy_qk, copy_k=(copy_qk and copy_kv) or copy_expanded,
-                                  copy_v=copy_kv or copy_expanded, grad_copy=not fold, softmax_dt=F32, probs_dt=q.dt,
+                                  copy_q=copy_qk, copy_k=(copy_qk and copy_kv) or still_expanded(k),
+                                  copy_v=copy_kv or still_expanded(v), grad_copy=not fold, softmax_dt=F32, probs_dt=q.dt,
                                   one_expression=True, softcap=softcap, label="eager")
     g.drop(kx, vx)  # locals of eager_attention_forward
     rec.attn_weights.append(pd)

@@ -87,6 +87,8 @@ class DecoderRecipe(Recipe):
         a norm before) shares autocast's cached cast of it (``cache_input``)."""
         if self.ctx.autocast is not None and any(x is leaf for leaf in g.input_leaves):
             kw["cache_input"] = True
+        if f"{module}.bias" in p:  # at::linear runs a biased 3-D linear as addmm: the engine reduces the bias grad
+            kw.setdefault("bias_grad_reduced", True)
         return super().linear(g, x, p, module, in_features, out_features, **kw)
 
     def norm(self, g: Graph, x: T, w: T, label: str, rows: int = 1) -> T:
