@@ -203,8 +203,11 @@ def math_attention(rec: DecoderRecipe, g: Graph, q: T, k: T, v: T, masked: bool 
     fold = ctx.batch1
     copy_qk = not qk_contiguous and not fold
     copy_kv = n_rep == 1 and not fold
+    # one kv head: repeat_kv's value is an expanded view, which the probabilities' matmul copies (the key is
+    # scaled first, which makes it contiguous)
+    expanded_v = masked and n_rep > 1 and m.n_kv_heads == 1 and not fold
     o = ops.sdpa_math(g, ctx, q, k, v, per_token_sq(m.n_heads), rec.dropout_attn, causal=not masked,
-                      copy_q=copy_qk, copy_k=copy_qk and copy_kv, copy_v=copy_kv, grad_copy=not fold,
+                      copy_q=copy_qk, copy_k=copy_qk and copy_kv, copy_v=copy_kv or expanded_v, grad_copy=not fold,
                       mask=(lambda dt: sdpa_additive_mask(g, dt)) if masked else None,
                       n_rep=1 if masked else n_rep, label="sdpa")
     out = ops.clone(g, o, "attn_output transpose contiguous")
