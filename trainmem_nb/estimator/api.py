@@ -91,13 +91,6 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
     if m.family.value == "deepseek_v3" and t.attention.value == "flash":
         raise SpecError("attention='flash' on deepseek_v3 is not modelled (its v_head_dim differs from the q/k head "
                         "dim, which flash-attn does not take as is); use attention='sdpa' or 'eager'")
-    if m.family.value == "deepseek_v3" and t.method.value != "full":
-        names = {n.strip().rsplit(".", 1)[-1] for n in t.lora_targets.lower().split(",")}
-        if names & {"all-linear", "all_linear", "all", "gate", "gate_proj", "up_proj", "down_proj"}:
-            raise SpecError(f"lora_targets={t.lora_targets!r} on deepseek_v3 is not modelled: peft 0.21 maps it onto "
-                            "the router and the 3-D expert stacks (ParamWrapper, the qwen2_moe conversion); target the "
-                            "attention's linears ('qv', or names such as q_a_proj,q_b_proj,kv_a_proj_with_mqa,"
-                            "kv_b_proj,o_proj)")
     if t.loss_impl.value != "standard" and m.num_labels:
         raise SpecError(f"loss_impl={t.loss_impl.value!r} replaces the language-model head's loss; a sequence "
                         f"classifier (num_labels={m.num_labels}) has no such head: use loss_impl='standard'")

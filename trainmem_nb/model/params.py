@@ -401,10 +401,12 @@ def lora_modules(m: ModelSpec, targets: str) -> tuple[str, ...]:
     linears = [p.name[len("layers."):-len(".weight")] for p in param_inventory(m)
                if p.in_layer and p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")
                and not p.name.endswith(_ROUTERS)]
-    if m.family is Family.QWEN3_MOE:
+    if m.family in (Family.QWEN3_MOE, Family.DEEPSEEK_V3):
         # peft maps the v4 expert names onto the 3-D experts and drops them from target_modules, so a dense
-        # layer's MLP projections of the same names are not adapted (`_convert_peft_config_moe`)
-        linears = [mod for mod in linears if mod not in ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+        # layer's MLP projections of the same names are not adapted (`_convert_peft_config_moe`), nor are
+        # deepseek_v3's shared experts (measured with peft 0.21: only the attention's linears keep adapters)
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        linears = [mod for mod in linears if mod not in {f"mlp.{n}" for n in mlp} | {f"mlp.shared_experts.{n}" for n in mlp}]
     if text == "qv":  # the family's names that this model has (deepseek_v3: q_proj or q_b_proj)
         qv = DESCRIPTIONS[m.family].lora_qv
         return tuple(mod for mod in qv if mod in linears) or qv
@@ -455,7 +457,8 @@ _QWEN3_MOE_V4_NAMES = {"gate": "mlp.gate", "gate_proj": "mlp.experts.gate_up_pro
 
 
 def lora_moe_params(m: ModelSpec, targets: str) -> tuple[str, ...]:
-    """The MoE parameters peft's ``ParamWrapper`` adapts for `targets` (mixtral only), in the order
+    """The MoE parameters peft's ``ParamWrapper`` adapts for `targets` (mixtral, qwen3_moe and deepseek_v3,
+    whose v4 names peft maps as qwen2_moe's), in the order
     of peft's ``target_parameters`` (sorted: ``down_proj``, ``gate.weight``, ``gate_up_proj``).
 
     >>> from trainmem_nb.model.spec import ModelSpec
@@ -467,7 +470,7 @@ def lora_moe_params(m: ModelSpec, targets: str) -> tuple[str, ...]:
     """
     from ..errors import SpecError
 
-    if not m.is_moe or m.family not in (Family.MIXTRAL, Family.QWEN3_MOE):
+    if not m.is_moe or m.family not in (Family.MIXTRAL, Family.QWEN3_MOE, Family.DEEPSEEK_V3):
         return ()
     v4 = _MOE_V4_NAMES if m.family is Family.MIXTRAL else _QWEN3_MOE_V4_NAMES
     fused = {"w1", "w3"} if m.family is Family.MIXTRAL else {"gate_proj", "up_proj"}
@@ -525,8 +528,8 @@ def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, 
             e = base[name]
             stacks.append(ParamTensor(f"layers.{name}.lora_A.weight", (E * r, in_f), e.count, True, True, e.kind))
             stacks.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, E * r), e.count, True, True, e.kind))
-    # Qwen3MoeSparseMoeBlock registers its experts before its router
-    out += [*stacks, *router] if m.family is Family.QWEN3_MOE else [*router, *stacks]
+    # Qwen3MoeSparseMoeBlock and DeepseekV3MoE register their experts before their router
+    out += [*stacks, *router] if m.family in (Family.QWEN3_MOE, Family.DEEPSEEK_V3) else [*router, *stacks]
     return tuple(out)
 
 

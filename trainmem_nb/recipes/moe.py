@@ -328,11 +328,18 @@ def deepseek_router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tupl
     k, E = m.experts_top_k, m.n_experts
     G = m.n_expert_groups or 1
     tg = m.topk_groups or G
+    w = p["mlp.gate.weight"]
+    a_w = p.get("mlp.gate.lora_A.weight")
+    delta = None
+    if a_w is not None:  # peft's ParamWrapper of gate.weight: delta and check on entry, the merged weight when read
+        delta = ops.lora_param_delta(g, ctx, w, a_w, p["mlp.gate.lora_B.weight"], rec.t.lora_rank, "mlp.gate")
+        ops.lora_param_check(g, w, delta, "mlp.gate")
     flat = ops.alias_view(g, x, "view(-1, h)")  # a view node of its own (its backward runs after the casts')
     xf = ops.cast(g, flat, F32, "hidden_states.type(float32)")
     g.drop(flat)
-    w = p["mlp.gate.weight"]
-    logits = ops.linear(g, ctx, xf, w, m.hidden, E, None, "mlp.gate")
+    if delta is not None:
+        w = ops.lora_param_merge(g, w, delta, "mlp.gate", checked=True)
+    logits = ops.linear(g, ctx, xf, w, m.hidden, E, None, "mlp.gate", w_leaf=delta is None)
     g.drop(xf)  # an argument temporary (a copy only when the input is 16-bit)
     scores = ops.unary_saving_output(g, logits, "sigmoid")
     dt_choice = max(scores.dt, F32)
@@ -375,6 +382,8 @@ def deepseek_router(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> tupl
     weights = ops.scalar_op(g, gathered, "* routed_scaling_factor")
     g.drop(gathered)
     g.drop(scores, masked, inv, g2i, group_scores, group_idx, group_mask, score_mask, den)
+    if delta is not None:  # the parametrization's merged weight, then the delta, when the router returns
+        g.drop(w, delta)
     return logits, weights, index
 
 

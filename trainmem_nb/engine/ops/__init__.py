@@ -36,6 +36,7 @@ from .lora import (
     lora_expert_factors,
     lora_linear,
     lora_param_delta,
+    lora_param_check,
     lora_param_merge,
     lora_update,
 )
@@ -61,7 +62,7 @@ __all__ = [
     "baddbmm", "baddbmm_check", "bmm", "cast", "cat2", "cat_last", "clone", "div_", "dropout", "dropout_last",
     "eager_attention", "embedding", "end_autocast", "gelu", "gelu_new", "grouped_mm", "heads_view", "index_rows",
     "layer_norm", "linear", "linear_4bit", "linear_strided_grad", "lora_addmm", "lora_expert_factors", "lora_linear",
-    "lora_param_delta", "lora_param_merge", "lora_update", "mean_last", "mul", "mul_both_grads", "pow2", "relu",
+    "lora_param_check", "lora_param_delta", "lora_param_merge", "lora_update", "mean_last", "mul", "mul_both_grads", "pow2", "relu",
     "repeat_kv", "reserve", "rotate_half", "rsqrt", "scalar_op", "sdpa_flash", "sdpa_math", "slice_view",
     "softmax", "split", "sum_keepdim", "topk", "unary_saving_input", "unary_saving_output",
 ]

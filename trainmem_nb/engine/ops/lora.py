@@ -125,12 +125,20 @@ def lora_param_delta(g: Graph, ctx: Ctx, w: T, a_w: T, b_w: T, rank: int, label:
     return delta
 
 
-def lora_param_merge(g: Graph, w: T, delta: T, label: str) -> T:
-    """peft's ``_LoraParameterProxy``: the registration check ``W + delta`` (a transient), then the
-    cached ``W + delta`` the forward uses (the frozen ``W`` gets no gradient)."""
+def lora_param_merge(g: Graph, w: T, delta: T, label: str, checked: bool = False) -> T:
+    """peft's ``_LoraParameterProxy``: the registration check ``W + delta`` (a transient; `checked`: it ran
+    already, `lora_param_check`), then the cached ``W + delta`` the forward uses (the frozen ``W`` gets no
+    gradient)."""
+    if not checked:
+        lora_param_check(g, w, delta, label)
+    return add(g, w, delta, f"{label} W + delta")
+
+
+def lora_param_check(g: Graph, w: T, delta: T, label: str) -> None:
+    """The parametrization's registration check ``W + delta``: computed and dropped when peft registers it
+    (on the wrapper's entry), before the module's forward reads the weight."""
     check = g.alloc(_bigger(w, delta), _promote(w, delta), f"{label} parametrization check")
     g.drop(check)
-    return add(g, w, delta, f"{label} W + delta")
 
 
 def lora_expert_factors(g: Graph, w: T, a_w: T, b_w: T, label: str) -> tuple[T, T]:
