@@ -35,8 +35,8 @@ from .lora import (
     lora_addmm,
     lora_expert_factors,
     lora_linear,
-    lora_param_delta,
     lora_param_check,
+    lora_param_delta,
     lora_param_merge,
     lora_update,
 )
