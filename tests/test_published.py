@@ -98,6 +98,19 @@ TITAN = [
                     checkpointing="selective-op", attention="sdpa", gpus=128, nodes=16, engine="fsdp", zero=3),
         tolerance=TOL_RESERVED, why_tolerance="reserved figure; the config is the repo's own toml",
     ),
+    Published(
+        id="torchao-titan-llama3-8b-bf16-h100-fsdp8-bs1",
+        source="pytorch/ao docs/source/workflows/training.md @36027d82 (NVIDIA H100) + benchmarks/float8/training/"
+               "llama3.sh (torchtitan llama3_8b.toml, --training.local-batch-size=1 --compile.enable) + "
+               "parse_torchtitan_logs.py (the max over steps of the log's 'memory: ... GiB', max_reserved_gib)",
+        quote="Single-node training on 8xH100 GPUs, batch size 1, sequence length 8192, steps 100, `torch.compile`, "
+              "FSDP2, per-op SAC ... | Llama3-8b | none (bfloat16) | 47.65 | 6150 | - |",
+        kind=RESERVED, value_bytes=47.65 * GiB,
+        config=dict(model="llama-3-8b", micro_batch=1, seq_len=8192, precision="bf16-mixed", optimizer="adamw",
+                    checkpointing="selective-op", attention="sdpa", gpus=8, engine="fsdp", zero=3),
+        tolerance=TOL_RESERVED, why_tolerance="reserved figure; torchtitan's own toml with the script's overrides; "
+                                              "torch.compile not modelled",
+    ),
 ]
 
 # ---------------------------------------------------------------------------------------------------------
@@ -192,6 +205,42 @@ LITGPT = [
                     **{**_LIT_LORA, "lora_rank": 8, "lora_dropout": 0.1,
                        "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"}),
         tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
+    ),
+    Published(
+        id="litgpt-mistral-7b-qlora-a10g",
+        source=_LITGPT + " + config_hub/finetune/mistral-7b/qlora.yaml",
+        quote="| mistral-7b/qlora.yaml | mistral-7b | 4 | 512 | 2 | 1xA10G | 44.75 min | $1.3 | 14.29 GB | ...",
+        kind=ALLOCATED, value_bytes=14.29 * GB,
+        # quantize bnb.nf4, LoRA r32 on query and value, micro-batch 2, global batch 8
+        config=_training_opts(model="mistral-7b", micro_batch=2, grad_accum=4, method="qlora",
+                              qlora_double_quant=False, **{**_LIT_LORA, "optimizer": "paged-adamw"}),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
+        xfail=_LITGPT_QLORA_GAP + "; 14.29 GB published vs ~12.5 GB estimated with bitsandbytes 0.42.0 (-13 %)",
+    ),
+    Published(
+        id="litgpt-gemma-7b-qlora-all-a10g",
+        source=_LITGPT + " + config_hub/finetune/gemma-7b/qlora.yaml",
+        quote="| gemma-7b/qlora.yaml | gemma-7b | 2 | 512 | 1 | 1xA10G | 43.58 min | $1.3 | 17.18 GB | ...",
+        kind=ALLOCATED, value_bytes=17.18 * GB,
+        # quantize bnb.nf4; lora_r 16, alpha 16, dropout 0.1 on query, key, value, projection, mlp and head;
+        # micro-batch 1, global batch 6
+        config=_training_opts(model="gemma-7b", micro_batch=1, grad_accum=6, method="qlora", qlora_double_quant=False,
+                              **{**_LIT_LORA, "optimizer": "paged-adamw", "lora_rank": 16, "lora_dropout": 0.1,
+                                 "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"}),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
+        xfail=_LITGPT_QLORA_GAP + "; 17.18 GB published vs ~15.3 GB estimated with bitsandbytes 0.42.0 (-11 %)",
+    ),
+    Published(
+        id="litgpt-gemma-2-9b-qlora-all-a10g",
+        source=_LITGPT + " + config_hub/finetune/gemma2-9b/qlora.yaml",
+        quote="| gemma2-9b/qlora.yaml | gemma-2-9b | 2 | 512 | 1 | 1xA10G | 50.01 min | $4.0 | 20.92 GB | ...",
+        kind=ALLOCATED, value_bytes=20.92 * GB,
+        # as gemma-7b's: nf4, r16 alpha 16 dropout 0.1 on every projection and the head, micro-batch 1, global 6
+        config=_training_opts(model="gemma-2-9b", micro_batch=1, grad_accum=6, method="qlora", qlora_double_quant=False,
+                              **{**_LIT_LORA, "optimizer": "paged-adamw", "lora_rank": 16, "lora_dropout": 0.1,
+                                 "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"}),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown "
+                                              "(the QLoRA rows' gap, see the xfails, is within it here: -7.5 %)",
     ),
     Published(
         id="litgpt-tinyllama-full-a10g",
