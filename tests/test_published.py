@@ -579,6 +579,8 @@ TITAN_PARALLEL = [
 # what: the recipe's yaml defaults differ). Pure bf16 (torchtune keeps weights, gradients and states in bf16).
 # The later rows run torch.compile without checkpointing, or activation offloading: not modelled, left out.
 _TUNE = "pytorch/torchtune README.md @1814feb17 (Optimization flags table)"
+_TUNE_2024_04 = "pytorch/torchtune docs/source/tutorials @0914d5cfb/@ff594c231 (2024-04-15)"
+_TUNE_ALL = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"
 TORCHTUNE = [
     Published(
         id="torchtune-llama3.2-3b-full-packed4096",
@@ -591,6 +593,33 @@ TORCHTUNE = [
         tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; the baseline's flags inferred from the table",
         stack=dict(stack="torchtune@0.4"),
     ),
+    # torchtune's LoRA tutorials of April 2024 (torchtune 0.1: plain torch.nn.CrossEntropyLoss on the model's
+    # logits). docs/source/tutorials/qlora_finetune.rst @0914d5cfb (#693) gives the LoRA baseline's "Peak memory
+    # reserved, training" and docs/source/tutorials/lora_finetune.rst @ff594c231 (#702) the same config with
+    # other ranks and targets ("All the finetuning runs below use the llama2/7B_lora_single_device config, which
+    # has a default batch size of 2"; its baseline row equals the reserved figure, so the table is reserved
+    # too). recipes/configs/llama2/7B_lora_single_device.yaml @0914d5cfb: lora_llama2_7b, q_proj and v_proj,
+    # r 8, alpha 16, dropout 0.05; batch_size 2, gradient_accumulation_steps 64; torch.optim.AdamW; dtype bf16;
+    # enable_activation_checkpointing True; alpaca_cleaned with max_seq_len 512, padded to the batch's longest.
+    # "All layers": lora_attn_modules q,k,v,output_proj, apply_lora_to_mlp and apply_lora_to_output. The recipe
+    # builds the model under `utils.set_default_dtype(self._dtype)`, so the adapters are bf16 too
+    # (lora_dtype="base"). memory_stats_log returns max_memory_reserved / 1e9 (GB), reset every 100 steps.
+    # Unknown: the GPU, and whether each window reached 512 tokens (Alpaca-cleaned has long samples).
+    *[Published(
+        id=f"torchtune-llama2-7b-lora-{name}",
+        source=_TUNE_2024_04 + (" (qlora_finetune.rst)" if name == "qv-r8" else " (lora_finetune.rst)"),
+        quote=quote,
+        kind=RESERVED, value_bytes=value * GB,
+        config=dict(model="llama-2-7b", micro_batch=2, grad_accum=64, seq_len=512, precision="bf16-true",
+                    optimizer="adamw", checkpointing="full", attention="sdpa", method="lora", lora_rank=rank,
+                    lora_alpha=2 * rank, lora_dropout=0.05, lora_targets=targets, lora_dtype="base"),
+        tolerance=TOL_RESERVED, why_tolerance="reserved figure; the recipe's yaml; GPU and batch lengths unknown",
+        stack=dict(stack="torchtune@0.1"),
+    ) for name, quote, value, rank, targets in (
+        ("qv-r8", "| LoRA | 13.98 GB | 15.57 GB |", 15.57, 8, "qv"),
+        ("all-r8", "| all layers | 8 | 16 | 15.87 GB |", 15.87, 8, _TUNE_ALL),
+        ("qv-r64", "| Q and V only | 64 | 128 | 15.86 GB |", 15.86, 64, "qv"),
+        ("all-r64", "| all layers | 64 | 128 | 17.04 GB |", 17.04, 64, _TUNE_ALL))],
 ]
 
 
