@@ -620,6 +620,29 @@ TORCHTUNE = [
         ("all-r8", "| all layers | 8 | 16 | 15.87 GB |", 15.87, 8, _TUNE_ALL),
         ("qv-r64", "| Q and V only | 64 | 128 | 15.86 GB |", 15.86, 64, "qv"),
         ("all-r64", "| all layers | 64 | 128 | 17.04 GB |", 17.04, 64, _TUNE_ALL))],
+    # torchao's low-bit optimizer benchmark (pytorch/ao torchao/optim/README.md @36027d82, numbers from PR #812,
+    # 2024-09-05): "Fine-tune Llama2-7B on Alpaca dataset. PyTorch 2.4, full BF16, 1 epoch, A100, fixed random
+    # seed. Benchmark is done with torchtune 52d1b838", full_finetune_single_device with llama2/7B_full_low_memory
+    # .yaml @52d1b838 (batch_size 2, CEWithChunkedOutputLoss, enable_activation_checkpointing True, dtype bf16)
+    # and each row's AdamW in place of the yaml's PagedAdamW with optimizer_in_bwd (the totals hold full bf16
+    # gradients: not in backward). "Peak memory allocated (GB)" is torchtune/training/memory.py's
+    # max_memory_allocated / 1024**3 (GiB). Unknown: the longest Alpaca batch (max_seq_len null; with
+    # checkpointing and the chunked loss the estimate moves < 0.1 GiB from 512 to 1304 tokens). The torchao
+    # AdamW8bit/4bit rows are not modelled optimizers.
+    *[Published(
+        id=f"torchao-llama2-7b-full-bf16-{name}",
+        source="pytorch/ao torchao/optim/README.md @36027d82 (PR #812) + torchtune recipes/configs/llama2/"
+               "7B_full_low_memory.yaml @52d1b838",
+        quote=quote,
+        kind=ALLOCATED, value_bytes=value * GiB,
+        config=dict(model="llama-2-7b", micro_batch=2, grad_accum=1, seq_len=1024, precision="bf16-true",
+                    checkpointing="full", attention="sdpa", **opt),
+        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; the recipe's yaml with the README's optimizer; "
+                                              "batch lengths unknown",
+        stack=dict(stack="torchtune@0.3"),
+    ) for name, quote, value, opt in (
+        ("fused-adamw", "| PyTorch (fused) | 51.6 | 3200 |", 51.6, dict(optimizer="adamw", optimizer_impl="fused")),
+        ("bnb-adamw8bit", "| bnb 8-bit | 39.3 |", 39.3, dict(optimizer="adamw-8bit")))],
 ]
 
 
