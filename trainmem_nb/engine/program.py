@@ -108,6 +108,10 @@ class Program:
     init_fixed: tuple[int, ...] = field(init=False, repr=False, compare=False)
     #: the `init` entries whose size does (category index, bytes of one tensor, count)
     init_shaped: tuple[tuple[int, Sz, int], ...] = field(init=False, repr=False, compare=False)
+    #: per peak segment, the one-term events of every segment before it summed by (category, monomial,
+    #: coefficient), and those segments with several-term events (`_prefix_terms`, filled on demand)
+    prefix: dict[int, tuple[tuple[tuple[int, int, float, int], ...], tuple[int, ...]]] = field(
+        init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         first: dict[tuple[object, ...], int] = {}
@@ -143,6 +147,7 @@ class Program:
         object.__setattr__(self, "block_segments", tuple(block_segments))
         object.__setattr__(self, "init_fixed", tuple(fixed))
         object.__setattr__(self, "init_shaped", tuple(shaped))
+        object.__setattr__(self, "prefix", {})
 
 
 def _round(nbytes: float) -> int:
@@ -288,27 +293,47 @@ def _init_bytes(prog: Program, b: int, s: int) -> list[int]:
     return cats
 
 
+def _prefix_terms(prog: Program, si: int) -> tuple[tuple[tuple[int, int, float, int], ...], tuple[int, ...]]:
+    """The one-term events of the segments before `si` (those with events), summed per (category, monomial,
+    coefficient) over their repetitions, and those of them with several-term events: what `_breakdown_at`
+    adds for everything before the peak segment, computed once per program and peak segment."""
+    hit = prog.prefix.get(si)
+    if hit is None:
+        summed: dict[tuple[int, int, float], int] = {}
+        general = []
+        for j, seg in enumerate(prog.segments[:si]):
+            if not prog.blocks[j]:
+                continue
+            for cat, i, c, k in seg.net:
+                summed[(cat, i, c)] = summed.get((cat, i, c), 0) + k * seg.repeat
+            if seg.general:
+                general.append(j)
+        hit = prog.prefix[si] = (tuple((cat, i, c, n) for (cat, i, c), n in summed.items() if n), tuple(general))
+    return hit
+
+
 def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[tuple[float, ...]]], si: int, ei: int,
                   reps: int, mono: tuple[int, ...]) -> dict[str, int]:
     """Bytes per detailed category just after event `ei` of segment `si` (repeated `reps` times before)."""
     cats: list[float] = list(init)
-    for j, seg in enumerate(prog.segments):
-        if si < 0 or j > si:
-            break
-        parts = all_sizes[j]
-        if not parts or (j < si and not seg.general):
-            sizes: tuple[float, ...] = ()  # only a several-term event's or the peak segment's bytes are read
-        else:
+    if si >= 0:
+        terms, general = _prefix_terms(prog, si)
+        for cat, i, c, n in terms:  # the segments before the peak's, summed (`_prefix_terms`)
+            cats[cat] += n * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+        for j in general:
+            seg, parts = prog.segments[j], all_sizes[j]
             sizes = parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
-        times = seg.repeat if j < si else reps
-        if times and parts:
-            for cat, i, c, k in seg.net:
-                cats[cat] += k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES * times
             for e in seg.general:
-                cats[seg.events[e][0]] += sizes[e] * times
-        if j == si:
-            for (cat, _, _, _), d in zip(seg.events[: ei + 1], sizes[: ei + 1], strict=True):
-                cats[cat] += d
+                cats[seg.events[e][0]] += sizes[e] * seg.repeat
+        seg, parts = prog.segments[si], all_sizes[si]
+        sizes = () if not parts else parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
+        if reps and parts:
+            for cat, i, c, k in seg.net:
+                cats[cat] += k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES * reps
+            for e in seg.general:
+                cats[seg.events[e][0]] += sizes[e] * reps
+        for (cat, _, _, _), d in zip(seg.events[: ei + 1], sizes[: ei + 1], strict=True):
+            cats[cat] += d
     return {DETAIL_KEYS[i]: int(v) for i, v in enumerate(cats) if v}
 
 
