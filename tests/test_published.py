@@ -602,8 +602,8 @@ TORCHTUNE = [
     # r 8, alpha 16, dropout 0.05; batch_size 2, gradient_accumulation_steps 64; torch.optim.AdamW; dtype bf16;
     # enable_activation_checkpointing True; alpaca_cleaned with max_seq_len 512, padded to the batch's longest.
     # "All layers": lora_attn_modules q,k,v,output_proj, apply_lora_to_mlp and apply_lora_to_output. The recipe
-    # builds the model under `utils.set_default_dtype(self._dtype)`, so the adapters are bf16 too
-    # (lora_dtype="base"). memory_stats_log returns max_memory_reserved / 1e9 (GB), reset every 100 steps.
+    # builds the model under `utils.set_default_dtype(self._dtype)`, so the adapters are bf16 too (the torchtune
+    # stack's lora_dtype="base"). memory_stats_log returns max_memory_reserved / 1e9 (GB), reset every 100 steps.
     # Unknown: the GPU, and whether each window reached 512 tokens (Alpaca-cleaned has long samples).
     *[Published(
         id=f"torchtune-llama2-7b-lora-{name}",
@@ -612,7 +612,7 @@ TORCHTUNE = [
         kind=RESERVED, value_bytes=value * GB,
         config=dict(model="llama-2-7b", micro_batch=2, grad_accum=64, seq_len=512, precision="bf16-true",
                     optimizer="adamw", checkpointing="full", attention="sdpa", method="lora", lora_rank=rank,
-                    lora_alpha=2 * rank, lora_dropout=0.05, lora_targets=targets, lora_dtype="base"),
+                    lora_alpha=2 * rank, lora_dropout=0.05, lora_targets=targets),
         tolerance=TOL_RESERVED, why_tolerance="reserved figure; the recipe's yaml; GPU and batch lengths unknown",
         stack=dict(stack="torchtune@0.1"),
     ) for name, quote, value, rank, targets in (

@@ -376,3 +376,16 @@ def test_the_last_steps_logits_go_when_this_forward_returns() -> None:
     a = TOP_KEYS.index("activations")
     assert points[i - 1].phase == points[i].phase == "forward" and points[i + 1].phase == "backward"
     assert points[i - 1].by_category[a] - points[i].by_category[a] == round_block(2 * 256 * m.vocab * 2)
+
+
+def test_torchtune_builds_its_adapters_in_the_recipes_dtype_unless_told_otherwise() -> None:
+    """torchtune instantiates the model under ``set_default_dtype(self._dtype)``: bf16 adapters (lora_dtype
+    'base'), unlike peft's fp32 ones; a lora_dtype given wins over the stack's."""
+    opts = dict(micro_batch=2, seq_len=256, method="lora", lora_targets="all-linear")
+    assert tm.TrainingSpec(stack="torchtune", **opts).lora_dtype.value == "base"
+    assert tm.TrainingSpec(**opts).lora_dtype.value == "fp32"
+    assert tm.TrainingSpec(stack="torchtune", lora_dtype="fp32", **opts).lora_dtype.value == "fp32"
+    tune = tm.estimate("llama-3.2-1b", stack="torchtune", loss_impl="standard", **opts)
+    peft = tm.estimate("llama-3.2-1b", stack="torchtune", loss_impl="standard", lora_dtype="fp32", **opts)
+    assert tune.peak_allocated_bytes < peft.peak_allocated_bytes  # 16-bit adapters and no fp32 input copies
+    assert tune.to_dict()["stack"]["options"]["lora_dtype"]["value"] == "base"

@@ -102,7 +102,7 @@ class TrainingSpec(SpecModel):
     #: The options a stack may set (`trainmem_nb.spec.stack`); the others are the user's alone.
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
-        "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading"})
+        "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype"})
 
     @model_validator(mode="before")
     @classmethod
