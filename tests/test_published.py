@@ -217,31 +217,27 @@ LITGPT = [
         tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
         xfail=_LITGPT_QLORA_GAP + "; 14.29 GB published vs ~12.5 GB estimated with bitsandbytes 0.42.0 (-13 %)",
     ),
-    Published(
-        id="litgpt-gemma-7b-qlora-all-a10g",
-        source=_LITGPT + " + config_hub/finetune/gemma-7b/qlora.yaml",
-        quote="| gemma-7b/qlora.yaml | gemma-7b | 2 | 512 | 1 | 1xA10G | 43.58 min | $1.3 | 17.18 GB | ...",
-        kind=ALLOCATED, value_bytes=17.18 * GB,
-        # quantize bnb.nf4; lora_r 16, alpha 16, dropout 0.1 on query, key, value, projection, mlp and head;
-        # micro-batch 1, global batch 6
-        config=_training_opts(model="gemma-7b", micro_batch=1, grad_accum=6, method="qlora", qlora_double_quant=False,
+    # gemma-7b/qlora.yaml and gemma2-9b/qlora.yaml: quantize bnb.nf4; lora_r 16, alpha 16, dropout 0.1 on query,
+    # key, value, projection, mlp and head; micro-batch 1, global batch 6
+    *[Published(
+        id=f"litgpt-{model}-qlora-all-a10g",
+        source=_LITGPT + f" + config_hub/finetune/{yaml}/qlora.yaml",
+        quote=quote,
+        kind=ALLOCATED, value_bytes=value * GB,
+        config=_training_opts(model=model, micro_batch=1, grad_accum=6, method="qlora", qlora_double_quant=False,
                               **{**_LIT_LORA, "optimizer": "paged-adamw", "lora_rank": 16, "lora_dropout": 0.1,
                                  "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"}),
-        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
-        xfail=_LITGPT_QLORA_GAP + "; 17.18 GB published vs ~15.3 GB estimated with bitsandbytes 0.42.0 (-11 %)",
-    ),
-    Published(
-        id="litgpt-gemma-2-9b-qlora-all-a10g",
-        source=_LITGPT + " + config_hub/finetune/gemma2-9b/qlora.yaml",
-        quote="| gemma2-9b/qlora.yaml | gemma-2-9b | 2 | 512 | 1 | 1xA10G | 50.01 min | $4.0 | 20.92 GB | ...",
-        kind=ALLOCATED, value_bytes=20.92 * GB,
-        # as gemma-7b's: nf4, r16 alpha 16 dropout 0.1 on every projection and the head, micro-batch 1, global 6
-        config=_training_opts(model="gemma-2-9b", micro_batch=1, grad_accum=6, method="qlora", qlora_double_quant=False,
-                              **{**_LIT_LORA, "optimizer": "paged-adamw", "lora_rank": 16, "lora_dropout": 0.1,
-                                 "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head"}),
-        tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown "
-                                              "(the QLoRA rows' gap, see the xfails, is within it here: -7.5 %)",
-    ),
+        tolerance=TOL_ALLOCATED, why_tolerance=why,
+        xfail=xfail,
+    ) for model, yaml, quote, value, why, xfail in (
+        ("gemma-7b", "gemma-7b",
+         "| gemma-7b/qlora.yaml | gemma-7b | 2 | 512 | 1 | 1xA10G | 43.58 min | $1.3 | 17.18 GB | ...", 17.18,
+         "allocated figure; config read from the yaml; dataset lengths unknown",
+         _LITGPT_QLORA_GAP + "; 17.18 GB published vs ~15.3 GB estimated with bitsandbytes 0.42.0 (-11 %)"),
+        ("gemma-2-9b", "gemma2-9b",
+         "| gemma2-9b/qlora.yaml | gemma-2-9b | 2 | 512 | 1 | 1xA10G | 50.01 min | $4.0 | 20.92 GB | ...", 20.92,
+         "allocated figure; config read from the yaml; dataset lengths unknown (the QLoRA rows' gap, see the "
+         "xfails, is within it here: -7.5 %)", None))],
     Published(
         id="litgpt-tinyllama-full-a10g",
         source=_LITGPT + " + config_hub/finetune/tiny-llama/full.yaml",
