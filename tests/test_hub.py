@@ -130,3 +130,17 @@ def test_importing_and_estimating_a_preset_touch_no_hub() -> None:
     code = ("import sys, trainmem_nb as tm; tm.estimate('llama-3-8b', micro_batch=1, seq_len=64); "
             "print('huggingface_hub' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_the_cli_reads_a_repo_id_from_the_hub_and_refuses_an_unknown_one_in_one_line(hub: str, tmp_path: Path) -> None:
+    env = {**os.environ, "HF_ENDPOINT": hub, "HF_HOME": str(tmp_path), "HF_HUB_DISABLE_TELEMETRY": "1"}
+    env.pop("HF_HUB_OFFLINE", None)
+    run = [sys.executable, "-m", "trainmem_nb.cli.main", "estimate", "--seq-len", "64", "--json", "--model"]
+    ok = subprocess.run([*run, "acme/tiny-llama"], capture_output=True, text=True, env=env, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    from trainmem_nb.model.spec import ModelSpec
+
+    assert json.loads(ok.stdout)["n_params"] == ModelSpec.from_hf_config(CONFIG).n_params
+    bad = subprocess.run([*run, "acme/nothing-here"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.count("\n") == 1 and "is neither a preset nor a repository" in bad.stderr, bad.stderr

@@ -21,6 +21,36 @@ def test_at_least_twenty_presets_each_with_a_config_source() -> None:
         assert p.n_params, f"{p.name} has no recorded Hugging Face parameter count"
 
 
+#: The families of issue 12 and every Llama 3.x: people ask which config a preset is, so each says when it was copied.
+DATED_FAMILIES = {"qwen3", "qwen3_moe", "gemma2", "gemma3", "gemma3_text", "olmo2", "phi", "starcoder2", "granite",
+                  "smollm3", "gpt_oss", "deepseek_v3"}
+
+
+def test_presets_of_the_new_families_and_llama_3_say_when_their_config_was_copied() -> None:
+    import re
+
+    dated = [p for p in list_presets()
+             if p.config["model_type"] in DATED_FAMILIES or p.name.startswith("llama-3.")]
+    assert len(dated) >= 35
+    for p in dated:
+        assert re.fullmatch(r"20\d\d(-[01]\d(-[0-3]\d)?)?", p.config_date), (p.name, p.config_date)
+    undated = {p.name for p in list_presets() if not p.config_date}
+    assert undated.isdisjoint(p.name for p in dated)
+
+
+def test_the_presets_command_shows_each_presets_config_date(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from trainmem_nb.cli.main import main
+
+    assert main(["presets"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("qwen3-8b "))
+    assert row.split()[2:] == ["2025-04-29", "Qwen/Qwen3-8B"]
+    assert main(["presets", "--json"]) == 0
+    rows = {r["name"]: r for r in json.loads(capsys.readouterr().out)}
+    assert rows["deepseek-v3"]["config_date"] == "2024-12-26" and rows["gpt2"]["config_date"] == ""
+
+
 @pytest.mark.parametrize("name", REQUIRED)
 def test_required_short_names_resolve(name: str) -> None:
     assert get_model(name).name == name

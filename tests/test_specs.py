@@ -49,9 +49,20 @@ def test_unknown_training_option_gets_did_you_mean() -> None:
         estimate("gpt2", micro_bacth=2)
 
 
-def test_unsupported_model_type_names_the_supported_ones() -> None:
-    with pytest.raises(SpecError, match=r"model_type='t5' is not supported; supported model types: llama, mistral"):
+def test_unsupported_model_type_names_the_supported_ones_and_how_to_estimate_anyway() -> None:
+    with pytest.raises(SpecError, match=r"model_type='t5' is not supported; supported model types: llama, mistral.*"
+                                        r"deepseek_v3; to estimate anyway, pass its parameter count"):
         ModelSpec.from_hf_config({"model_type": "t5", "d_model": 512})
+
+
+def test_an_unsupported_config_with_llamas_keys_is_offered_a_stand_in_of_its_own_dimensions() -> None:
+    cfg = {"model_type": "internlm2", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "intermediate_size": 14336, "vocab_size": 92544}
+    stand_in = ModelSpec.from_hf_config({**cfg, "model_type": "llama"}).n_params
+    with pytest.raises(SpecError, match=r"a Llama of its dimensions \(32 layers, hidden 4096, ffn 14336, vocab 92544\) "
+                                        rf"has {stand_in / 1e9:.3g}B parameters.*params={stand_in / 1e9:.3g}e9") as e:
+        ModelSpec.from_hf_config(cfg)
+    assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("arch", ["LlamaForTokenClassification", "BertForTokenClassification"])

@@ -63,13 +63,14 @@ def _cmd_presets(args: argparse.Namespace) -> int:
     from ..model.presets import get_model, list_presets
     from ..units import format_count
 
-    rows = [(p.name, p.hf_id, format_count(get_model(p.name).n_params)) for p in list_presets()]
+    presets = list_presets()
     if args.json:
-        print(json.dumps([{"name": n, "hf_id": h, "n_params": get_model(n).n_params} for n, h, _ in rows], indent=2))
+        print(json.dumps([{"name": p.name, "hf_id": p.hf_id, "n_params": get_model(p.name).n_params,
+                           "source": p.source, "config_date": p.config_date} for p in presets], indent=2))
         return 0
-    width = max(len(r[0]) for r in rows)
-    for name, hf_id, count in rows:
-        print(f"{name:<{width}}  {count:>7}  {hf_id}")
+    width = max(len(p.name) for p in presets)
+    for p in presets:
+        print(f"{p.name:<{width}}  {format_count(get_model(p.name).n_params):>7}  {p.config_date or '-':<10}  {p.hf_id}")
     return 0
 
 

@@ -16,10 +16,17 @@ from .families import DESCRIPTIONS, Family
 from .hf_readers import READERS
 from .hf_writers import WRITERS, to_hf_config
 
-__all__ = ["READERS", "SUPPORTED_MODEL_TYPES", "WRITERS", "shape_for_params", "spec_kwargs_from_hf", "to_hf_config"]
+__all__ = ["READERS", "SUPPORTED_MODEL_TYPES", "WRITERS", "UnsupportedModelType", "shape_for_params",
+           "spec_kwargs_from_hf", "stand_in_kwargs", "to_hf_config"]
 
 #: ``model_type`` values we read, mapped to their family (each family's description lists its own).
 SUPPORTED_MODEL_TYPES: dict[str, Family] = {t: d.family for d in DESCRIPTIONS.values() for t in d.model_types}
+
+
+class UnsupportedModelType(SpecError):
+    """A ``config.json`` whose ``model_type`` no family reads; `ModelSpec.from_hf_config` adds how to
+    estimate it anyway."""
+
 
 # Largest values a real config has had, times a generous margin: beyond these a config is a typo.
 _ABSURD = {"layers": 2000, "hidden": 262_144, "heads": 16_384, "vocab": 4_194_304}
@@ -39,7 +46,7 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
         raise SpecError(f"config.json {found}; supported model types: " + ", ".join(SUPPORTED_MODEL_TYPES))
     family = SUPPORTED_MODEL_TYPES.get(model_type)
     if family is None:
-        raise SpecError(
+        raise UnsupportedModelType(
             f"model_type={model_type!r} is not supported{did_you_mean(model_type, list(SUPPORTED_MODEL_TYPES))}; "
             f"supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -56,6 +63,17 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
         if kw.get(key, 0) > limit:
             raise SpecError(f"config.json gives {key}={kw[key]}, beyond any real model (> {limit}); check the file")
     return kw
+
+
+def stand_in_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A Llama of an unsupported config's own dimensions (LlamaConfig's keys: ``hidden_size``,
+    ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``, ``vocab_size``), or None when
+    the config does not name them: the stand-in an error suggests, never used silently."""
+    try:
+        kw = READERS[Family.LLAMA](cfg, Family.LLAMA)
+    except SpecError:
+        return None
+    return {**kw, "family": Family.LLAMA, "tie_embeddings": bool(cfg.get("tie_word_embeddings") is True)}
 
 
 #: Heads Hugging Face puts on a backbone instead of the language-model head each family's step models

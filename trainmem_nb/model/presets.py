@@ -20,7 +20,7 @@ __all__ = ["Preset", "get_model", "get_preset", "list_presets", "resolve_model"]
 
 
 class Preset(NamedTuple):
-    """A named model: its config subset, where that config comes from, and its recorded HF count."""
+    """A named model: its config subset, where and when that config comes from, and its recorded HF count."""
 
     name: str
     hf_id: str
@@ -28,6 +28,8 @@ class Preset(NamedTuple):
     source: str
     config: Mapping[str, Any]
     n_params: int | None  #: ``sum(p.numel())`` of the transformers class, recorded by a script
+    config_date: str = ""  #: ``YYYY-MM-DD`` (or ``YYYY-MM``, ``YYYY``) of the config copied; "" when not recorded
+    config_note: str = ""  #: which commit or release that date is, where it needs words
 
 
 @lru_cache(maxsize=1)
@@ -38,7 +40,7 @@ def _load() -> tuple[dict[str, Preset], list[Preset]]:
     for entry in raw["presets"]:
         p = Preset(
             entry["name"], entry["hf_id"], tuple(entry.get("aliases", ())), entry["source"],
-            entry["config"], entry.get("n_params"),
+            entry["config"], entry.get("n_params"), entry.get("config_date", ""), entry.get("config_note", ""),
         )
         ordered.append(p)
         for key in (p.name, p.hf_id, p.hf_id.split("/")[-1], *p.aliases):

@@ -277,7 +277,7 @@ class ModelSpec(SpecModel):
         Nothing is downloaded. Unknown ``model_type`` values get an error naming the supported ones.
         """
         from ..errors import read_json
-        from .hf_config import spec_kwargs_from_hf
+        from .hf_config import UnsupportedModelType, spec_kwargs_from_hf
 
         if isinstance(config, (str, Path)):
             if not str(config).strip():
@@ -294,7 +294,10 @@ class ModelSpec(SpecModel):
             raise SpecError(f"hf_config must be a path or a dict, got {type(config).__name__}")
         if not isinstance(data, dict):
             raise SpecError(f"hf_config must hold a JSON object, got {type(data).__name__}")
-        kwargs = spec_kwargs_from_hf(data)
+        try:
+            kwargs = spec_kwargs_from_hf(data)
+        except UnsupportedModelType as e:
+            raise SpecError(f"{e}; {_estimate_anyway(cls, data)}") from None
         kwargs["name"] = name or default_name or "custom"
         return _validate(cls, kwargs)
 
@@ -308,6 +311,25 @@ class ModelSpec(SpecModel):
         from .hf_config import shape_for_params
 
         return _validate(cls, shape_for_params(n_params, family, name))
+
+
+def _estimate_anyway(cls: type[ModelSpec], data: Mapping[str, Any]) -> str:
+    """How to estimate a model whose family is not supported: a Llama of its own dimensions when the
+    config names them (with that stand-in's parameter count), else a bare parameter count."""
+    from .hf_config import stand_in_kwargs
+
+    kw = stand_in_kwargs(data)
+    try:
+        n = _validate(cls, {**kw, "name": "stand-in"}).n_params if kw else 0
+    except SpecError:
+        n = 0
+    if not kw or not n:
+        return ("to estimate anyway, pass its parameter count (tm.estimate(params=7e9), --params 7e9: a Llama-shaped "
+                "stand-in) or a ModelSpec(family='llama', ...) of its dimensions")
+    return (f"to estimate anyway, a Llama of its dimensions ({kw['n_layers']} layers, hidden {kw['hidden']}, "
+            f"ffn {kw['ffn']}, vocab {kw['vocab']}) has {n / 1e9:.3g}B parameters: copy the config with "
+            "\"model_type\": \"llama\" if its layers are Llama's (RMSNorm, rotary, SwiGLU), or pass "
+            f"params={n / 1e9:.3g}e9 (--params {n / 1e9:.3g}e9) for a Llama-shaped stand-in")
 
 
 def _divisors_near(n: int, near: int) -> str:
