@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 import trainmem_nb as tm
 
 
@@ -67,3 +69,54 @@ def test_fsdp_gradients_of_dense_and_moe_layers_are_each_their_own_layers_shards
     staged = tm.estimate(m, **opts | dict(pp=2, gpus=4))
     for prog in staged.rank_programs:
         assert min(min(p.by_category) for p in timeline(prog, *staged.rank_shape, max_points=10**7)) >= 0
+
+
+# -- expert parallelism (torchtitan's all-to-all dispatch; experts shard over dp_shard_cp / ep) ----------------
+
+_EP_LAYOUTS = [dict(engine="fsdp", zero=3, gpus=16, nodes=2), dict(engine="deepspeed", zero=3, gpus=16, nodes=2),
+               dict(engine="deepspeed", zero=1, gpus=16, nodes=2), dict(engine="megatron", zero=1, gpus=16, nodes=2)]
+
+
+@pytest.mark.parametrize("name", ["mixtral-8x7b", "qwen3-30b-a3b", "gpt-oss-20b", "deepseek-v3"])
+@pytest.mark.parametrize("layout", _EP_LAYOUTS, ids=lambda lay: f"{lay['engine']}-zero{lay['zero']}")
+def test_expert_parallelism_moves_experts_between_ranks_without_dropping_their_states(name: str, layout: dict) -> None:
+    # the ep ranks of a group hold different experts, each sharded over the other dp / ep ranks: a rank's
+    # share of the optimizer states is the same whatever ep is (to the padding of a shard), never 1/ep of it
+    states = [tm.estimate(name, micro_batch=1, seq_len=1024, ep=ep, **layout).breakdown_bytes["optimizer_states"]
+              for ep in (1, 2, 8)]
+    assert max(states) - min(states) <= 0.01 * states[0], states
+
+
+def test_expert_parallel_ranks_still_route_every_token_to_top_k_experts() -> None:
+    # mixtral routes each token to 2 of 8 experts; with one expert per rank (ep=8) a rank's experts still
+    # process tokens * top_k rows (balanced routing): its saved activations grow by the dispatch's
+    # permuted_indices alone (int64 per row, one tensor per MoE layer) instead of shrinking to one expert's share
+    kw = dict(micro_batch=2, seq_len=1024, engine="fsdp", zero=3, gpus=16, nodes=2)
+    no_ep, ep8 = (tm.estimate("mixtral-8x7b", ep=ep, **kw) for ep in (1, 8))
+    rows = 2 * 1024 * 2  # b * s * top_k
+    assert ep8.saved_activations_bytes - no_ep.saved_activations_bytes == 32 * rows * 8
+
+
+def test_expert_parallelism_gathers_only_the_ranks_own_experts_under_fsdp() -> None:
+    from trainmem_nb.model.presets import get_model
+
+    m = get_model("mixtral-8x7b")
+    kw = dict(micro_batch=2, seq_len=2048, engine="fsdp", zero=3, gpus=16, nodes=2)
+    gathered = {}
+    for ep in (1, 8):
+        est = tm.estimate(m, ep=ep, **kw)  # the most weights alive at any point, less the rank's own shards
+        gathered[ep] = max(p.by_category[0] for p in est.timeline(10**6)) - est.detail_bytes["weights/params"]
+    expert = 3 * m.hidden * m.expert_width * 2  # one expert's gate, up and down projections in bf16
+    # the root and one layer gathered at most: 8 experts without expert parallelism, the rank's one with ep=8
+    assert gathered[1] - gathered[8] == 7 * expert
+
+
+def test_deepseek_v3_trains_with_its_own_expert_parallel_degree() -> None:
+    # DeepSeek-V3 was trained with EP=64 (arXiv 2412.19437, sec. 3.4): 4 of its 256 routed experts per rank,
+    # its router still scoring all 256 in 8 groups
+    est = tm.estimate("deepseek-v3", micro_batch=1, seq_len=4096, checkpointing="full", engine="fsdp", zero=3,
+                      gpus=256, nodes=32, ep=64)
+    assert est.peak_allocated_bytes < 80 * 2**30
+    with pytest.raises(tm.SpecError, match=r"ep=64 must divide the ranks ZeRO/FSDP shards over \(8\)"):
+        tm.estimate("deepseek-v3", micro_batch=1, seq_len=4096, engine="fsdp", zero=3, hybrid_shard=True,
+                    gpus=256, nodes=32, ep=64)

@@ -210,7 +210,7 @@ def _answers(app: Explorer) -> None:
 @pytest.mark.slow
 def test_every_control_through_its_extremes_and_invalid_combinations_keeps_answering() -> None:
     app = tm.explore("gpt2", gpu="H100", micro_batch=1, seq_len=512)
-    base = dict(model="llama-3.2-1b", micro_batch=1, seq_len=1024, gpus=1, zero=0, tp=1, pp=1, engine="deepspeed",
+    base = dict(model="llama-3.2-1b", micro_batch=1, seq_len=1024, gpus=1, zero=0, tp=1, pp=1, ep=1, engine="deepspeed",
                 method="full", precision="bf16-mixed", attention="sdpa")
     for name, widget in app.controls.items():
         values = _values(widget)
@@ -243,3 +243,13 @@ def test_checkpointing_buttons_offer_every_policy_by_value_with_what_it_keeps(ap
     assert list(control.tooltips) == [CHECKPOINTING_HELP[c] for c in Checkpointing]
     control.value = "selective-op"
     assert app.message == "" and app.estimate.training.checkpointing is Checkpointing.SELECTIVE_OP
+
+
+def test_the_expert_parallel_control_splits_an_moe_models_experts_and_refuses_a_dense_model() -> None:
+    app = tm.explore("qwen3-30b-a3b", gpu="H100", micro_batch=1, seq_len=2048, gpus=16, engine="fsdp", zero=3)
+    alone = app.estimate.peak_allocated_bytes
+    app.controls["ep"].value = 8
+    assert app.message == "" and app.estimate.parallel.ep == 8
+    assert app.estimate.peak_allocated_bytes != alone
+    app.controls["preset"].value = "llama-3-8b"
+    assert "needs a mixture-of-experts model" in app.message and app.verdict == ""

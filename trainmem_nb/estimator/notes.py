@@ -19,10 +19,11 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
     recipe, QLoRA leaving an MoE model's fused expert tensors unquantized, FSDP ranks outnumbering the
     experts, SDPA counted as eager where transformers has none (Gemma 2), Gemma 3's vision tower left out."""
     notes = []
-    if p is not None and p.engine is Engine.FSDP and m.is_moe and p.shard_degree > m.n_experts // p.ep:
+    if p is not None and p.engine is Engine.FSDP and m.is_moe and p.shard_degree // p.ep > m.n_experts // p.ep:
         notes.append(
-            f"FSDP over {p.shard_degree} ranks with {m.n_experts // p.ep} experts per expert-parallel group: the "
-            "expert stacks are counted sharded along their second dim (torchtitan's shard_placement_fn); plain "
+            f"FSDP over {p.shard_degree // p.ep} ranks per expert stack with {m.n_experts // p.ep} experts per "
+            "expert-parallel rank: the expert stacks are counted sharded along their second dim (torchtitan's "
+            "shard_placement_fn); plain "
             "fully_shard shards dim 0, pads each rank to a whole expert and all-gathers the padding, so its memory "
             "grows with the GPU count")
     if t.method is not Method.FULL and t.mixed:

@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # annotations only: ModelSpec reads its parameter count from 
 
 __all__ = [
     "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules",
-    "lora_moe_params", "nf4_bytes", "on_stage", "param_inventory", "quantized", "trainable_tensors", "weight_tensors",
+    "lora_moe_params", "nf4_bytes", "on_stage", "param_inventory", "quantized", "routed_expert", "trainable_tensors",
+    "weight_tensors",
 ]
 
 
@@ -47,6 +48,12 @@ class ParamTensor(NamedTuple):
         for d in self.shape:
             n *= d
         return n
+
+
+def routed_expert(p: ParamTensor) -> bool:
+    """Is `p` a routed expert stack (or its bias or LoRA adapter): what expert parallelism splits between
+    ranks and shards over its own data-parallel group (shared experts and routers are dense)."""
+    return p.name.startswith("layers.mlp.experts.")
 
 
 def _linear(prefix: str, out_f: int, in_f: int, bias: bool, count: int, in_layer: bool = True,
@@ -195,10 +202,10 @@ def _starcoder2_mlp_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]
 
 def _mixtral_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     """The "mixtral" MoE block of `n` layers: the router's weight and the fused 3-D expert stacks."""
-    E, h, ef = m.n_experts, m.hidden, m.expert_width
+    E, El, h, ef = m.n_experts, m.held_experts, m.hidden, m.expert_width
     return [ParamTensor("layers.mlp.gate.weight", (E, h), n, True, True, kind),
-            ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * ef, h), n, True, True, kind),
-            ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n, True, True, kind)]
+            ParamTensor("layers.mlp.experts.gate_up_proj", (El, 2 * ef, h), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.down_proj", (El, h, ef), n, True, True, kind)]
 
 
 def _sinks_params(m: ModelSpec, n: int) -> list[ParamTensor]:
@@ -211,13 +218,13 @@ def _gpt_oss_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     """The "gpt_oss" MoE block of `n` layers (``GptOssMLP``): the router's weight and bias, then the
     expert stacks stored (in, out) (``is_transposed=True``) with a bias per expert: ``gate_up_proj``
     (E, h, 2f) with its gate and up columns interleaved, ``down_proj`` (E, f, h)."""
-    E, h, ef = m.n_experts, m.hidden, m.expert_width
+    E, El, h, ef = m.n_experts, m.held_experts, m.hidden, m.expert_width
     return [ParamTensor("layers.mlp.router.weight", (E, h), n, True, True, kind),
             ParamTensor("layers.mlp.router.bias", (E,), n, False, True, kind),
-            ParamTensor("layers.mlp.experts.gate_up_proj", (E, h, 2 * ef), n, True, True, kind),
-            ParamTensor("layers.mlp.experts.gate_up_proj_bias", (E, 2 * ef), n, False, True, kind),
-            ParamTensor("layers.mlp.experts.down_proj", (E, ef, h), n, True, True, kind),
-            ParamTensor("layers.mlp.experts.down_proj_bias", (E, h), n, False, True, kind)]
+            ParamTensor("layers.mlp.experts.gate_up_proj", (El, h, 2 * ef), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.gate_up_proj_bias", (El, 2 * ef), n, False, True, kind),
+            ParamTensor("layers.mlp.experts.down_proj", (El, ef, h), n, True, True, kind),
+            ParamTensor("layers.mlp.experts.down_proj_bias", (El, h), n, False, True, kind)]
 
 
 def _mla_params(m: ModelSpec, n: int) -> list[ParamTensor]:
@@ -243,10 +250,10 @@ def _deepseek_moe_params(m: ModelSpec, n: int, kind: str) -> list[ParamTensor]:
     """The "deepseek" MoE block of `n` layers (``DeepseekV3MoE``): the expert stacks (as mixtral's), the
     router's fp32 weight (``DeepseekV3TopkRouter``, kept in fp32: ``_keep_in_fp32_modules_strict``) and the
     shared experts, a gated MLP ``n_shared_experts`` experts wide."""
-    E, h, ef = m.n_experts, m.hidden, m.expert_width
+    E, El, h, ef = m.n_experts, m.held_experts, m.hidden, m.expert_width
     sf = ef * m.n_shared_experts
-    items = [ParamTensor("layers.mlp.experts.gate_up_proj", (E, 2 * ef, h), n, True, True, kind),
-             ParamTensor("layers.mlp.experts.down_proj", (E, h, ef), n, True, True, kind),
+    items = [ParamTensor("layers.mlp.experts.gate_up_proj", (El, 2 * ef, h), n, True, True, kind),
+             ParamTensor("layers.mlp.experts.down_proj", (El, h, ef), n, True, True, kind),
              ParamTensor("layers.mlp.gate.weight", (E, h), n, True, True, kind, fp32=True)]
     if sf:
         items += [*_linear("layers.mlp.shared_experts.gate_proj", sf, h, False, n, kind=kind),
@@ -526,8 +533,9 @@ def lora_inventory(m: ModelSpec, targets: str, rank: int) -> tuple[ParamTensor, 
     for name, r, in_f, out_f in (("mlp.experts.gate_up_proj", 2 * rank, h, 2 * f), ("mlp.experts.down_proj", rank, f, h)):
         if name in moe:
             e = base[name]
-            stacks.append(ParamTensor(f"layers.{name}.lora_A.weight", (E * r, in_f), e.count, True, True, e.kind))
-            stacks.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, E * r), e.count, True, True, e.kind))
+            El = e.shape[0]  # the experts this rank holds (expert parallelism: n_experts / ep)
+            stacks.append(ParamTensor(f"layers.{name}.lora_A.weight", (El * r, in_f), e.count, True, True, e.kind))
+            stacks.append(ParamTensor(f"layers.{name}.lora_B.weight", (out_f, El * r), e.count, True, True, e.kind))
     # Qwen3MoeSparseMoeBlock and DeepseekV3MoE register their experts before their router
     out += [*stacks, *router] if m.family in (Family.QWEN3_MOE, Family.DEEPSEEK_V3) else [*router, *stacks]
     return tuple(out)

@@ -91,6 +91,9 @@ class ModelSpec(SpecModel):
     n_shared_experts: int = Field(default=0, ge=0, le=64, description="experts every token goes through (deepseek)")
     n_expert_groups: int = Field(default=0, ge=0, le=4096, description="router groups (deepseek n_group); 0: none")
     topk_groups: int = Field(default=0, ge=0, le=4096, description="groups each token's experts come from")
+    local_experts: int = Field(
+        default=0, ge=0, le=4096, description="routed experts one rank holds under expert parallelism (n_experts / "
+        "ep; set by the parallel layout, `trainmem_nb.parallel.layout`); 0: all of them")
     # Attention details.
     query_pre_attn_scalar: float = Field(default=0.0, ge=0.0, description="scaling = this ** -0.5 (gemma2); 0: head_dim")
     attn_softcap: float = Field(default=0.0, ge=0.0, description="attention logit soft-capping (gemma2); 0: none")
@@ -176,6 +179,9 @@ class ModelSpec(SpecModel):
         if self.qk_layernorm and self.family is not Family.PHI:
             raise SpecError(f"qk_layernorm is phi's (PhiAttention's q/k LayerNorms); family {self.family.value!r} "
                             "has no such option")
+        if self.local_experts and (not self.n_experts or self.n_experts % self.local_experts):
+            raise SpecError(f"local_experts={self.local_experts} must divide n_experts={self.n_experts} (a rank holds "
+                            "n_experts / ep of them)")
         if self.family is Family.DEEPSEEK_V3:
             self._check_mla()
         if self.positions == "rotary" and self.rotary_dims < 2:
@@ -251,6 +257,11 @@ class ModelSpec(SpecModel):
     def expert_width(self) -> int:
         """Intermediate size of one expert's MLP."""
         return self.expert_ffn or self.ffn
+
+    @property
+    def held_experts(self) -> int:
+        """Routed experts whose weights this model (one rank of an expert-parallel layout) holds."""
+        return self.local_experts or self.n_experts
 
     @property
     def is_moe(self) -> bool:

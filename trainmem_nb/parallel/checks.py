@@ -74,6 +74,9 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
             raise SpecError(f"ep={p.ep} does not divide n_experts={m.n_experts}")
         if p.dp % p.ep:
             raise SpecError(f"ep={p.ep} must divide the data-parallel degree dp={p.dp}")
+        if p.zero and p.shard_degree % p.ep:
+            raise SpecError(f"ep={p.ep} must divide the ranks ZeRO/FSDP shards over ({p.shard_degree}): each expert "
+                            "shards over shard_degree / ep ranks; use an ep that divides it")
 
 
 def _check_context_parallel(t: TrainingSpec, p: ParallelSpec) -> None:

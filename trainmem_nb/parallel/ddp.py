@@ -13,7 +13,7 @@ from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.optimizers import optimizer_program
-from .ranks import _held, _row_shard, _sharded_states, _trainable
+from .ranks import _held, _row_shard, _sharded_states, _trainable, shard_world
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class DDPHooks(EngineHooks):
     world: int
     zero: int
     bucket_view: bool = False
+    ep: int = 1  #: expert parallelism: ZeRO-1 shards routed experts' states over ``world / ep`` ranks
     first_stage: bool = True
     last_stage: bool = True
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -61,7 +62,7 @@ class DDPHooks(EngineHooks):
         world = self.world if self.zero >= 1 else 1
 
         def shard(p: ParamTensor) -> ParamTensor | None:  # ZeroRedundancyOptimizer steps on its shard
-            return _row_shard(p, world) if _held(self, p, m) else None
+            return _row_shard(p, shard_world(p, world, self.ep)) if _held(self, p, m) else None
 
         # zero_grad frees the full .grad tensors, or nothing when they are views of the buckets
         return optimizer_program(m, t, shard, [] if self.bucket_view else self._grads(m, t))

@@ -12,7 +12,16 @@ from ..engine.tape import Graph, Sz, T, const
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
-from .ranks import _CAT, DS_ALLGATHER_BUCKET, DS_REDUCE_BUCKET, DS_STAGE3_MAX_LIVE, DS_STAGE3_PERSISTENCE, _trainable
+from .ranks import (
+    _CAT,
+    DS_ALLGATHER_BUCKET,
+    DS_REDUCE_BUCKET,
+    DS_STAGE3_MAX_LIVE,
+    DS_STAGE3_PERSISTENCE,
+    _partition,
+    _trainable,
+    shard_world,
+)
 
 
 @dataclass(frozen=True)
@@ -28,6 +37,7 @@ class DeepSpeedHooks(EngineHooks):
     first_stage: bool = True
     last_stage: bool = True
     grad_scaler: bool = False  # fp16: DeepSpeed's own loss scaler (runtime/fp16/loss_scaler.py)
+    ep: int = 1  #: expert parallelism: routed experts are partitioned over ``world / ep`` ranks (`shard_world`)
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
@@ -62,19 +72,18 @@ class DeepSpeedHooks(EngineHooks):
         ``module.bfloat16()``/``half()``), which leaves QLoRA's NF4 weights packed: bitsandbytes'
         ``Params4bit`` holds integer (or ``bnb_4bit_quant_storage``) storage, not a floating tensor, and its
         quantization state is no parameter. ZeRO-3 partitions the packed storage; the state stays whole."""
-        shard_p = self.world if self.zero >= 3 else 1
-
-        def part(numel: int) -> int:
+        def part(numel: int, shard_p: int) -> int:
             return -(-numel // shard_p) if numel >= DS_STAGE3_PERSISTENCE or shard_p == 1 else numel
 
         out: list[tuple[int, int]] = []
         for p, dt, _train in weights:
+            shard_p = shard_world(p, self.world, self.ep) if self.zero >= 3 else 1
             if dt < 1:  # an NF4 weight (`trainmem_nb.model.params.nf4_bytes`): packed 4-bit values + state
                 packed = -(-p.numel // 2)
-                out.append((part(packed), p.count))
+                out.append((part(packed, shard_p), p.count))
                 out.append((round(dt * p.numel) - _round(packed), p.count))
             else:
-                out.append((part(p.numel) * self.model_dt, p.count))
+                out.append((part(p.numel, shard_p) * self.model_dt, p.count))
         return out
 
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
@@ -88,23 +97,20 @@ class DeepSpeedHooks(EngineHooks):
             # zero_grad frees after the optimizer step (`optimizer`)
             out += [("gradients", const(p.numel * self.model_dt), p.count) for p, _dt in _trainable(self, m, t)]
         if self.offload == "none" and not t.first_step:
-            shard_s = world if self.zero >= 1 else 1
-            n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
             per = 12 if self.model_dt == 2 else 8  # fp32 master copy only with a 16-bit model
-            out.append(("optimizer_states", const(-(-n_train // shard_s) * per), 1))
+            out.append(("optimizer_states", const(_partition(self, m, t, world if self.zero >= 1 else 1) * per), 1))
         # reduce bucket and, for ZeRO-1/2, the all-gather bucket for the updated parameters
         out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
         if self.zero >= 2 and self.offload == "none":
             # the rank's gradient partition; with an offloaded optimizer it is on the host instead
             # (stage_1_and_2.py copy_grads_in_partition returns before allocating grads_in_partition
             # when cpu_offload; stage3.py puts grad_partitions_flat_buffer on self.device, the CPU)
-            n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
-            out.append(("gradients", const(-(-n_train // world) * self.model_dt), 1))
+            out.append(("gradients", const(_partition(self, m, t, world) * self.model_dt), 1))
         return out
 
     def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
         n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
-        shard = -(-n_train // (self.world if self.zero >= 1 else 1))
+        shard = _partition(self, m, t, self.world if self.zero >= 1 else 1)
         temp = _CAT["transient/optimizer"]
         events: list[tuple[int, int, Sz, str]] = []
         if self.offload == "none":

@@ -16,7 +16,7 @@ from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.optimizers import optimizer_program
-from .ranks import _CAT, _held, _padded_shard, _Param, _row_shard, _sharded_states, layer_units
+from .ranks import _CAT, _held, _padded_shard, _Param, _row_shard, _sharded_states, layer_units, shard_world
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class FSDP2Hooks(EngineHooks):
     #: a stage of torch.distributed.pipelining (pp > 1): parameters stay gathered and unsharded
     #: gradients accumulate over the micro-batches; the reduce-scatter waits for the last (`_pipelined_reduce`)
     pipelined: bool = False
+    #: expert parallelism: routed experts are sharded over ``world / ep`` ranks (`shard_world`)
+    ep: int = 1
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def _unit(self, unit: str) -> tuple[_Param, ...]:
@@ -55,7 +57,7 @@ class FSDP2Hooks(EngineHooks):
         return self.param_dt or dt
 
     def _gathered_bytes(self, q: _Param) -> int:
-        return self.world * q.shard * (self.param_dt or q.dt)
+        return (q.world or self.world) * q.shard * (self.param_dt or q.dt)
 
     def _all_gather_output(self, g: Graph, unit: str, label: str) -> T:
         # one flat buffer per unit (uint8 when the unit's dtypes differ): every rank's shards
@@ -130,7 +132,7 @@ class FSDP2Hooks(EngineHooks):
         if not trained:
             return
         # foreach_reduce copies the unsharded gradients into one reduce-scatter input and frees them
-        rs_in = g.alloc(const(sum(self.world * q.shard * (self.reduce_dt or q.dt) for q in trained)), 1,
+        rs_in = g.alloc(const(sum((q.world or self.world) * q.shard * (self.reduce_dt or q.dt) for q in trained)), 1,
                         f"reduce-scatter input {unit}")
         rs_in.region, rs_in.chain = "communication", True
         for grad in grads:
@@ -200,7 +202,7 @@ class FSDP2Hooks(EngineHooks):
                 return ev, prev
             if prev:
                 ev.append((comm, -1, const(prev), "previous reduce-scatter input freed"))
-            rs = sum(self.world * q.shard * (self.reduce_dt or q.dt) for q in trained)
+            rs = sum((q.world or self.world) * q.shard * (self.reduce_dt or q.dt) for q in trained)
             ev.append((comm, 1, const(rs), f"reduce-scatter input {unit}"))
             ev += [(grad, -1, const(self._unsharded_grad_bytes(q)), f"unsharded gradients {unit} copied in")
                    for q in trained]
@@ -238,7 +240,7 @@ class FSDP2Hooks(EngineHooks):
 
     def param_shards(self, weights: list[Any]) -> list[tuple[int, int]]:
         """(bytes, count) of the rank's parameter shards: rank 0's padded dim-0 chunk of each parameter."""
-        return [(_padded_shard(p, self.world) * dt, p.count) for p, dt, _trainable in weights]
+        return [(_padded_shard(p, shard_world(p, self.world, self.ep)) * dt, p.count) for p, dt, _trainable in weights]
 
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
         if self.offload:
@@ -273,7 +275,7 @@ class FSDP2Hooks(EngineHooks):
             return []
 
         def shard(p: ParamTensor) -> ParamTensor | None:
-            return _row_shard(p, self.world) if _held(self, p, m) else None
+            return _row_shard(p, shard_world(p, self.world, self.ep)) if _held(self, p, m) else None
 
         opt = optimizer_program(m, t, shard, self._grads(m))
         return self._pipelined_reduce(m) + opt if self.pipelined else opt

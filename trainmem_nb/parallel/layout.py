@@ -20,7 +20,7 @@ from .ddp import DDPHooks
 from .deepspeed import DeepSpeedHooks
 from .fsdp import FSDP2Hooks
 from .megatron import MegatronHooks
-from .ranks import _held, _padded_shard, _Param, _row_shard, _trainable, _units
+from .ranks import _held, _padded_shard, _Param, _partition, _row_shard, _units, shard_world
 
 
 def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
@@ -33,8 +33,12 @@ def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
                 ffn=max(1, m.ffn // tp), vocab=-(-m.vocab // tp), name=f"{m.name} (tp rank)",
                 expert_ffn=max(1, m.expert_ffn // tp) if m.expert_ffn else 0)
     if m.is_moe and p.ep > 1:
-        data["n_experts"] = m.n_experts // p.ep
-        data["experts_top_k"] = min(m.experts_top_k, data["n_experts"])
+        # expert parallelism: the rank holds n_experts / ep of each layer's routed experts; the router still
+        # scores all of them and, with balanced routing, the rank's experts receive tokens * top_k rows
+        # (`trainmem_nb.recipes.moe._ep_dispatch`)
+        data["local_experts"] = m.n_experts // p.ep
+        if p.tp == 1:
+            data["name"] = f"{m.name} (ep rank)"
     return ModelSpec.model_validate(data)
 
 
@@ -120,7 +124,8 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     if p.engine is Engine.FSDP and p.zero >= 2:
         world = p.shard_degree
         mixed = t.mixed
-        units = tuple((name, tuple(_Param(_padded_shard(w[0], world), w[2], w[1], w[0].numel) for w in ws))
+        units = tuple((name, tuple(_Param(_padded_shard(w[0], shard_world(w[0], world, p.ep)), w[2], w[1], w[0].numel,
+                                          shard_world(w[0], world, p.ep)) for w in ws))
                       for name, ws in _units(weights, m).items())
         # torch.distributed.pipelining with FSDP2 stages (not with CPU offload, which is not modelled there)
         pipelined = p.pp > 1 and p.offload is Offload.NONE
@@ -130,7 +135,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
                           reduce_dt=4 if mixed else None, units=units, accumulate=t.grads_persist,
                           gloo=(backend or ("gloo" if t.device is Device.CPU else "nccl")) == "gloo",
                           offload=p.offload is not Offload.NONE, pipelined=pipelined,
-                          local_grads_accumulate=pipelined and not mixed, **stage)
+                          local_grads_accumulate=pipelined and not mixed, ep=p.ep, **stage)
     if p.engine is Engine.DEEPSPEED:
         # what ZeRO-3 gathers per layer, in 16-bit elements (QLoRA's NF4 weights gather packed); of a model
         # whose MoE and dense layers differ, its largest layer
@@ -139,11 +144,12 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
                             for name, ws in _units(weights, m).items() if name != "root"), default=0)
         return DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero,
                               model_dt=model_dt,
-                              offload=p.offload.value, layer_params=layer_params, **stage)
+                              offload=p.offload.value, layer_params=layer_params, ep=p.ep, **stage)
     if p.engine is Engine.MEGATRON:
-        return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, **stage)
+        return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, ep=p.ep,
+                             **stage)
     zero = p.zero if p.engine is Engine.DDP else 0
-    return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, **stage)
+    return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, ep=p.ep, **stage)
 
 
 def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> int:
@@ -161,12 +167,12 @@ def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSp
         # CPUOffloadPolicy: parameter shards, gradient shards (in the parameters' dtype) and the
         # optimizer states of the shards, all on the CPU
         host += sum(n * c for n, c in hooks._grads(m))
-        shard_of = lambda q: _row_shard(q, hooks.world) if _held(hooks, q, m) else None  # noqa: E731
+        shard_of = lambda q: _row_shard(q, shard_world(q, hooks.world, p.ep)) if _held(hooks, q, m) else None  # noqa: E731
         # a paged optimizer stepping on the CPU: bitsandbytes allocates plain tensors there, no paging
         host += sum(int(sz.c0) * c for sz, c in state_bytes(m, t, shard_of)) + paged_state_bytes(m, t, shard_of)
         return host
     assert isinstance(hooks, DeepSpeedHooks)
-    shard = -(-sum(q.numel * q.count for q, _ in _trainable(hooks, m, t)) // p.shard_degree)
+    shard = _partition(hooks, m, t, p.shard_degree)
     # ZeRO-Offload: fp32 master weights and Adam moments (K = 12, Rajbhandari et al. 2020) ...
     host += 12 * shard
     # ... and the gradient partition the CPU optimizer reads, pinned:

@@ -11,7 +11,7 @@ from ..engine.tape import Graph, Sz, T, const
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
-from .ranks import _trainable
+from .ranks import _partition, _trainable
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class MegatronHooks(EngineHooks):
     first_stage: bool = True
     last_stage: bool = True
     grad_scaler: bool = False  # fp16: Megatron's own loss scaler (megatron/core/optimizer/grad_scaler.py)
+    ep: int = 1  #: expert parallelism: the distributed optimizer shards routed experts over ``world / ep`` ranks
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         return self.model_dt
@@ -43,7 +44,7 @@ class MegatronHooks(EngineHooks):
         n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
         out.append(("gradients", const(4 * n_train), 1))  # the contiguous fp32 grad buffer
         if not t.first_step:
-            out.append(("optimizer_states", const(12 * -(-n_train // self.world)), 1))
+            out.append(("optimizer_states", const(12 * _partition(self, m, t, self.world)), 1))
         return out
 
     def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from ..engine.breakdown import DETAIL_KEYS
 from ..engine.tape import Sz
-from ..model.params import ParamTensor, on_stage, trainable_tensors
+from ..model.params import ParamTensor, on_stage, routed_expert, trainable_tensors
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
@@ -56,6 +56,15 @@ def _padded_shard(p: ParamTensor, world: int) -> int:
     return _row_shard(p, world).numel
 
 
+def shard_world(p: ParamTensor, world: int, ep: int) -> int:
+    """Over how many ranks parameter `p` (and its gradient and optimizer state) is sharded when the
+    layout's other parameters are sharded over `world`: a routed expert stack over its expert-data-parallel
+    group of ``world / ep`` ranks (torchtitan's ``efsdp`` mesh, ``dp_shard_cp / ep``; DeepSpeed's expert
+    data-parallel group; Megatron's expert data parallelism), since the `ep` ranks of an expert-parallel
+    group hold different experts."""
+    return max(1, world // ep) if ep > 1 and routed_expert(p) else world
+
+
 def _row_shard(p: ParamTensor, world: int) -> ParamTensor:
     """Rank 0's part of a parameter split along dim 0 into `world` chunks (torch.chunk's rule).
 
@@ -92,6 +101,7 @@ class _Param(NamedTuple):
     trainable: bool
     dt: int  # bytes per element of the sharded parameter
     numel: int = 0  # elements of the unsharded parameter (its gradient's size)
+    world: int = 0  # ranks it is sharded over when not the engine's (a routed expert: `shard_world`)
 
 
 def _held(hooks: EngineHooks, p: ParamTensor, m: ModelSpec) -> bool:
@@ -103,9 +113,26 @@ def _trainable(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec) -> list[tuple[
     return [(p, dt) for p, dt in trainable_tensors(m, t) if _held(hooks, p, m)]
 
 
+def _partition(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, world: int) -> int:
+    """Elements of the rank's partition of the trainable parameters when they are flattened and split
+    `world` ways (DeepSpeed's and Megatron's optimizers), routed experts over their own group
+    (`shard_world`: DeepSpeed keeps expert parameters in groups of their own, partitioned over the expert
+    data-parallel group)."""
+    ep = getattr(hooks, "ep", 1)
+    dense = sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t) if not (ep > 1 and routed_expert(p)))
+    experts = sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t) if ep > 1 and routed_expert(p))
+    out = -(-dense // world)
+    if experts:
+        out += -(-experts // max(1, world // ep))
+    return out
+
+
 def _sharded_states(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, world: int) -> list[tuple[str, Sz, int]]:
-    """Optimizer state of the rank's share of the parameters (ZeRO-1: states split `world` ways)."""
+    """Optimizer state of the rank's share of the parameters (ZeRO-1: states split `world` ways; routed
+    experts over their expert-data-parallel group, `shard_world`)."""
     if t.first_step:
         return []
+    ep = getattr(hooks, "ep", 1)
     return [("optimizer_states", sz, c)
-            for sz, c in state_bytes(m, t, lambda p: _row_shard(p, world) if _held(hooks, p, m) else None)]
+            for sz, c in state_bytes(m, t, lambda p: _row_shard(p, shard_world(p, world, ep))
+                                     if _held(hooks, p, m) else None)]

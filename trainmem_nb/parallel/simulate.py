@@ -29,7 +29,7 @@ from .ddp import DDPHooks
 from .fsdp import FSDP2Hooks
 from .layout import _hooks, _host_bytes, _sequence_parallel, _stages, _tp_model, rank_seq_len
 from .pipeline import _fsdp_pipeline_program, _in_flight, _with_micro_batches_in_flight
-from .ranks import RankMemory, _held, _row_shard
+from .ranks import RankMemory, _held, _row_shard, shard_world
 
 __all__ = ["LayoutMemory", "simulate_parallel"]
 
@@ -100,7 +100,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
 
             def stage_shard(q: ParamTensor, h: EngineHooks = hooks, sm: ModelSpec = stage_model,
                             d: int = degree) -> ParamTensor | None:
-                return _row_shard(q, d) if _held(h, q, sm) else None
+                return _row_shard(q, shard_world(q, d, p.ep)) if _held(h, q, sm) else None
 
             paged = paged_state_bytes(stage_model, t, stage_shard)
         # what a rank loads: its stage's layers and tensor-parallel slices, sharded where the engine shards

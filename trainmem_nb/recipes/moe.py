@@ -127,7 +127,8 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     sw = ops.index_rows(g, weights, perm, tok(k), "sample_weights[perm]")
     hist_in = g.alloc(tok(k), 4, "histc input")
     tpe = g.alloc(const(E), F32, "tokens_per_expert (histc)")
-    offs = g.alloc(const(E), I32, "offsets (cumsum)")
+    offs = g.alloc(const(m.held_experts), I32, "offsets (cumsum)")
+    sel, pidx = _ep_dispatch(rec, g, sel)
     gu = ops.grouped_mm(g, sel, weight("gate_up_proj"), offs, tok(k * 2 * f), "grouped_mm gate_up_proj")
     gate, up = ops.split(g, gu, (0.5, 0.5), "chunk gate, up")
     g.drop(gu)
@@ -136,6 +137,7 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     g.drop(a, gate, up)
     down = ops.grouped_mm(g, gated, weight("down_proj"), offs, tok(k * h), "grouped_mm down_proj")
     g.drop(gated)
+    down = _ep_combine(g, down, pidx)
     weighted = weighted_mul(g, down, sw, "proj_out * sample_weights_g")
     inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
     ar = g.alloc(tok(k), I64, "arange")
@@ -147,7 +149,7 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
     g.drop(v3)
     out = ops.cast(g, summed, x.dt, "to(hidden_states.dtype)")
     # the function's locals go on return, in order (the unsaved ones are freed)
-    g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, down, unperm, inv, summed)
+    g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, down, unperm, inv, summed, pidx)
     # the wrappers return, innermost first: each removes its parametrization (its factors go);
     # the outermost ``cached()`` exit drops the merged weights before the outer factors
     for name in reversed(wrapped):
@@ -155,6 +157,41 @@ def experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p: dict[st
             g.drop(*merged)
         g.drop(*factors[name])
     return out
+
+
+def _ep_dispatch(rec: DecoderRecipe, g: Graph, sel: T) -> tuple[T, T | None]:
+    """Expert parallelism's dispatch (torchtitan's ``AllToAllTokenDispatcher.dispatch``, token_dispatcher.py):
+    the expert-sorted rows go to the ranks holding their experts (``all_to_all_single``; with balanced
+    routing a rank receives tokens * top_k rows, as many as it sends), then ``_permute`` reorders them
+    rank-major to expert-major (``permuted_indices`` from ``repeat_interleave`` and ``arange``, then
+    ``routed_input[permuted_indices, :]``). The sent rows and the received ones die when dispatch
+    returns (nothing saves them); the permuted rows are the experts' input. Returns (the experts' input,
+    the permutation), or (`sel`, None) without expert parallelism."""
+    m = rec.m
+    if m.held_experts == m.n_experts:
+        return sel, None
+    recv = ops.all_to_all(g, sel, "all-to-all dispatch")
+    rows = sel.n * (1 / rec.m.hidden)  # tokens * top_k
+    seg = g.alloc(rows, I64, "seg_ids (repeat_interleave)")
+    ar = g.alloc(rows, I64, "arange")
+    pidx = g.alloc(rows, I64, "permuted_indices")
+    g.drop(seg, ar)
+    permuted = ops.index_rows(g, recv, pidx, recv.n, "routed_input[permuted_indices]")
+    g.drop(sel, recv)
+    return permuted, pidx
+
+
+def _ep_combine(g: Graph, out: T, pidx: T | None) -> T:
+    """Expert parallelism's combine (``AllToAllTokenDispatcher.combine``): ``_unpermute`` (``new_empty``
+    then ``index_put_`` of the expert outputs back to rank-major order), the reverse ``all_to_all_single``
+    to the ranks the tokens came from; the routing weights then apply as without it."""
+    if pidx is None:
+        return out
+    unperm = ops.index_put_new(g, out, pidx, "_unpermute (new_empty, index_put_)")
+    g.drop(out)
+    back = ops.all_to_all(g, unperm, "all-to-all combine")
+    g.drop(unperm)
+    return back
 
 
 def qwen3_moe_mlp(rec: DecoderRecipe, g: Graph, x: T, p: dict[str, T]) -> T:
@@ -243,7 +280,8 @@ def gpt_oss_experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p:
     sw = ops.index_rows(g, weights, perm, tok(k), "sample_weights[perm]")
     hist_in = g.alloc(tok(k), 4, "histc input")
     tpe = g.alloc(const(E), F32, "tokens_per_expert (histc)")
-    offs = g.alloc(const(E), I32, "offsets (cumsum)")
+    offs = g.alloc(const(m.held_experts), I32, "offsets (cumsum)")
+    sel, pidx = _ep_dispatch(rec, g, sel)
     w_gu = p["mlp.experts.gate_up_proj"]
     b_gu = ops.index_rows(g, p["mlp.experts.gate_up_proj_bias"], ids_sorted, tok(k * 2 * f), "gate_up_proj_bias[ids]")
     sel_c = ops.cast(g, sel, w_gu.dt, "input.to(weight.dtype)")
@@ -268,7 +306,7 @@ def gpt_oss_experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p:
     gated_c = ops.cast(g, gated, w_d.dt, "input.to(weight.dtype)")
     d0 = ops.grouped_mm(g, gated_c, w_d, offs, tok(k * h), "grouped_mm down_proj")
     g.drop(gated_c, gated)
-    down = ops.add_(g, d0, b_d, "out.add_(bias)")
+    down = _ep_combine(g, ops.add_(g, d0, b_d, "out.add_(bias)"), pidx)
     weighted = ops.mul_reduce_cast(g, down, sw, "proj_out * sample_weights_g")
     inv = g.alloc(tok(k), I64, "inv_perm (empty_like)")
     ar = g.alloc(tok(k), I64, "arange")
@@ -279,7 +317,7 @@ def gpt_oss_experts(rec: DecoderRecipe, g: Graph, x: T, index: T, weights: T, p:
     summed = ops.sum_keepdim(g, v3, tok(h), "sum over top_k")
     g.drop(v3)
     out = ops.cast(g, summed, x.dt, "to(hidden_states.dtype)")
-    g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, b_d, down, unperm, inv, summed)
+    g.drop(ids_sorted, perm, sel, sw, hist_in, tpe, offs, b_d, down, unperm, inv, summed, pidx)
     return out
 
 

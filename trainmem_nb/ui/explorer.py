@@ -48,6 +48,7 @@ GPU_COUNTS: tuple[int, ...] = tuple(2**k for k in range(11))
 #: Tensor / pipeline parallel degrees offered.
 TP_DEGREES: tuple[int, ...] = (1, 2, 4, 8)
 PP_DEGREES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+EP_DEGREES: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)  # expert parallelism (MoE models; DeepSeek-V3 trained with 64)
 #: The model-size slider spans ~100M to ~400B parameters (log scale).
 PARAMS_RANGE: tuple[float, float] = (1e8, 4e11)
 #: Families `ModelSpec.from_params` can scale (llama-shaped).
@@ -64,7 +65,7 @@ TRAINING_CONTROLS: tuple[str, ...] = (
 )
 #: The caching allocator's settings offered (``PYTORCH_CUDA_ALLOC_CONF``): its default and expandable segments.
 ALLOC_CONFS: tuple[tuple[str, str], ...] = (("default", ""), ("expandable", "expandable_segments:True"))
-PARALLEL_CONTROLS: tuple[str, ...] = ("gpus", "zero", "engine", "tp", "pp")
+PARALLEL_CONTROLS: tuple[str, ...] = ("gpus", "zero", "engine", "tp", "pp", "ep")
 #: The dimensions the custom model source edits.
 CUSTOM_DIMS: tuple[str, ...] = ("n_layers", "hidden", "n_heads", "n_kv_heads", "ffn", "vocab")
 MODEL_CONTROLS: tuple[str, ...] = (
@@ -194,6 +195,7 @@ class Explorer:
             "engine": w.Dropdown(options=_with(ENGINES, t["engine"]), value=t["engine"], description="engine"),
             "tp": w.Dropdown(options=_with(TP_DEGREES, t["tp"]), value=t["tp"], description="TP"),
             "pp": w.Dropdown(options=_with(PP_DEGREES, t["pp"]), value=t["pp"], description="PP"),
+            "ep": w.Dropdown(options=_with(EP_DEGREES, t["ep"]), value=t["ep"], description="EP (MoE)"),
             "gpu": w.Dropdown(options=_with(tuple(_gpu_names()), start_gpu), value=start_gpu,
                               description="target GPU"),
         }
@@ -558,6 +560,7 @@ def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
         "attention": t.attention.value, "loss_impl": t.loss_impl.value, "method": t.method.value, "stack": t.stack,
         "lora_rank": t.lora_rank,
         "alloc_conf": t.alloc_conf, "gpus": p.gpus, "zero": p.zero, "engine": p.engine.value, "tp": p.tp, "pp": p.pp,
+        "ep": p.ep,
     }
 
 

@@ -3,6 +3,7 @@ autograd saves for backward and records a backward rule that allocates what the 
 allocates. Recipes call them as ``ops.<name>``."""
 
 from .attention import eager_attention, sdpa_flash, sdpa_math
+from .collectives import all_to_all, index_put_new
 from .core import BOOL, F16, F32, I64, ONE, Ctx, autocast_weight, cast, end_autocast, reserve
 from .elementwise import (
     activation,
@@ -69,3 +70,4 @@ __all__ = [
 __all__ += ["add_", "clamp", "mul_reduce_cast", "sub"]  # gpt_oss
 __all__ += ["copy_into_new", "expand_view"]  # deepseek_v3
 __all__ += ["index_pairs"]  # sequence classification
+__all__ += ["all_to_all", "index_put_new"]  # expert parallelism
