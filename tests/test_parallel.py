@@ -1,10 +1,11 @@
-"""Parallel layouts per rank: FSDP2 checked against measured steps (one-process fake process group
+"""Parallel layouts per rank: FSDP2 and FSDP1 checked against measured steps (one-process fake process group
 and real multi-process gloo), DeepSpeed against the ZeRO paper, pipeline/tensor/context parallel
 and offload behaviour, and layout errors that say what would work."""
 
 from __future__ import annotations
 
 import json
+import re
 from fractions import Fraction
 
 import pytest
@@ -57,7 +58,68 @@ def test_fsdp_rank_is_byte_exact_against_a_measured_fake_process_group_step(mode
         assert est.detail_bytes.get(key, 0) == measured["detail"][key], key
 
 
-@pytest.mark.parametrize("opts", [dict(precision="fp32"), dict(precision="bf16-mixed")])
+#: FSDP1 (FullyShardedDataParallel), as Lightning Fabric runs it: (model, options, gpus, zero), measured on real CPU
+#: tensors over the fake process group (FSDP1 compares data pointers, which fake tensors lack, to decide what to reshard)
+FSDP1_CASES = [
+    (SMALL_LLAMA, dict(precision="fp32"), 4, 3),
+    (SMALL_LLAMA, dict(precision="bf16-true", use_orig_params=False), 4, 3),
+    (SMALL_LLAMA, dict(precision="bf16-true", method="lora", lora_dtype="base", checkpointing="full"), 2, 3),
+    (SMALL_LLAMA, dict(precision="bf16-true", method="lora", lora_dtype="base", grad_accum=2), 2, 3),
+    (UNEVEN_LLAMA, dict(precision="fp32", method="lora", grad_accum=3, checkpointing="full"), 4, 2),
+    (SMALL_LLAMA, dict(precision="bf16-true", grad_accum=2), 4, 2),
+]
+
+
+@pytest.mark.parametrize(("model", "opts", "gpus", "zero"), FSDP1_CASES)
+def test_fsdp1_rank_is_byte_exact_against_a_measured_step(model: dict, opts: dict, gpus: int, zero: int) -> None:
+    """FlatParameters gathered whole, gradients of the frozen parameters a LoRA unit holds, the unsharded
+    gradients of no_sync() micro-steps: rank 0 of torch's FSDP1, measured, to the byte in every category."""
+    pytest.importorskip("torch")
+    from trainmem_nb.measure.fsdp import run_fsdp_step
+    from trainmem_nb.measure.step import summarize
+
+    m = ModelSpec.model_validate(model)
+    t = TrainingSpec.model_validate({"micro_batch": 2, "seq_len": 64, "device": "cpu", "fsdp_version": 1, **opts})
+    p = ParallelSpec(gpus=gpus, engine="fsdp", zero=zero)
+    measured = summarize(run_fsdp_step(m, t, p, rank=0, device="cpu"), timeline_points=0)
+    est = simulate(m, t, None, p, backend="nccl")
+    assert est.peak_allocated_bytes == measured["peak"]
+    assert est.peak_phase == measured["peak_phase"]
+    assert est.detail_bytes == {k: v for k, v in measured["detail"].items() if v}
+
+
+def test_fsdp1_keeps_unsharded_gradients_of_frozen_and_trained_parameters_that_fsdp2_does_not() -> None:
+    """Lit-gpt's LoRA on Fabric (issue 14): with use_orig_params=True a block's FlatParameter requires grad, so
+    every parameter in it gets a gradient, and no_sync() keeps them unsharded between micro-steps: about two
+    bytes per parameter of the layers on every rank. FSDP2 keeps the adapters' sharded gradients alone."""
+    opts = dict(model="llama-2-7b", method="lora", lora_dtype="base", precision="bf16-true", micro_batch=1,
+                seq_len=1304, grad_accum=128, checkpointing="full", gpus=2, engine="fsdp", zero=3)
+    one, two = (tm.estimate(**opts, fsdp_version=v) for v in (1, 2))
+    layers = 32 * 202_383_360  # llama-2-7b's parameters per layer
+    assert layers * 2 <= one.detail_bytes["gradients"] <= layers * 2 * 1.01
+    assert two.detail_bytes.get("gradients", 0) < 0.01 * one.detail_bytes["gradients"]
+    assert one.peak_allocated_bytes > 2 * two.peak_allocated_bytes
+    # the stacks of the issue that run FSDP1 switch it on (lit-gpt; Lightning Fabric)
+    for stack in ("litgpt", "lightning-fabric"):
+        assert tm.estimate(**opts, stack=stack).detail_bytes["gradients"] == one.detail_bytes["gradients"]
+
+
+@pytest.mark.parametrize(("opts", "message"), [
+    (dict(precision="bf16-mixed"), "MixedPrecision policies are not modelled"),
+    (dict(method="lora", precision="bf16-true"), "use lora_dtype='base'"),
+    (dict(method="lora", lora_dtype="base", precision="bf16-true", use_orig_params=False), "use_orig_params=True"),
+    (dict(method="qlora"), "QLoRA's 4-bit weights under FSDP1"),
+])
+def test_fsdp1_combinations_it_does_not_model_are_refused_with_what_works(opts: dict, message: str) -> None:
+    with pytest.raises(tm.SpecError, match=re.escape(message)):
+        tm.estimate("llama-3.2-1b", fsdp_version=1, gpus=2, engine="fsdp", zero=3, **opts)
+    with pytest.raises(tm.SpecError, match="fsdp_version=1 is an option of engine='fsdp'"):
+        tm.estimate("llama-3.2-1b", fsdp_version=1, gpus=2, zero=3)
+
+
+@pytest.mark.parametrize("opts", [dict(precision="fp32"), dict(precision="bf16-mixed"),
+                                  dict(precision="bf16-true", method="lora", lora_dtype="base", grad_accum=2,
+                                       fsdp_version=1)])
 def test_fsdp_every_gloo_process_peaks_within_5_percent_of_the_estimate(opts: dict) -> None:
     """Two real processes on 127.0.0.1 training with FSDP2 over gloo; gloo's reduce-scatter copies its
     input and frees it when its worker thread is done, so a rank's peak varies a little run to run."""

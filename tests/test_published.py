@@ -58,6 +58,8 @@ class Published:
     #: the stack the source ran and the versions it names (`trainmem_nb.spec.stack`): the case is checked
     #: with it; validation/published.md also shows the estimate with today's default stack
     stack: dict[str, Any] = field(default_factory=dict, hash=False)
+    #: the GPU the source measured on (`_on` sets it for each block)
+    gpu: str = ""
 
 
 def _training_opts(**kw: Any) -> dict[str, Any]:
@@ -133,8 +135,8 @@ _LIT_QLORA_STACK = dict(stack="litgpt", bitsandbytes="0.42.0")
 _LIT_LORA = dict(precision="bf16-true", optimizer="adamw", checkpointing="none", seq_len=512, lora_rank=32,
                  lora_alpha=16, lora_dropout=0.05, lora_targets="qv", attention="sdpa")
 _LITGPT_QLORA_GAP = (
-    "published QLoRA peaks sit ~3.2-3.7 GB above the estimate while the LoRA rows of the same table (same "
-    "activations, bf16 base) match within 2 %; the published LoRA->QLoRA saving (19.77 -> 13.68 GB = 6.1 GB) "
+    "published QLoRA peaks sit 2.4-3.3 GB above the estimate while the LoRA rows of the same table (same "
+    "activations, bf16 base) match within 3 %; the published LoRA->QLoRA saving (19.77 -> 13.68 GB = 6.1 GB) "
     "is far below the bf16->NF4 weight saving (~9.3 GB). Likely the figure is not the training step: litgpt's "
     "max_memory_allocated is never reset and covers Fabric's BitsandbytesPrecision model init / quantize-on-"
     "load (init_module with empty_init=False on 1 device) and validation; the estimator models the step"
@@ -164,9 +166,8 @@ LITGPT = [
         config=_training_opts(model="llama-2-7b", micro_batch=2, grad_accum=4, method="qlora",
                               qlora_double_quant=False, **{**_LIT_LORA, "optimizer": "paged-adamw"}),
         tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
-        xfail=_LITGPT_QLORA_GAP + "; 13.68 GB published vs ~11.7 GB estimated with the stack's bitsandbytes 0.42.0, "
-              "whose MatMul4Bit keeps its inputs (-15 %; -24 % with today's; PagedAdamW's large adapter states are "
-              "unified memory, outside max_memory_allocated)",
+        xfail=_LITGPT_QLORA_GAP + "; estimated with the stack's bitsandbytes 0.42.0, whose MatMul4Bit keeps its "
+              "inputs (PagedAdamW's large adapter states are unified memory, outside max_memory_allocated)",
     ),
     Published(
         id="litgpt-llama3-8b-qlora-a10g",
@@ -176,8 +177,8 @@ LITGPT = [
         config=_training_opts(model="llama-3-8b", micro_batch=2, grad_accum=4, method="qlora",
                               qlora_double_quant=False, **{**_LIT_LORA, "optimizer": "paged-adamw"}),
         tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
-        xfail=_LITGPT_QLORA_GAP + "; 17.41 GB published vs ~15.4 GB estimated with bitsandbytes 0.42.0 (-12 %; -22 % "
-              "with today's; PagedAdamW's large adapter states are unified memory, outside max_memory_allocated)",
+        xfail=_LITGPT_QLORA_GAP + "; estimated with bitsandbytes 0.42.0 (PagedAdamW's large adapter states are "
+              "unified memory, outside max_memory_allocated)",
     ),
     Published(
         id="litgpt-mistral-7b-lora-a10g",
@@ -215,7 +216,7 @@ LITGPT = [
         config=_training_opts(model="mistral-7b", micro_batch=2, grad_accum=4, method="qlora",
                               qlora_double_quant=False, **{**_LIT_LORA, "optimizer": "paged-adamw"}),
         tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; config read from the yaml; dataset lengths unknown",
-        xfail=_LITGPT_QLORA_GAP + "; 14.29 GB published vs ~12.5 GB estimated with bitsandbytes 0.42.0 (-13 %)",
+        xfail=_LITGPT_QLORA_GAP + "; estimated with bitsandbytes 0.42.0",
     ),
     # gemma-7b/qlora.yaml and gemma2-9b/qlora.yaml: quantize bnb.nf4; lora_r 16, alpha 16, dropout 0.1 on query,
     # key, value, projection, mlp and head; micro-batch 1, global batch 6
@@ -233,11 +234,12 @@ LITGPT = [
         ("gemma-7b", "gemma-7b",
          "| gemma-7b/qlora.yaml | gemma-7b | 2 | 512 | 1 | 1xA10G | 43.58 min | $1.3 | 17.18 GB | ...", 17.18,
          "allocated figure; config read from the yaml; dataset lengths unknown",
-         _LITGPT_QLORA_GAP + "; 17.18 GB published vs ~15.3 GB estimated with bitsandbytes 0.42.0 (-11 %)"),
+         _LITGPT_QLORA_GAP + "; estimated with bitsandbytes 0.42.0"),
         ("gemma-2-9b", "gemma2-9b",
          "| gemma2-9b/qlora.yaml | gemma-2-9b | 2 | 512 | 1 | 1xA10G | 50.01 min | $4.0 | 20.92 GB | ...", 20.92,
-         "allocated figure; config read from the yaml; dataset lengths unknown (the QLoRA rows' gap, see the "
-         "xfails, is within it here: -7.5 %)", None))],
+         "allocated figure; config read from the yaml; dataset lengths unknown",
+         _LITGPT_QLORA_GAP + "; estimated with bitsandbytes 0.42.0 (it passed at -7.5 % while the stack left "
+         "peft's fp32 adapters, whose fp32 activations lit-gpt does not have: its LoRA parameters are bf16)"))],
     Published(
         id="litgpt-tinyllama-full-a10g",
         source=_LITGPT + " + config_hub/finetune/tiny-llama/full.yaml",
@@ -265,18 +267,51 @@ _LIT_RT_CFG = dict(seq_len=1304, precision="bf16-true", checkpointing="none", at
                    lora_alpha=16, lora_dropout=0.05, lora_targets="qv")
 
 
-def _lit_rt(id: str, row: str, gb: float, model: str, micro_batch: int, quantize: str | None = None) -> Published:
-    opts: dict[str, Any] = dict(model=model, micro_batch=micro_batch, grad_accum=128 // micro_batch, **_LIT_RT_CFG)
+def _stablelm_alpha_3b() -> tm.ModelSpec:
+    """stabilityai/stablelm-base-alpha-3b, which no preset names: GPTNeoXForCausalLM, and lit-gpt @8641822's
+    ``Config`` defaults are this model (16 layers of 4096, 32 heads, rotary on a quarter of each head, parallel
+    residual, biases, LayerNorm, a 4x GELU MLP; vocabulary 50254 padded to a multiple of 512: 50688)."""
+    return tm.ModelSpec.from_hf_config(
+        {"model_type": "gpt_neox", "hidden_size": 4096, "intermediate_size": 16384, "num_attention_heads": 32,
+         "num_hidden_layers": 16, "vocab_size": 50688, "max_position_embeddings": 4096, "rotary_pct": 0.25,
+         "use_parallel_residual": True, "tie_word_embeddings": False, "hidden_act": "gelu", "layer_norm_eps": 1e-5},
+        name="stablelm-base-alpha-3b")
+
+
+#: the longest Alpaca sample of each model's tokenizer, which finetune/lora.py puts first ("StableLM Alpha: 1034
+#: tokens", "Llama 2: 1304 tokens")
+_LIT_RT_SEQ = {"stablelm-base-alpha-3b": 1034}
+
+
+def _lit_rt(id: str, row: str, gb: float, model: str, micro_batch: int, quantize: str | None = None,
+            gpus: int = 1) -> Published:
+    opts: dict[str, Any] = dict(model=_stablelm_alpha_3b() if model.startswith("stablelm") else model,
+                                micro_batch=micro_batch, grad_accum=128 // micro_batch,
+                                **{**_LIT_RT_CFG, "seq_len": _LIT_RT_SEQ.get(model, 1304)})
     if quantize:
         opts.update(method="qlora", optimizer="paged-adamw", qlora_double_quant=quantize == "bnb.nf4-dq")
     else:
         opts.update(method="lora", optimizer="adamw")
+    why = "allocated figure; sequence length, batch and LoRA layout read from finetune/lora.py @8641822"
+    if gpus > 1:
+        # FSDPStrategy(auto_wrap_policy={Block}, activation_checkpointing_policy={Block}, state_dict_type="full",
+        # limit_all_gathers=True): Fabric's FSDP1, FULL_SHARD, use_orig_params=True (the stack), checkpointing
+        # per block; the micro-steps before the last run in fabric.no_backward_sync
+        opts.update(checkpointing="full", gpus=gpus, engine="fsdp", zero=3)
+        why += "; FSDP1 as lit-gpt's FSDPStrategy sets it (the figure is rank 0's)"
     return Published(id=id, source=_LIT_RT, quote=row, kind=ALLOCATED, value_bytes=gb * GB, config=opts,
-                     tolerance=TOL_ALLOCATED, why_tolerance="allocated figure; sequence length, batch and LoRA "
-                     "layout read from finetune/lora.py @8641822", stack=dict(stack="litgpt", torch="2.1",
-                                                                              bitsandbytes="0.41.1"))
+                     tolerance=TOL_ALLOCATED, why_tolerance=why, stack=dict(stack="litgpt", torch="2.1",
+                                                                           bitsandbytes="0.41.1"))
 
 
+#: why a multi-GPU row with a large micro-batch lies below the estimate
+_FIRST_BATCH = (
+    "+11 %: finetune/lora.py pads only its first micro-batch to the longest sample (get_batch(..., longest_seq_ix "
+    "if iter_num == 0)); that micro-step is the first of 128 under no_backward_sync, before any unsharded "
+    "gradient exists, and later micro-batches are shorter. The estimate puts the longest batch in the last "
+    "micro-step with every unsharded gradient alive: an upper bound whose excess grows with the micro-batch "
+    "(Llama 2 7B: +0.8 %, +1.4 %, +4.8 % at 1, 2, 4; StableLM 3B: +0.8 %, +1.6 %, +11 %)"
+)
 LITGPT_RT = [
     _lit_rt("litgpt-rt-llama2-7b-lora-mb1", "| 7 B | Llama 2 | None | 1 | 4,194,304 | 21.30 GB | 2.36 min |",
             21.30, "llama-2-7b", 1),
@@ -293,6 +328,34 @@ LITGPT_RT = [
     _lit_rt("litgpt-rt-llama2-13b-qlora-nf4-dq",
             "| 13 B | Llama 2 | bnb.nf4-dq | 1 | 6,553,600 | 22.55 GB | 6.55 min |", 22.55, "llama-2-13b", 1,
             "bnb.nf4-dq"),
+    # StableLM Alpha 3B (LoRA on its fused query_key_value: peft's adapter there has the table's 2,097,152
+    # trainable parameters, as lit-gpt's q and v adapters do)
+    _lit_rt("litgpt-rt-stablelm3b-lora-mb1", "| 3 B | StableLM Alpha | None | 1 | 2,097,152 | 9.69 GB | 1.24 min |",
+            9.69, "stablelm-base-alpha-3b", 1),
+    _lit_rt("litgpt-rt-stablelm3b-qlora-nf4",
+            "| 3 B | StableLM Alpha | bnb.nf4 | 1 | 2,097,152 | 6.35 GB | 1.82 min |", 6.35, "stablelm-base-alpha-3b",
+            1, "bnb.nf4"),
+    _lit_rt("litgpt-rt-stablelm3b-qlora-nf4-dq",
+            "| 3 B | StableLM Alpha | bnb.nf4-dq | 1 | 2,097,152 | 6.19 GB | 1.87 min |", 6.19,
+            "stablelm-base-alpha-3b", 1, "bnb.nf4-dq"),
+    _lit_rt("litgpt-rt-stablelm3b-lora-mb2", "| 3 B | StableLM Alpha | None | 2 | 2,097,152 | 12.10 GB | 1.33 min |",
+            12.10, "stablelm-base-alpha-3b", 2),
+    _lit_rt("litgpt-rt-stablelm3b-lora-mb4", "| 3 B | StableLM Alpha | None | 4 | 2,097,152 | 16.92 GB | 1.50 min |",
+            16.92, "stablelm-base-alpha-3b", 4),
+    # "Finetuning with LoRA on Multiple GPUs": FSDP1 over 2 (13B: 4) A100s; the figure is rank 0's
+    *[dataclasses.replace(
+        _lit_rt(f"litgpt-rt-{name}-lora-{gpus}xa100-mb{mb}",
+                f"| {size} | {label} | None | {mb} | {trainable} | {gpus} x A100 | {gb:.2f} GB | {minutes} |", gb,
+                model, mb, gpus=gpus),
+        xfail=_FIRST_BATCH if (name, mb) == ("stablelm3b", 4) else None)
+      for name, size, label, trainable, model, gpus, mb, gb, minutes in (
+          ("stablelm3b", "3 B", "StableLM Alpha", "2,097,152", "stablelm-base-alpha-3b", 2, 1, 12.75, "2.92 min"),
+          ("stablelm3b", "3 B", "StableLM Alpha", "2,097,152", "stablelm-base-alpha-3b", 2, 2, 12.94, "3.06 min"),
+          ("stablelm3b", "3 B", "StableLM Alpha", "2,097,152", "stablelm-base-alpha-3b", 2, 4, 13.45, "3.86 min"),
+          ("llama2-7b", "7 B", "Llama 2", "4,194,304", "llama-2-7b", 2, 1, 22.18, "5.93 min"),
+          ("llama2-7b", "7 B", "Llama 2", "4,194,304", "llama-2-7b", 2, 2, 22.47, "6.48 min"),
+          ("llama2-7b", "7 B", "Llama 2", "4,194,304", "llama-2-7b", 2, 4, 23.39, "8.66 min"),
+          ("llama2-13b", "13 B", "Llama 2", "6,553,600", "llama-2-13b", 4, 1, 35.57, "10.25 min"))],
 ]
 
 # ---------------------------------------------------------------------------------------------------------
@@ -652,13 +715,26 @@ def _ran_with(cases: list[Published], stack: dict[str, Any], **by_method: dict[s
 # quant_storage FSDP needs (bitsandbytes 0.43.0, transformers 4.39: the project's knowledge of those
 # releases, not read from the repository); the HF page's Trainer of January 2022 (transformers 4.16,
 # torch 1.x, and the CUDA 11.2 the page prints).
+def _on(cases: list[Published], gpu: str, **by_prefix: str) -> list[Published]:
+    """`cases` measured on `gpu` (`by_prefix`: another GPU for the ids starting with that prefix, '_' for '-')."""
+    def which(c: Published) -> str:
+        return next((g for prefix, g in by_prefix.items() if c.id.startswith(prefix.replace("_", "-"))), gpu)
+
+    return [dataclasses.replace(c, gpu=which(c)) for c in cases]
+
+
 TITAN = _ran_with(TITAN, dict(stack="torchtitan"))
 TITAN_PARALLEL = _ran_with(TITAN_PARALLEL, dict(stack="torchtitan"))
 LITGPT = _ran_with(LITGPT, _LIT_STACK, qlora=_LIT_QLORA_STACK)
 ANSWERAI = _ran_with(ANSWERAI, dict(stack="fsdp_qlora", transformers="4.39", bitsandbytes="0.43.0"))
 HF = _ran_with(HF, dict(stack="hf-trainer@4.16", torch="1.10", cuda="11.2"))
 
-CASES: list[Published] = [*TITAN, *LITGPT, *LITGPT_RT, *TORCHTUNE, *ANSWERAI, *HF, *TITAN_PARALLEL]
+CASES: list[Published] = [
+    *_on(TITAN, "H100 (torchtitan's 96 GB HBM2e; torchao's H100)"), *_on(LITGPT, "A10G 24 GB"),
+    *_on(LITGPT_RT, "A100-SXM4-40GB"),
+    *_on(TORCHTUNE, "A100", torchtune_llama2_7b_lora_="not stated (torchtune's April 2024 tutorials)"),
+    *_on(ANSWERAI, "RTX 3090 24 GB"), *_on(HF, "Tesla V100 16 GB"), *_on(TITAN_PARALLEL, "H100 96 GB HBM2e"),
+]
 BY_ID = {c.id: c for c in CASES}
 
 
@@ -702,11 +778,12 @@ def test_estimate_matches_published_peak(case: Published) -> None:
 
 
 def test_cases_are_well_formed() -> None:
-    """Every case says where it comes from, what kind of figure it is and why its tolerance; ids are unique."""
+    """Every case says where it comes from, the GPU, the stack it ran, what kind of figure it is and why its
+    tolerance; ids are unique."""
     assert len(BY_ID) == len(CASES)
     for c in CASES:
         assert c.kind in (ALLOCATED, RESERVED, SMI), c.id
-        assert c.source and c.quote and c.why_tolerance, c.id
+        assert c.source and c.quote and c.why_tolerance and c.gpu and c.stack.get("stack"), c.id
         assert c.tolerance == (TOL_ALLOCATED if c.kind == ALLOCATED else TOL_RESERVED), c.id
         assert c.value_bytes > 0, c.id
 
@@ -717,3 +794,33 @@ def test_every_case_is_in_the_validation_table() -> None:
     listed = set(re.findall(r"`([a-z0-9.\-]+)`", text))
     missing = [c.id for c in CASES if c.id not in listed]
     assert not missing, f"validation/published.md lacks {missing}"
+
+
+def test_the_published_figures_are_at_least_sixty_and_within_five_percent_at_the_median() -> None:
+    """Issue 14's bar over every figure, each estimated with its source's stack: at least 60 figures, median
+    |error| <= 5 %, p90 <= 15 %, and no strict xfail hiding a gap over 25 %."""
+    import statistics
+
+    errors = [abs(relative_error(c)) for c in CASES]
+    assert len(errors) >= 60
+    # as scripts/published_by_stack.py prints them for validation/published.md
+    median, p90 = statistics.median(errors), statistics.quantiles(errors, n=10, method="inclusive")[-1]
+    assert median <= 0.05 and p90 <= 0.15, (f"median {median:.1%}", f"p90 {p90:.1%}")
+    hidden = {c.id: f"{relative_error(c):+.1%}" for c in CASES if c.xfail and abs(relative_error(c)) > 0.25}
+    assert not hidden, hidden
+
+
+def test_the_readme_states_the_published_figures_as_they_are() -> None:
+    """The README's line on published figures is this file's: count, median and p90 with each source's stack,
+    how many pass and how many are documented gaps."""
+    import statistics
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    found = re.search(r"- (\d+) published GPU measurements .*?median\s+\|error\| ([\d.]+) %, p90 ([\d.]+) %; (\d+) "
+                      r"within\s+their stated tolerance, (\d+) documented gaps", readme, re.S)
+    assert found, "the README's published-figures line has changed shape: update this test with it"
+    errors = [abs(relative_error(c)) for c in CASES]
+    median, p90 = statistics.median(errors), statistics.quantiles(errors, n=10, method="inclusive")[-1]
+    gaps = sum(bool(c.xfail) for c in CASES)
+    assert found.groups() == (str(len(CASES)), f"{100 * median:.1f}", f"{100 * p90:.1f}", str(len(CASES) - gaps),
+                              str(gaps))

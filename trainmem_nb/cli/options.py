@@ -88,14 +88,18 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                    help="DDP gradient_as_bucket_view: gradients are views into the all-reduce buckets")
     p.add_argument("--no-pp-return-outputs", action="store_true",
                    help="the pipeline loop passes return_outputs=False: the last stage keeps no micro-batch's logits")
+    p.add_argument("--fsdp-version", type=int, default=None, choices=[1, 2],
+                   help="--engine fsdp: 2 fully_shard, 1 FullyShardedDataParallel (default: the stack's, else 2)")
+    p.add_argument("--no-use-orig-params", action="store_true",
+                   help="--fsdp-version 1: FullyShardedDataParallel(use_orig_params=False)")
     f = parser.add_argument_group("fine-tuning")
     f.add_argument("--method", default="full", metavar="|".join(_choices(Method)))
     f.add_argument("--lora-rank", type=int, default=16)
     f.add_argument("--lora-alpha", type=float, default=32.0)
     f.add_argument("--lora-targets", default="qv", help="'qv', 'all-linear' or comma-separated module names")
     f.add_argument("--lora-dropout", type=float, default=None, help="default: the stack's, else 0")
-    f.add_argument("--lora-dtype", default="fp32", metavar="fp32|base",
-                   help="adapter dtype: fp32 (peft's default) or the base weights' dtype")
+    f.add_argument("--lora-dtype", default=None, metavar="fp32|base",
+                   help="adapter dtype: fp32 (peft's default) or the base weights' dtype (default: the stack's, else fp32)")
     f.add_argument("--qlora-single-quant", action="store_true",
                    help="QLoRA without double quantization of the NF4 block scales")
     parser.add_argument("--first-step", action="store_true",
@@ -136,8 +140,11 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         "checkpointing": args.checkpointing, "attention": args.attention,
         "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets,
-        "lora_dtype": args.lora_dtype, "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
+        "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
         "alloc_conf": args.alloc_conf, "stack": args.stack,
+        **({"lora_dtype": args.lora_dtype} if args.lora_dtype is not None else {}),
+        **({"fsdp_version": args.fsdp_version} if getattr(args, "fsdp_version", None) is not None else {}),
+        **({"use_orig_params": False} if getattr(args, "no_use_orig_params", False) else {}),
         **({"loss_impl": args.loss_impl} if args.loss_impl is not None else {}),
         **({"loss_chunks": args.loss_chunks} if args.loss_chunks is not None else {}),
         **({"dropout": args.dropout} if args.dropout is not None else {}),

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from ..model.spec import ModelSpec
-from ..spec.choices import Precision
+from ..spec.choices import Checkpointing, Precision
 from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec
 from .step import _categorize, _module_context, build, layer_module_names, make_optimizer
@@ -138,6 +138,87 @@ def _follow_resizes(tracker: ResizeAwareTracker) -> Iterator[None]:
             setattr(module, name, fn)
 
 
+@contextlib.contextmanager
+def _follow_fsdp1_resizes(tracker: ResizeAwareTracker) -> Iterator[None]:
+    """FSDP1 unshards and reshards its FlatParameters by resizing their storage (``_flat_param.py``'s
+    ``_alloc_storage(tensor, size)`` / ``_free_storage(tensor)``), which no dispatch mode sees."""
+    from torch.distributed.fsdp import _flat_param
+
+    alloc, free = _flat_param._alloc_storage, _flat_param._free_storage
+
+    def tracked_alloc(tensor: torch.Tensor, size: torch.Size) -> None:
+        before = tensor.untyped_storage().size()
+        alloc(tensor, size)
+        after = tensor.untyped_storage().size()
+        if after != before:
+            tracker.resized(tensor, after)
+
+    def tracked_free(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().size()
+        free(tensor)
+        if before:
+            tracker.resized(tensor, 0)
+
+    _flat_param._alloc_storage, _flat_param._free_storage = tracked_alloc, tracked_free  # type: ignore[attr-defined]
+    try:
+        with _fsdp1_quiet():
+            yield
+    finally:
+        _flat_param._alloc_storage, _flat_param._free_storage = alloc, free  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _fsdp1_quiet() -> Iterator[None]:
+    """FSDP1's notices that are about the run, not the measurement: its data-pointer checks on fake tensors and
+    its warning that a FlatParameter mixing frozen and trained parameters holds gradients for all of them (the
+    mechanism measured)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*data pointer of FakeTensor.*")
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\.distributed\.fsdp")
+        yield
+
+
+def _shard_fsdp1(model: nn.Module, p: ParallelSpec, t: TrainingSpec) -> nn.Module:
+    """Lightning Fabric's FSDPStrategy as lit-gpt sets it: FSDP1 around every transformer layer and the
+    root (``auto_wrap_policy={Block}``), FULL_SHARD (ZeRO-3) or SHARD_GRAD_OP (ZeRO-2),
+    ``limit_all_gathers=True``, the parameters' own dtype (no MixedPrecision policy)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    layers = next(mod for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod))
+    layer_cls = type(layers[0])
+    checkpointed = t.checkpointing is Checkpointing.FULL
+    if checkpointed:  # Fabric checkpoints the wrapped blocks itself (below), not through transformers
+        for mod in model.modules():
+            if getattr(mod, "gradient_checkpointing", False):
+                mod.gradient_checkpointing = False
+    strategy = ShardingStrategy.FULL_SHARD if p.zero >= 3 else ShardingStrategy.SHARD_GRAD_OP
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+                                       sharding_strategy=strategy, use_orig_params=t.use_orig_params,
+                                       device_id=torch.device("cpu"), limit_all_gathers=True)
+    if checkpointed:  # lightning/fabric/strategies/fsdp.py, _setup_activation_checkpointing
+        apply_activation_checkpointing(
+            wrapped, checkpoint_wrapper_fn=lambda mod: checkpoint_wrapper(mod, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda mod: isinstance(mod, layer_cls))
+    return wrapped
+
+
+def _flat_grads(model: nn.Module) -> list[torch.Tensor]:
+    """Every FSDP1 FlatParameter's ``.grad`` (its sharded gradient after a synchronised backward)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return [mod._handle.flat_param.grad for mod in model.modules()
+            if isinstance(mod, FullyShardedDataParallel) and mod._handle is not None
+            and mod._handle.flat_param.grad is not None]
+
+
 def _shard(model: nn.Module, p: ParallelSpec, t: TrainingSpec, mesh: Any) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -184,9 +265,20 @@ def run_fsdp_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0,
             fake_ctx, fixes = FakeTensorMode(allow_non_fake_inputs=True), fake_mode_fixes()
         # the model is built in fp32 and FSDP's policy casts for compute (no autocast)
         build_t = TrainingSpec.model_validate({**t.model_dump(), "precision": "fp32"}) if t.mixed else t
-        with fake_ctx, fixes:
+        flat = t.fsdp_version == 1
+        if flat and device == "fake":
+            from ..errors import SpecError
+
+            # _catch_all_reshard and _writeback_orig_params compare storages by data_ptr(), which fake tensors
+            # do not have: a frozen root stays gathered, SHARD_GRAD_OP's write-back fails
+            raise SpecError("FSDP1 (fsdp_version=1) cannot be measured under fake tensors (it compares data "
+                            "pointers to decide what to reshard): measure it with device='cpu'")
+        with fake_ctx, fixes, _fsdp1_quiet() if flat else contextlib.nullcontext():
             model, inputs = build(m, build_t, "fake" if device == "fake" else "cpu")
-            _shard(model, p, t, mesh)
+            if flat:
+                model = _shard_fsdp1(model, p, t)
+            else:
+                _shard(model, p, t, mesh)
             trainable = [q for q in model.parameters() if q.requires_grad]
             opt = make_optimizer(t, trainable)
             # warm up with one untracked micro-step: FSDP's lazy init runs and, unless this is the
@@ -202,9 +294,11 @@ def run_fsdp_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0,
             for q in trainable:
                 q.grad = None
             # gradient accumulation: the measured micro-step is the last one, the sharded gradients of
-            # the earlier ones are alive and the new ones are added to them
+            # the earlier ones are alive and the new ones are added to them (FSDP1: the earlier ones run
+            # under no_sync(), as Fabric's no_backward_sync does, and leave unsharded gradients)
             for _ in range(t.grad_accum - 1):
-                model(**inputs).loss.backward()
+                with model.no_sync() if flat else contextlib.nullcontext():  # type: ignore[operator]
+                    model(**inputs).loss.backward()
             timing["build_s"] = time.perf_counter() - t0
             tracker = ResizeAwareTracker(layer_module_names(model))
             local = [getattr(q, "_local_tensor", q) for q in model.parameters()]
@@ -215,17 +309,27 @@ def run_fsdp_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0,
                           if isinstance(v, torch.Tensor)]
                 tracker.adopt(states, "optimizer_states")
             if t.grad_accum > 1:
-                tracker.adopt([getattr(q.grad, "_local_tensor", q.grad) for q in trainable if q.grad is not None],
-                              "gradients")
+                tracker.adopt([getattr(q.grad, "_local_tensor", q.grad) for q in trainable if q.grad is not None]
+                              + (_flat_grads(model) if flat else []), "gradients")
+            if flat and t.grad_accum > 1 and p.zero < 3:  # SHARD_GRAD_OP keeps units gathered under no_sync()
+                from torch.distributed.fsdp import FullyShardedDataParallel
+
+                tracker.adopt([mod._handle.flat_param._full_param_padded for mod in model.modules()
+                               if isinstance(mod, FullyShardedDataParallel) and mod._handle is not None
+                               and mod._handle.flat_param._full_param_padded.untyped_storage().size()],
+                              "weights/gathered")
             tracker.adopt(list(inputs.values()), "activations/inputs")
             t1 = time.perf_counter()
-            with tracker, _module_context(model, tracker), _follow_resizes(tracker):
+            follow = _follow_fsdp1_resizes(tracker) if flat else _follow_resizes(tracker)
+            with tracker, _module_context(model, tracker), follow:
                 tracker.mark("forward")
                 loss = model(**inputs).loss
                 tracker.mark("backward")
                 loss.backward()
                 grads = {tracker.index_of(getattr(q.grad, "_local_tensor", q.grad)) for q in trainable
                          if q.grad is not None}
+                if flat:
+                    grads |= {tracker.index_of(g) for g in _flat_grads(model)}
                 tracker.mark("optimizer")
                 if opt is not None:
                     opt.step()

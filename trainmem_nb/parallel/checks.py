@@ -33,6 +33,7 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
     would work instead."""
     if t is not None:
         _check_context_parallel(t, p)
+        _check_fsdp1(t, p)
         if t.method is Method.QLORA and p.engine is Engine.MEGATRON:
             # Megatron-LM builds its own 16-bit layers (megatron/core/transformer) and has no bitsandbytes
             # path; QLoRA is a transformers + peft + bitsandbytes recipe
@@ -77,6 +78,40 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
         if p.zero and p.shard_degree % p.ep:
             raise SpecError(f"ep={p.ep} must divide the ranks ZeRO/FSDP shards over ({p.shard_degree}): each expert "
                             "shards over shard_degree / ep ranks; use an ep that divides it")
+
+
+def _check_fsdp1(t: TrainingSpec, p: ParallelSpec) -> None:
+    """FSDP1 (`trainmem_nb.parallel.fsdp1`) is modelled for FULL_SHARD and SHARD_GRAD_OP over data (and
+    context-free) parallel ranks, with the parameters' own dtype: say so for anything else."""
+    given = t.model_fields_set & {"fsdp_version", "use_orig_params"}
+    if p.engine is not Engine.FSDP:
+        if given and t.fsdp_version == 1:
+            raise SpecError(f"fsdp_version=1 is an option of engine='fsdp' (got engine={p.engine.value!r})")
+        return
+    if t.fsdp_version != 1:
+        return
+    why = ""
+    if t.mixed:
+        why = (f"precision={t.precision.value!r}: FSDP1's MixedPrecision policies are not modelled; use "
+               "'bf16-true' or 'fp32' (what Fabric's 'bf16-true' runs)")
+    elif p.pp > 1 or p.tp > 1 or p.cp > 1 or p.ep > 1 or p.offload.value != "none":
+        why = "only data-parallel sharding is modelled (pp, tp, cp, ep = 1 and no offload)"
+    elif p.zero < 2:
+        why = f"zero={p.zero}: use zero=3 (FULL_SHARD) or zero=2 (SHARD_GRAD_OP)"
+    elif t.method is Method.QLORA:
+        why = "QLoRA's 4-bit weights under FSDP1 (bnb_4bit_quant_storage, replicated quant_state) are not modelled"
+    elif t.method is Method.LORA and not t.use_orig_params:
+        why = ("LoRA and use_orig_params=False: a FlatParameter needs uniform requires_grad, so the adapters would be "
+               "FSDP units of their own (peft's fsdp_auto_wrap_policy), which is not modelled; use use_orig_params=True")
+    elif t.method is Method.LORA and t.lora_dtype.value == "fp32" and t.param_bytes != 4:
+        why = ("a FlatParameter holds one dtype, and peft's fp32 adapters sit in 16-bit layers: use lora_dtype='base' "
+               "(adapters in the base dtype, as Fabric's init_module builds them) or use_orig_params=False")
+    elif not t.zero_grad_set_to_none:
+        why = "torch < 2.0's zero_grad (set_to_none=False) is not modelled with it"
+    elif t.optimizer.value == "paged-adamw":
+        why = "a paged optimizer's unified-memory states are not modelled with it"
+    if why:
+        raise SpecError(f"fsdp_version=1 (FullyShardedDataParallel) with {why}; or use fsdp_version=2 (fully_shard)")
 
 
 def _check_context_parallel(t: TrainingSpec, p: ParallelSpec) -> None:

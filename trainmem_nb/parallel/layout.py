@@ -19,6 +19,7 @@ from ..step.optimizers import paged_state_bytes, state_bytes
 from .ddp import DDPHooks
 from .deepspeed import DeepSpeedHooks
 from .fsdp import FSDP2Hooks
+from .fsdp1 import FSDP1Hooks, flat_units
 from .megatron import MegatronHooks
 from .ranks import _held, _padded_shard, _Param, _partition, _row_shard, _units, shard_world
 
@@ -121,6 +122,11 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     collectives library (default: gloo on CPU, NCCL on CUDA)."""
     weights = [w for w in weight_tensors(m, t) if on_stage(w[0], m, first, last)]
     stage: dict[str, Any] = {"first_stage": first, "last_stage": last}
+    if p.engine is Engine.FSDP and p.zero >= 2 and t.fsdp_version == 1:
+        # Fabric's no_backward_sync (lit-gpt): the micro-steps before the last accumulate unsharded
+        return FSDP1Hooks(world=p.shard_degree, reshard_after_forward=p.zero >= 3,
+                          units=flat_units(weights, m, p.shard_degree, t.use_orig_params),
+                          no_sync=t.grad_accum > 1, flat_unit_grads=t.use_orig_params, **stage)
     if p.engine is Engine.FSDP and p.zero >= 2:
         world = p.shard_degree
         mixed = t.mixed

@@ -98,11 +98,18 @@ class TrainingSpec(SpecModel):
     cuda_lazy_loading: bool = Field(
         default=True, description="CUDA_MODULE_LOADING=LAZY (CUDA >= 11.7): kernels load when first used; False: every "
         "kernel of the libraries loads with the CUDA context")
+    fsdp_version: int = Field(
+        default=2, ge=1, le=2, description="engine='fsdp': 2 is fully_shard (per-parameter shards: torchtitan, "
+        "torchtune), 1 is FullyShardedDataParallel (a FlatParameter per wrapped module: Lightning Fabric, lit-gpt, "
+        "accelerate's default)")
+    use_orig_params: bool = Field(
+        default=True, description="fsdp_version=1: FullyShardedDataParallel(use_orig_params=...); True puts a unit's "
+        "frozen and trained parameters in one FlatParameter, which then gets a gradient for all of them")
 
     #: The options a stack may set (`trainmem_nb.spec.stack`); the others are the user's alone.
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
-        "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype"})
+        "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params"})
 
     @model_validator(mode="before")
     @classmethod

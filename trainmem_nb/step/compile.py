@@ -65,6 +65,9 @@ class EngineHooks:
     #: fp16-mixed: does the training loop scale the loss with torch's ``GradScaler`` (DeepSpeed and
     #: Megatron bring their own loss scalers)
     grad_scaler: bool = True
+    #: FSDP1 with ``use_orig_params=True``: a unit whose FlatParameter trains any parameter computes a
+    #: gradient for every parameter in it (they are views of one tensor that requires grad)
+    flat_unit_grads: bool = False
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         """Bytes per element of the weights the layers compute with."""
@@ -123,6 +126,12 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     layer_params: list[dict[str, T]] = [{} for _ in range(n_sim)]
     other: dict[str, T] = {}
     unit_params: dict[str, list[T]] = {"root": [], **{u: [] for u in units}}
+    trains: set[str] = set()  # units holding a trained parameter (FSDP1's FlatParameter requires grad)
+    if hooks.flat_unit_grads:
+        for p, _dt, trainable in weights:
+            if trainable:
+                trains.update([units[i] for i, kind in enumerate(plan.kinds) if in_layer_of(p, kind)]
+                              if p.in_layer else ["root"])
     for p, dt, trainable in all_weights:
         dt = hooks.weight_dtype(t, dt)
         if id(p) not in held:  # on another pipeline stage: the recipe may name it, nothing trains it
@@ -132,12 +141,12 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
             for i, kind in enumerate(plan.kinds):
                 if not in_layer_of(p, kind):
                     continue
-                layer_params[i][short] = g.param(const(p.numel), dt, f"L{i}.{short}", trainable)
+                layer_params[i][short] = g.param(const(p.numel), dt, f"L{i}.{short}", trainable or units[i] in trains)
                 if t.method is Method.QLORA and quantized(p):
                     layer_params[i][short].nf4 = 4 if t.precision is Precision.FP32 else 2
                 unit_params[units[i]].append(layer_params[i][short])
         else:
-            other[p.name] = g.param(const(p.numel), dt, p.name, trainable)
+            other[p.name] = g.param(const(p.numel), dt, p.name, trainable or "root" in trains)
             unit_params["root"].append(other[p.name])
     recipe = recipe_for(m, t, ctx)
     # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
