@@ -159,12 +159,12 @@ def _follow_fsdp1_resizes(tracker: ResizeAwareTracker) -> Iterator[None]:
         if before:
             tracker.resized(tensor, 0)
 
-    _flat_param._alloc_storage, _flat_param._free_storage = tracked_alloc, tracked_free  # type: ignore[attr-defined]
+    _flat_param._alloc_storage, _flat_param._free_storage = tracked_alloc, tracked_free
     try:
         with _fsdp1_quiet():
             yield
     finally:
-        _flat_param._alloc_storage, _flat_param._free_storage = alloc, free  # type: ignore[attr-defined]
+        _flat_param._alloc_storage, _flat_param._free_storage = alloc, free
 
 
 @contextlib.contextmanager
@@ -198,7 +198,7 @@ def _shard_fsdp1(model: nn.Module, p: ParallelSpec, t: TrainingSpec) -> nn.Modul
     if checkpointed:  # Fabric checkpoints the wrapped blocks itself (below), not through transformers
         for mod in model.modules():
             if getattr(mod, "gradient_checkpointing", False):
-                mod.gradient_checkpointing = False
+                setattr(mod, "gradient_checkpointing", False)  # noqa: B010 (a module attribute mypy types as Tensor | Module)
     strategy = ShardingStrategy.FULL_SHARD if p.zero >= 3 else ShardingStrategy.SHARD_GRAD_OP
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
                                        sharding_strategy=strategy, use_orig_params=t.use_orig_params,

@@ -115,6 +115,7 @@ def flat_units(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, world
             continue
         ordered = _flat_order(params)
         trains = any(w[2] for w in ordered)
+        flats: tuple[_Flat, ...]
         if use_orig_params:
             flats = (_flatten(ordered, world, True, trains),)
         else:
