@@ -89,7 +89,8 @@ def main() -> None:
         tm.estimate(mm, micro_batch=1, seq_len=seq, **opts)
         took = median_ms(lambda i, mm=mm, opts=opts, seq=seq: tm.estimate(mm, micro_batch=1 + i % 4, seq_len=seq, **opts),
                          300)
-        print(f"  {family:<12s} {mm.name:<28s} {mm.n_layers:>3d} layers  median {took:.3f} ms")
+        print(f"  {family:<12s} {mm.name:<28s} {mm.n_layers:>3d} layers  median {took:.3f} ms"
+              f"  {'ok' if took <= 0.2 else 'OVER GOAL'}")
     for label, mm in _pattern_models().items():
         def first(i: int, mm: ModelSpec = mm) -> None:
             compile_step.cache_clear()

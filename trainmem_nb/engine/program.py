@@ -112,6 +112,15 @@ class Program:
     #: coefficient), and those segments with several-term events (`_prefix_terms`, filled on demand)
     prefix: dict[int, tuple[tuple[tuple[int, int, float, int], ...], tuple[int, ...]]] = field(
         init=False, repr=False, compare=False)
+    #: one table of signed, rounded event sizes for the whole program (`evaluate` fills it once per batch
+    #: shape): the distinct one-term sizes (monomial index, coefficient), the distinct (size, sign) slots
+    #: built from them, then the several-term events (size, sign); each distinct block picks its events'
+    #: entries from it (`block_gathers`, in C)
+    size_keys: tuple[tuple[int, float], ...] = field(init=False, repr=False, compare=False)
+    slot_keys: tuple[tuple[int, int], ...] = field(init=False, repr=False, compare=False)
+    general_keys: tuple[tuple[Sz, int], ...] = field(init=False, repr=False, compare=False)
+    block_gathers: tuple[Callable[[list[float]], tuple[float, ...]], ...] = field(
+        init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         first: dict[tuple[object, ...], int] = {}
@@ -142,12 +151,41 @@ class Program:
                     block_segments.append(seg if len(edges) == 2 else _segment(seg.phase, seg.label, seg.repeat, part))
                 ids.append(i)
             blocks.append(tuple(ids))
+        sizes: dict[tuple[int, float], int] = {}
+        slots: dict[tuple[int, int], int] = {}
+        general: dict[tuple[Sz, int], int] = {}
+        picks = []
+        for seg in block_segments:
+            pick: list[tuple[bool, int]] = []
+            for (i, c, k), (_cat, _sign, sz, _l) in zip(seg.fast, seg.events, strict=True):
+                if i >= 0:
+                    pick.append((True, slots.setdefault((sizes.setdefault((i, c), len(sizes)), k), len(slots))))
+                else:
+                    pick.append((False, general.setdefault((sz, k), len(general))))
+            picks.append(pick)
+        gathers = [_picker([j if one else len(slots) + j for one, j in pick])  # the several-term events' entries
+                   for pick in picks]                                          # follow the slots
+        object.__setattr__(self, "size_keys", tuple(sizes))
+        object.__setattr__(self, "slot_keys", tuple(slots))
+        object.__setattr__(self, "general_keys", tuple(general))
+        object.__setattr__(self, "block_gathers", tuple(gathers))
         object.__setattr__(self, "same_as", same)
         object.__setattr__(self, "blocks", tuple(blocks))
         object.__setattr__(self, "block_segments", tuple(block_segments))
         object.__setattr__(self, "init_fixed", tuple(fixed))
         object.__setattr__(self, "init_shaped", tuple(shaped))
         object.__setattr__(self, "prefix", {})
+
+
+def _picker(index: list[int]) -> Callable[[list[float]], tuple[float, ...]]:
+    """The entries of a table at `index`, as a tuple (`operator.itemgetter`, which returns no tuple for one
+    index and takes none)."""
+    if not index:
+        return lambda table: ()
+    if len(index) == 1:
+        only = index[0]
+        return lambda table: (table[only],)
+    return itemgetter(*index)
 
 
 def _round(nbytes: float) -> int:
@@ -187,6 +225,15 @@ def _terms(sz: Sz) -> tuple[int, float]:
 _TERMS: dict[Sz, tuple[int, float]] = {}
 
 
+def _program_table(prog: Program, b: int, s: int, mono: tuple[int, ...]) -> list[float]:
+    """`Program`'s table of signed, 512-B-rounded event sizes at (b, s): each distinct one-term size
+    computed once for the whole program, then its signed slots and the several-term events."""
+    vals = [-(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES for i, c in prog.size_keys]
+    table = [k * vals[u] for u, k in prog.slot_keys]
+    table += [k * _round(sz.at(b, s)) for sz, k in prog.general_keys]
+    return table
+
+
 def _sizes(seg: Segment, b: int, s: int, mono: tuple[int, ...]) -> tuple[float, ...]:
     """Signed, 512-B-rounded bytes of each event at (b, s): a table of the distinct (size, sign) pairs
     and several-term sizes, then every event's entry picked from it."""
@@ -209,10 +256,13 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
     mono = (1, b, s, b * s, s * s, b * s * s)
     init = _init_bytes(prog, b, s)
     total: float = sum(init)
-    best, best_where = total, (-1, 0, 0)  # (segment index, event index, repetitions before)
+    # (segment index, (block, its first event's index in the segment), repetitions before)
+    best, best_at = total, (-1, (-1, 0), 0)
     phase_peaks: dict[str, float] = {}
     all_sizes: list[list[tuple[float, ...]]] = []  # per segment, its blocks' signed bytes per event
-    done: dict[int, tuple[tuple[float, ...], float, float, int]] = {}  # per distinct block (`Program.blocks`)
+    done: dict[int, tuple[tuple[float, ...], float, float]] = {}  # per distinct block (`Program.blocks`)
+    table = _program_table(prog, b, s, mono)
+    gathers = prog.block_gathers
     for si, seg in enumerate(prog.segments):
         ids = prog.blocks[si]
         if not ids:
@@ -220,18 +270,17 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
             continue
         parts = []
         net: float = 0
-        pos, arg = 0, -1
+        pos, at = 0, (-1, 0)
         pmax: float = float("-inf")
         for bi in ids:
             hit = done.get(bi)
             if hit is None:
-                sizes = _sizes(prog.block_segments[bi], b, s, mono)
-                run = list(accumulate(sizes)) or [0]
-                top = max(run)
-                hit = done[bi] = (sizes, run[-1], top, run.index(top))
-            sizes, b_net, b_max, b_arg = hit
-            if net + b_max > pmax:  # the first event at the highest point, as run.index
-                pmax, arg = net + b_max, pos + b_arg
+                sizes = gathers[bi](table)
+                # the block's net bytes and highest running total (its position is found for the peak alone)
+                hit = done[bi] = (sizes, sum(sizes), max(accumulate(sizes)) if sizes else 0)
+            sizes, b_net, b_max = hit
+            if net + b_max > pmax:  # the first block reaching the highest point
+                pmax, at = net + b_max, (bi, pos)
             net += b_net
             pos += len(sizes)
             parts.append(sizes)
@@ -240,12 +289,17 @@ def evaluate(prog: Program, micro_batch: int, seq_len: int) -> Evaluation:
         if pmax > 0:
             reps_before = (n - 1) if net > 0 else 0
             cand = total + reps_before * net + pmax
-            phase_peaks[seg.phase] = max(phase_peaks.get(seg.phase, 0), cand)
+            if cand > phase_peaks.get(seg.phase, 0):
+                phase_peaks[seg.phase] = cand
             if cand > best:
-                best, best_where = cand, (si, arg, reps_before)
+                best, best_at = cand, (si, at, reps_before)
         total += net * n
-    detail = _breakdown_at(prog, init, all_sizes, *best_where, mono)
-    si, ei, reps = best_where
+    si, (bi, pos), reps = best_at
+    ei = 0
+    if si >= 0:  # the first event of the peak's block at its highest running total, as list.index finds it
+        run = list(accumulate(done[bi][0]))
+        ei = pos + run.index(done[bi][2])
+    detail = _breakdown_at(prog, init, all_sizes, si, ei, reps, mono)
     if si < 0:
         phase, where = "forward", "start of step"
     else:

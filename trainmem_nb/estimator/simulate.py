@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..engine.breakdown import TOP_KEYS
+from ..engine.breakdown import DETAIL_KEYS, TOP_KEYS
 from ..engine.program import evaluate, peak_with_churn
 from ..model.spec import ModelSpec
 from ..parallel.ranks import RankMemory
@@ -28,6 +28,8 @@ from .result import MemoryEstimate
 
 __all__ = ['simulate']
 
+_TOP_OF = {k: k.split("/")[0] for k in DETAIL_KEYS}  # each detailed category's top-level one
+
 
 def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = None,
              parallel: ParallelSpec | None = None, backend: str | None = None) -> MemoryEstimate:
@@ -41,7 +43,7 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
     ev = evaluate(prog, t.micro_batch, t.seq_len)
     tops = dict.fromkeys(TOP_KEYS, 0)
     for k, v in ev.detail.items():
-        tops[k.split("/")[0]] += v
+        tops[_TOP_OF[k]] += v
     paged = paged_state_bytes(m, t) if t.device is Device.CUDA else 0
     replay = None
     load_trace = loading_events(m, t)

@@ -5,6 +5,7 @@ kernels, fine-tuning method), validated and frozen.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import lru_cache
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
@@ -156,6 +157,8 @@ class TrainingSpec(SpecModel):
 
     @model_validator(mode="after")
     def _check_alloc_conf(self) -> TrainingSpec:
+        if not self.alloc_conf:  # the default configuration: nothing to parse
+            return self
         from .alloc_conf import parse_alloc_conf
 
         try:
@@ -169,7 +172,8 @@ class TrainingSpec(SpecModel):
     def _apply_stack(self) -> TrainingSpec:
         # like the precision's default: what the stack sets stays out of model_fields_set, so a spec
         # rebuilt with another stack follows the new one
-        object.__setattr__(self, "versions", ",".join(f"{k}={v}" for k, v in parse_versions(self.versions).items()))
+        if self.versions:
+            object.__setattr__(self, "versions", ",".join(f"{k}={v}" for k, v in parse_versions(self.versions).items()))
         for key, applied in self.resolved_stack.options.items():
             if key not in self.STACK_OPTIONS:
                 raise SpecError(f"stack {self.stack!r} sets {key!r}, which a stack cannot set; it may set "
@@ -252,6 +256,12 @@ class TrainingSpec(SpecModel):
         return 4 if self.precision is Precision.FP32 else 2
 
 
+@lru_cache(maxsize=1)
+def _training_fields() -> frozenset[str]:
+    """`TrainingSpec`'s field names (read once: every estimate checks its options against them)."""
+    return frozenset(TrainingSpec.model_fields)
+
+
 def build_training(training: TrainingSpec | Mapping[str, Any] | None = None, **options: Any) -> TrainingSpec:
     """A validated `TrainingSpec` from a spec, a dict and/or keyword options (keywords win)."""
     if isinstance(training, TrainingSpec) and not options:
@@ -267,7 +277,7 @@ def build_training(training: TrainingSpec | Mapping[str, Any] | None = None, **o
     given = {k: data.pop(k) for k in COMPONENTS if k in data}  # torch="1.13": one component's version
     if given:
         data["versions"] = {**parse_versions(data.get("versions")), **given}
-    unknown = sorted(set(data) - set(TrainingSpec.model_fields))
+    unknown = sorted(set(data) - _training_fields())
     if unknown:
         valid = sorted(TrainingSpec.model_fields)
         raise SpecError(

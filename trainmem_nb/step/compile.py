@@ -428,8 +428,18 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     shape = ({} if t.loss_impl in (LossImpl.LIGER, LossImpl.CHUNKED) else
              {"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq})
     # the stack shapes the program only through the options it sets; the CUDA context is not in it
-    key = t.model_copy(update={**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": "", "stack": "",
-                               "versions": "", "cuda_lazy_loading": True})
+    update = {**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": "", "stack": "", "versions": "",
+              "cuda_lazy_loading": True}
+    # one key object per distinct key: a new spec of a new batch shape finds it without copying the spec
+    # (every estimate builds its own spec), and the program cache then matches it by identity (a spec's
+    # __dict__ holds its fields alone, in their order)
+    values = {**t.__dict__, **update}
+    sig = tuple(values.values())
+    key = _KEY_OBJECTS.get(sig)
+    if key is None:
+        if len(_KEY_OBJECTS) >= 256:
+            _KEY_OBJECTS.clear()
+        key = _KEY_OBJECTS[sig] = t.model_copy(update=update)
     if len(_KEYS) >= 64:
         _KEYS.clear()
     _KEYS[id(t)] = (t, window, key)  # holding `t` keeps its id from being reused while it is here
@@ -437,3 +447,4 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
 
 
 _KEYS: dict[int, tuple[TrainingSpec, int, TrainingSpec]] = {}
+_KEY_OBJECTS: dict[tuple[object, ...], TrainingSpec] = {}
