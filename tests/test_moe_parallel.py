@@ -120,3 +120,4 @@ def test_deepseek_v3_trains_with_its_own_expert_parallel_degree() -> None:
     with pytest.raises(tm.SpecError, match=r"ep=64 must divide the ranks ZeRO/FSDP shards over \(8\)"):
         tm.estimate("deepseek-v3", micro_batch=1, seq_len=4096, engine="fsdp", zero=3, hybrid_shard=True,
                     gpus=256, nodes=32, ep=64)
+

@@ -678,3 +678,26 @@ def test_reserved_is_the_steps_high_water_mark_so_it_does_not_fall_while_allocat
     for e in (two, three):  # never below the value at the allocated peak
         churn = e.breakdown_bytes["activations"] + e.breakdown_bytes["transient"]
         assert e.peak_reserved_bytes >= e.peak_allocated_bytes + RESERVED_CHURN_FRACTION * churn
+
+
+def test_qlora_quantization_state_stays_whole_on_every_fsdp_rank_and_on_the_gpu_when_offloading() -> None:
+    """bitsandbytes keeps an NF4 weight's absmax, nested absmax and code in ``quant_state``, an attribute FSDP
+    neither shards nor offloads: every rank holds all of it, however many ranks there are (issue 14)."""
+    from trainmem_nb.model.params import weight_tensors
+    from trainmem_nb.model.presets import get_model
+    from trainmem_nb.parallel.ranks import nf4_parts
+    from trainmem_nb.spec.training import TrainingSpec
+
+    m = get_model("llama-2-7b")
+    t = TrainingSpec(method="qlora", micro_batch=1, seq_len=1024, checkpointing="full")
+    state = sum(parts[1] * p.count for p, dt, _ in weight_tensors(m, t) if (parts := nf4_parts(p, dt)))
+    packed = sum(-(-parts[0] // 8) // 512 * 512 * p.count for p, dt, _ in weight_tensors(m, t)
+                 if (parts := nf4_parts(p, dt)))
+    assert 50 * 2**20 < state < 200 * 2**20
+    weights = {g: tm.estimate(m, t, gpus=g, engine="fsdp", zero=3).detail_bytes["weights/params"] for g in (2, 4, 8)}
+    # what shrinks with the ranks is the rest: doubling the ranks halves it, the state stays
+    assert weights[2] - state == pytest.approx(2 * (weights[4] - state), rel=0.01)
+    assert weights[4] - state == pytest.approx(2 * (weights[8] - state), rel=0.01)
+    assert weights[8] - state >= packed
+    offloaded = tm.estimate(m, t, gpus=8, engine="fsdp", zero=3, offload="optimizer+params")
+    assert offloaded.detail_bytes["weights/params"] == state

@@ -20,6 +20,7 @@ from .ranks import (
     DS_STAGE3_PERSISTENCE,
     _partition,
     _trainable,
+    nf4_parts,
     shard_world,
 )
 
@@ -78,10 +79,10 @@ class DeepSpeedHooks(EngineHooks):
         out: list[tuple[int, int]] = []
         for p, dt, _train in weights:
             shard_p = shard_world(p, self.world, self.ep) if self.zero >= 3 else 1
-            if dt < 1:  # an NF4 weight (`trainmem_nb.model.params.nf4_bytes`): packed 4-bit values + state
-                packed = -(-p.numel // 2)
-                out.append((part(packed, shard_p), p.count))
-                out.append((round(dt * p.numel) - _round(packed), p.count))
+            nf4 = nf4_parts(p, dt)
+            if nf4 is not None:  # packed 4-bit values, partitioned; the quantization state, whole
+                out.append((part(nf4[0], shard_p), p.count))
+                out.append((nf4[1], p.count))
             else:
                 out.append((part(p.numel, shard_p) * self.model_dt, p.count))
         return out

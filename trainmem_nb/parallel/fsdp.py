@@ -16,7 +16,7 @@ from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.optimizers import optimizer_program
-from .ranks import _CAT, _held, _padded_shard, _Param, _row_shard, _sharded_states, layer_units, shard_world
+from .ranks import _CAT, _held, _padded_shard, _Param, _row_shard, _sharded_states, layer_units, nf4_parts, shard_world
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class FSDP2Hooks(EngineHooks):
         return self.param_dt or dt
 
     def _gathered_bytes(self, q: _Param) -> int:
-        return (q.world or self.world) * q.shard * (self.param_dt or q.dt)
+        # the policy's param_dtype casts floating parameters; QLoRA's packed 4-bit storage (1 B) is gathered as is
+        return (q.world or self.world) * q.shard * (self.param_dt if self.param_dt and q.dt >= 2 else q.dt)
 
     def _all_gather_output(self, g: Graph, unit: str, label: str) -> T:
         # one flat buffer per unit (uint8 when the unit's dtypes differ): every rank's shards
@@ -239,16 +240,29 @@ class FSDP2Hooks(EngineHooks):
         return [(n, c) for n, c in ((self._grad_shard_bytes(unit), count) for unit, count in counts) if n]
 
     def param_shards(self, weights: list[Any]) -> list[tuple[int, int]]:
-        """(bytes, count) of the rank's parameter shards: rank 0's padded dim-0 chunk of each parameter."""
-        return [(_padded_shard(p, shard_world(p, self.world, self.ep)) * dt, p.count) for p, dt, _trainable in weights]
+        """(bytes, count) of the rank's parameter shards: rank 0's padded dim-0 chunk of each parameter (of a
+        QLoRA weight, of its packed 4-bit storage)."""
+        out = []
+        for p, dt, _trainable in weights:
+            nf4 = nf4_parts(p, dt)
+            world = shard_world(p, self.world, self.ep)
+            out.append((-(-nf4[0] // world) if nf4 else _padded_shard(p, world) * dt, p.count))
+        return out
+
+    @staticmethod
+    def replicated(weights: list[Any]) -> list[tuple[int, int]]:
+        """(bytes, count) of what every rank holds whole and on the GPU: QLoRA's quantization states (`nf4_parts`)."""
+        return [(nf4[1], p.count) for p, dt, _t in weights if (nf4 := nf4_parts(p, dt)) is not None]
 
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
+        kept: list[tuple[str, Sz, int]] = [("weights/params", const(n), c) for n, c in self.replicated(weights)]
         if self.offload:
             # CPUOffloadPolicy: the parameter shards, their gradients and the optimizer states live in
-            # host memory (`trainmem_nb.parallel.layout._host_bytes`); nothing of them is on the GPU
-            # before the step
-            return []
+            # host memory (`trainmem_nb.parallel.layout._host_bytes`); nothing of them but QLoRA's
+            # quantization states is on the GPU before the step
+            return kept
         out: list[tuple[str, Sz, int]] = [("weights/params", const(n), c) for n, c in self.param_shards(weights)]
+        out += kept
         if self.pipelined:
             # every parameter of the stage stays gathered from the first micro-batch's forward to
             # perform_reduce_grad: torchtitan does not reshard after forward under PP (parallelize.py,

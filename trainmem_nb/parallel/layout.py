@@ -9,7 +9,7 @@ from typing import Any
 
 from ..engine.program import CAT_INDEX, Program, Segment, _round, _segment
 from ..engine.tape import Sz
-from ..model.params import on_stage, weight_tensors
+from ..model.params import ParamTensor, on_stage, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.choices import Checkpointing, Device, Precision
 from ..spec.parallel import Engine, Offload, ParallelSpec
@@ -21,7 +21,7 @@ from .deepspeed import DeepSpeedHooks
 from .fsdp import FSDP2Hooks
 from .fsdp1 import FSDP1Hooks, flat_units
 from .megatron import MegatronHooks
-from .ranks import _held, _padded_shard, _Param, _partition, _row_shard, _units, shard_world
+from .ranks import _held, _padded_shard, _Param, _partition, _row_shard, _units, nf4_parts, shard_world
 
 
 def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
@@ -130,9 +130,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     if p.engine is Engine.FSDP and p.zero >= 2:
         world = p.shard_degree
         mixed = t.mixed
-        units = tuple((name, tuple(_Param(_padded_shard(w[0], shard_world(w[0], world, p.ep)), w[2], w[1], w[0].numel,
-                                          shard_world(w[0], world, p.ep)) for w in ws))
-                      for name, ws in _units(weights, m).items())
+        units = tuple((name, tuple(_fsdp_param(w, world, p.ep) for w in ws)) for name, ws in _units(weights, m).items())
         # torch.distributed.pipelining with FSDP2 stages (not with CPU offload, which is not modelled there)
         pipelined = p.pp > 1 and p.offload is Offload.NONE
         # the recipe of torchtitan and accelerate: MixedPrecisionPolicy(param_dtype=16-bit,
@@ -156,6 +154,18 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
                              **stage)
     zero = p.zero if p.engine is Engine.DDP else 0
     return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, ep=p.ep, **stage)
+
+
+def _fsdp_param(w: tuple[ParamTensor, int, bool], world: int, ep: int) -> _Param:
+    """One parameter as FSDP2 shards and gathers it: rank 0's padded dim-0 chunk (routed experts over
+    their own group, `shard_world`); of a QLoRA weight, its packed 4-bit storage (1 byte per element) alone,
+    its quantization state staying whole on every rank (`nf4_parts`, `FSDP2Hooks.replicated`)."""
+    p, dt, trainable = w
+    ws = shard_world(p, world, ep)
+    nf4 = nf4_parts(p, dt)
+    if nf4 is not None:
+        return _Param(-(-nf4[0] // ws), trainable, 1, nf4[0], ws)
+    return _Param(_padded_shard(p, ws), trainable, dt, p.numel, ws)
 
 
 def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> int:

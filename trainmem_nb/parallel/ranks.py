@@ -50,6 +50,18 @@ class RankMemory(NamedTuple):
         return self._asdict()
 
 
+def nf4_parts(p: ParamTensor, dt: float) -> tuple[int, int] | None:
+    """A QLoRA NF4 weight (bytes per element below 1, `trainmem_nb.model.params.nf4_bytes`) as (its packed
+    4-bit values, its quantization state) in bytes, else None. bitsandbytes' ``Params4bit`` holds the packed
+    values as its storage and the state (absmax, nested absmax, code, offset) as a ``quant_state`` attribute,
+    no parameter: FSDP and ZeRO-3 shard the storage and leave the state whole on every rank (and on the GPU
+    when they offload)."""
+    if dt >= 1:
+        return None
+    packed = -(-p.numel // 2)
+    return packed, round(dt * p.numel) - -(-packed // 512) * 512
+
+
 def _padded_shard(p: ParamTensor, world: int) -> int:
     """FSDP2's per-rank shard of one parameter: dim 0 chunked into `world` pieces, padded to the largest
     (rank 0's; a later rank's unpadded shard can be smaller: rank 0 is the worst)."""
