@@ -824,3 +824,25 @@ def test_the_readme_states_the_published_figures_as_they_are() -> None:
     gaps = sum(bool(c.xfail) for c in CASES)
     assert found.groups() == (str(len(CASES)), f"{100 * median:.1f}", f"{100 * p90:.1f}", str(len(CASES) - gaps),
                               str(gaps))
+
+
+def test_the_readme_says_how_the_replay_changed_each_reserved_figure() -> None:
+    """Issue 15: the README's table of reserved and nvidia-smi figures, with the churn model and with the
+    allocator replayed, is what the estimator gives now (`scripts/published_replay.py` prints it)."""
+    from trainmem_nb.step.reserved import screening
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    shown = {cid: (before, after) for cid, before, after in
+             re.findall(r"^\| `([a-z0-9.\-]+)` \| ([+-]\d+\.\d%) \| ([+-]\d+\.\d%) \|", readme, re.M)}
+    reserved = [c for c in CASES if c.kind != ALLOCATED]
+    assert set(shown) == {c.id for c in reserved}
+
+    def error(case: Published) -> str:
+        e = tm.estimate(**case.config, **case.stack)
+        got = e.peak_reserved_bytes if case.kind == RESERVED else e.device_total_bytes
+        return f"{(got - case.value_bytes) / case.value_bytes:+.1%}"
+
+    for case in reserved:
+        with screening():
+            before = error(case)
+        assert shown[case.id] == (before, error(case)), case.id
