@@ -3,8 +3,10 @@
 Prints, in the kernel's terms (no browser):
 - slider -> redrawn chart: the time from setting a slider's value to the explorer holding the new PNG,
   verdict and numbers (re-estimate, planner fit, in-place redraw, PNG encode), median and 90th percentile,
-  wall clock and CPU (goal: median wall <= 100 ms);
-- tm.sweep of 10,000 combinations into a DataFrame (goal <= 1 s);
+  wall clock and CPU (goal: median wall <= 100 ms), for llama-3-8b and for DeepSeek-V3's 61 MLA layers
+  (a batch shape seen for the first time replays the caching allocator: ~0.13 s for DeepSeek-V3);
+- tm.sweep of 10,000 combinations into a DataFrame, allocated bytes (``replay=False``: the reserved columns
+  would replay the allocator for every batch shape, tens of ms each; `bench_estimate.py` times that) (goal <= 1 s);
 - the machine's load average, since the CPU may be shared.
 
 Run: python benchmarks/bench_widgets.py   (MPLBACKEND=Agg is set here)
@@ -66,6 +68,20 @@ def main() -> None:
     walls, cpus = _time(move_seq, 36)
     print(_line("slider -> redrawn chart, sequence length", walls, cpus, GOAL_REDRAW_S))
 
+    # a 61-layer MLA model (DeepSeek-V3): a batch shape seen for the first time replays its allocator
+    big = tm.explore("deepseek-v3", gpu="H100", micro_batch=1, seq_len=2048, checkpointing="full")
+    big_seq = big.controls["seq_len"]
+    big_options = [s for s in big_seq.options if 256 <= s <= 16384]
+
+    def move_big_seq(i: int) -> None:
+        value = big_options[i % len(big_options)]
+        big_seq.value = value if big_seq.value != value else big_options[0]
+
+    walls, cpus = _time(move_big_seq, len(big_options))
+    print(_line("deepseek-v3: sequence length, first visits", walls, cpus, GOAL_REDRAW_S))
+    walls, cpus = _time(move_big_seq, 2 * len(big_options))
+    print(_line("deepseek-v3: sequence length, revisits", walls, cpus, GOAL_REDRAW_S))
+
     size = app.controls["params"]
     app.set(model=7e9)
     values = [1e8, 1e9, 7e9, 7e10, 4e11]
@@ -88,11 +104,11 @@ def main() -> None:
     from trainmem_nb.step.compile import compile_step
 
     compile_step.cache_clear()
-    walls, cpus = _time(lambda i: tm.sweep("llama-3.1-8b", **grid), 1)
-    print(_line(f"tm.sweep, {n:,} combinations (cold: 25 compiles)", walls, cpus, GOAL_SWEEP_S))
-    walls, cpus = _time(lambda i: tm.sweep("llama-3.1-8b", **grid), 3)
-    print(_line(f"tm.sweep, {n:,} combinations (warm)", walls, cpus, GOAL_SWEEP_S))
-    assert len(tm.sweep("llama-3.1-8b", **grid)) == n
+    walls, cpus = _time(lambda i: tm.sweep("llama-3.1-8b", replay=False, **grid), 1)
+    print(_line(f"tm.sweep(replay=False), {n:,} rows (cold: 25 compiles)", walls, cpus, GOAL_SWEEP_S))
+    walls, cpus = _time(lambda i: tm.sweep("llama-3.1-8b", replay=False, **grid), 3)
+    print(_line(f"tm.sweep(replay=False), {n:,} rows (warm)", walls, cpus, GOAL_SWEEP_S))
+    assert len(tm.sweep("llama-3.1-8b", replay=False, **grid)) == n
 
 
 if __name__ == "__main__":
