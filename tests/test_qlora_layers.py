@@ -121,3 +121,39 @@ def test_the_adapter_allocates_what_peft_4bit_layer_allocates_on_cpu() -> None:
     labels = [label for label, _ in ours]
     ours = ours[labels.index("self_attn.q_proj result.clone()"):]
     assert [n for _, n in ours] == [n for _, n in real], (ours, real)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes and peft (the measure extra)")
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "qwen3-30b-a3b", "olmo-2-1b", "gemma-2-2b", "gemma-3-1b", "phi-1.5",
+                                  "starcoder2-3b", "granite-3.1-2b", "smollm3-3b", "gpt-oss-20b", "deepseek-v3"])
+def test_the_families_4bit_layout_is_what_transformers_quantizes(name: str) -> None:
+    """QLoRA's parameter layout of each family of issue 12 (which weights are NF4) against transformers' own
+    bitsandbytes quantizer run on the model built on the meta device: every nn.Linear but the head and the
+    modules a family keeps in fp32; MoE expert stacks (3-D parameters) and routers as their classes are."""
+    import warnings
+
+    import bitsandbytes as bnb
+    import torch
+    from transformers import BitsAndBytesConfig
+    from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+
+    from trainmem_nb.measure.models import hf_config_object, hf_model_class
+    from trainmem_nb.model.hf_config import to_hf_config
+
+    full = get_model(name)
+    m = full.layer_slice(2, 4) if full.dense_layers else full.layer_slice(0, 2)  # DeepSeek-V3: two MoE layers
+    t = TrainingSpec(method="qlora", micro_batch=1, seq_len=64)
+    ours = {p.name.removeprefix("layers.").removesuffix(".weight") for p, dt, _ in weight_tensors(m, t) if dt < 1}
+    cfg = to_hf_config(m)
+    cls = hf_model_class(cfg["model_type"], cfg.get("architectures"))
+    with warnings.catch_warnings(), torch.device("meta"):
+        warnings.simplefilter("ignore")
+        model = cls.from_config(hf_config_object(cfg)) if hasattr(cls, "from_config") else cls(hf_config_object(cfg))
+        Bnb4BitHfQuantizer(BitsAndBytesConfig(load_in_4bit=True))._process_model_before_weight_loading(model, None)
+    theirs = set()
+    for module, layer in model.named_modules():
+        if isinstance(layer, bnb.nn.Linear4bit):
+            parts = module.split(".")
+            theirs.add(".".join(parts[parts.index("layers") + 2:]) if "layers" in parts else module)
+    assert ours == theirs
