@@ -121,3 +121,11 @@ def test_deepseek_v3_trains_with_its_own_expert_parallel_degree() -> None:
         tm.estimate("deepseek-v3", micro_batch=1, seq_len=4096, engine="fsdp", zero=3, hybrid_shard=True,
                     gpus=256, nodes=32, ep=64)
 
+
+
+def test_expert_parallel_ranks_load_their_own_experts_sharded_over_their_group() -> None:
+    # each rank loads its n_experts / ep experts, sharded over the shard_degree / ep ranks holding them: what
+    # it loads is what it holds, whatever ep is (it loaded 1/ep of its experts' share)
+    for ep in (1, 8):
+        est = tm.estimate("mixtral-8x7b", micro_batch=1, seq_len=1024, engine="fsdp", zero=3, gpus=16, nodes=2, ep=ep)
+        assert est.load_peak_bytes == pytest.approx(est.detail_bytes["weights/params"], rel=0.001), ep

@@ -108,13 +108,31 @@ def test_fsdp1_keeps_unsharded_gradients_of_frozen_and_trained_parameters_that_f
     (dict(precision="bf16-mixed"), "MixedPrecision policies are not modelled"),
     (dict(method="lora", precision="bf16-true"), "use lora_dtype='base'"),
     (dict(method="lora", lora_dtype="base", precision="bf16-true", use_orig_params=False), "use_orig_params=True"),
-    (dict(method="qlora"), "QLoRA's 4-bit weights under FSDP1"),
+    (dict(method="qlora"), "QLoRA: its 4-bit weights under FSDP1"),
+    (dict(model="deepseek-v3", precision="bf16-true"), "dense and MoE layers"),
+    (dict(model="deepseek-v3", precision="bf16-true", dense_layers=()), "an fp32 router"),
 ])
 def test_fsdp1_combinations_it_does_not_model_are_refused_with_what_works(opts: dict, message: str) -> None:
+    model = opts.pop("model", "llama-3.2-1b")
+    if "dense_layers" in opts:  # a DeepSeek-V3 of MoE layers alone: one kind of layer, its router in fp32
+        from trainmem_nb.model.presets import get_model
+
+        model = ModelSpec.model_validate({**get_model(model).model_dump(), "n_layers": 4, "dense_layers": ()})
+        opts.pop("dense_layers")
     with pytest.raises(tm.SpecError, match=re.escape(message)):
-        tm.estimate("llama-3.2-1b", fsdp_version=1, gpus=2, engine="fsdp", zero=3, **opts)
+        tm.estimate(model, fsdp_version=1, gpus=2, engine="fsdp", zero=3, **opts)
     with pytest.raises(tm.SpecError, match="fsdp_version=1 is an option of engine='fsdp'"):
         tm.estimate("llama-3.2-1b", fsdp_version=1, gpus=2, zero=3)
+
+
+def test_a_stacks_fsdp1_where_it_is_not_modelled_counts_fsdp2_and_says_so() -> None:
+    """lit-gpt's stack runs FSDP1; a full fine-tune under bf16-mixed (FSDP1's MixedPrecision) is counted as FSDP2
+    with a note, instead of refusing a run the user did not ask to be FSDP1."""
+    opts = dict(gpus=2, engine="fsdp", zero=3, precision="bf16-mixed")
+    with_stack = tm.estimate("llama-3.2-1b", stack="litgpt", **opts)
+    assert any("runs FSDP1" in line and "counted as FSDP2" in line for line in with_stack.summary().splitlines())
+    assert with_stack.peak_allocated_bytes == tm.estimate("llama-3.2-1b", stack="litgpt", fsdp_version=2,
+                                                          **opts).peak_allocated_bytes
 
 
 @pytest.mark.parametrize("opts", [dict(precision="fp32"), dict(precision="bf16-mixed"),
@@ -680,7 +698,7 @@ def test_reserved_is_the_steps_high_water_mark_so_it_does_not_fall_while_allocat
         assert e.peak_reserved_bytes >= e.peak_allocated_bytes + RESERVED_CHURN_FRACTION * churn
 
 
-def test_qlora_quantization_state_stays_whole_on_every_fsdp_rank_and_on_the_gpu_when_offloading() -> None:
+def test_qlora_quantization_state_stays_whole_on_every_sharded_rank_and_on_the_gpu_when_offloading() -> None:
     """bitsandbytes keeps an NF4 weight's absmax, nested absmax and code in ``quant_state``, an attribute FSDP
     neither shards nor offloads: every rank holds all of it, however many ranks there are (issue 14)."""
     from trainmem_nb.model.params import weight_tensors
@@ -699,5 +717,6 @@ def test_qlora_quantization_state_stays_whole_on_every_fsdp_rank_and_on_the_gpu_
     assert weights[2] - state == pytest.approx(2 * (weights[4] - state), rel=0.01)
     assert weights[4] - state == pytest.approx(2 * (weights[8] - state), rel=0.01)
     assert weights[8] - state >= packed
-    offloaded = tm.estimate(m, t, gpus=8, engine="fsdp", zero=3, offload="optimizer+params")
-    assert offloaded.detail_bytes["weights/params"] == state
+    for engine in ("fsdp", "deepspeed"):  # both leave the states on the GPU when they offload the parameters
+        offloaded = tm.estimate(m, t, gpus=8, engine=engine, zero=3, offload="optimizer+params")
+        assert offloaded.detail_bytes["weights/params"] == state, engine

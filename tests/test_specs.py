@@ -63,6 +63,9 @@ def test_an_unsupported_config_with_llamas_keys_is_offered_a_stand_in_of_its_own
                                         rf"has {stand_in / 1e9:.3g}B parameters.*params={stand_in / 1e9:.3g}e9") as e:
         ModelSpec.from_hf_config(cfg)
     assert "\n" not in str(e.value)
+    # a mixture-of-experts config gets no dense stand-in (it would count a fraction of the model)
+    with pytest.raises(SpecError, match=r"to estimate anyway, pass its parameter count"):
+        ModelSpec.from_hf_config({**cfg, "model_type": "qwen2_moe", "num_experts": 60, "moe_intermediate_size": 1408})
 
 
 @pytest.mark.parametrize("arch", ["LlamaForTokenClassification", "BertForTokenClassification"])

@@ -19,6 +19,13 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
     recipe, QLoRA leaving an MoE model's fused expert tensors unquantized, FSDP ranks outnumbering the
     experts, SDPA counted as eager where transformers has none (Gemma 2), Gemma 3's vision tower left out."""
     notes = []
+    if p is not None and p.engine is Engine.FSDP and t.fsdp_version == 1 and "fsdp_version" not in t.model_fields_set:
+        from ..parallel.checks import fsdp1_gap
+
+        gap = fsdp1_gap(m, t, p)
+        if gap:
+            notes.append(f"the stack {t.stack!r} runs FSDP1 (FullyShardedDataParallel), not modelled with {gap}: "
+                         "counted as FSDP2 (fully_shard)")
     if p is not None and p.engine is Engine.FSDP and m.is_moe and p.shard_degree // p.ep > m.n_experts // p.ep:
         notes.append(
             f"FSDP over {p.shard_degree // p.ep} ranks per expert stack with {m.n_experts // p.ep} experts per "

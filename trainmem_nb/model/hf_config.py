@@ -68,7 +68,10 @@ def spec_kwargs_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
 def stand_in_kwargs(cfg: Mapping[str, Any]) -> dict[str, Any] | None:
     """A Llama of an unsupported config's own dimensions (LlamaConfig's keys: ``hidden_size``,
     ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size``, ``vocab_size``), or None when
-    the config does not name them: the stand-in an error suggests, never used silently."""
+    the config does not name them, or names experts (a dense stand-in would count a fraction of an MoE
+    model): the stand-in an error suggests, never used silently."""
+    if any(cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_intermediate_size")):
+        return None
     try:
         kw = READERS[Family.LLAMA](cfg, Family.LLAMA)
     except SpecError:

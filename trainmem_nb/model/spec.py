@@ -337,10 +337,13 @@ def _estimate_anyway(cls: type[ModelSpec], data: Mapping[str, Any]) -> str:
     if not kw or not n:
         return ("to estimate anyway, pass its parameter count (tm.estimate(params=7e9), --params 7e9: a Llama-shaped "
                 "stand-in) or a ModelSpec(family='llama', ...) of its dimensions")
+    from ..units import format_count
+
+    count = f"{n / 1e9:.3g}e9" if n >= 1e8 else f"{n:.3g}"
     return (f"to estimate anyway, a Llama of its dimensions ({kw['n_layers']} layers, hidden {kw['hidden']}, "
-            f"ffn {kw['ffn']}, vocab {kw['vocab']}) has {n / 1e9:.3g}B parameters: copy the config with "
+            f"ffn {kw['ffn']}, vocab {kw['vocab']}) has {format_count(n)} parameters: copy the config with "
             "\"model_type\": \"llama\" if its layers are Llama's (RMSNorm, rotary, SwiGLU), or pass "
-            f"params={n / 1e9:.3g}e9 (--params {n / 1e9:.3g}e9) for a Llama-shaped stand-in")
+            f"params={count} (--params {count}) for a Llama-shaped stand-in")
 
 
 def _divisors_near(n: int, near: int) -> str:

@@ -9,7 +9,7 @@ from ..spec.choices import Method
 from ..spec.parallel import Engine, ParallelSpec, PipelineSchedule
 from ..spec.training import TrainingSpec
 
-__all__ = ['CP_CHUNKS_PER_RANK', 'check_layout', 'keeps_grads_modelled']
+__all__ = ['CP_CHUNKS_PER_RANK', 'check_layout', 'fsdp1_gap', 'keeps_grads_modelled', 'runs_fsdp1']
 
 
 def keeps_grads_modelled(p: ParallelSpec) -> bool:
@@ -33,7 +33,7 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
     would work instead."""
     if t is not None:
         _check_context_parallel(t, p)
-        _check_fsdp1(t, p)
+        _check_fsdp1(m, t, p)
         if t.method is Method.QLORA and p.engine is Engine.MEGATRON:
             # Megatron-LM builds its own 16-bit layers (megatron/core/transformer) and has no bitsandbytes
             # path; QLoRA is a transformers + peft + bitsandbytes recipe
@@ -80,38 +80,56 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
                             "shards over shard_degree / ep ranks; use an ep that divides it")
 
 
-def _check_fsdp1(t: TrainingSpec, p: ParallelSpec) -> None:
-    """FSDP1 (`trainmem_nb.parallel.fsdp1`) is modelled for FULL_SHARD and SHARD_GRAD_OP over data (and
-    context-free) parallel ranks, with the parameters' own dtype: say so for anything else."""
-    given = t.model_fields_set & {"fsdp_version", "use_orig_params"}
-    if p.engine is not Engine.FSDP:
-        if given and t.fsdp_version == 1:
-            raise SpecError(f"fsdp_version=1 is an option of engine='fsdp' (got engine={p.engine.value!r})")
-        return
-    if t.fsdp_version != 1:
-        return
-    why = ""
+def fsdp1_gap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> str:
+    """Why FSDP1 (`trainmem_nb.parallel.fsdp1`) is not modelled for this step, or "" when it is: FULL_SHARD
+    and SHARD_GRAD_OP over data-parallel ranks, in the parameters' own dtype, one dtype and one kind of layer
+    per model."""
+    from ..model.params import weight_tensors
+
     if t.mixed:
-        why = (f"precision={t.precision.value!r}: FSDP1's MixedPrecision policies are not modelled; use "
-               "'bf16-true' or 'fp32' (what Fabric's 'bf16-true' runs)")
-    elif p.pp > 1 or p.tp > 1 or p.cp > 1 or p.ep > 1 or p.offload.value != "none":
-        why = "only data-parallel sharding is modelled (pp, tp, cp, ep = 1 and no offload)"
-    elif p.zero < 2:
-        why = f"zero={p.zero}: use zero=3 (FULL_SHARD) or zero=2 (SHARD_GRAD_OP)"
-    elif t.method is Method.QLORA:
-        why = "QLoRA's 4-bit weights under FSDP1 (bnb_4bit_quant_storage, replicated quant_state) are not modelled"
-    elif t.method is Method.LORA and not t.use_orig_params:
-        why = ("LoRA and use_orig_params=False: a FlatParameter needs uniform requires_grad, so the adapters would be "
-               "FSDP units of their own (peft's fsdp_auto_wrap_policy), which is not modelled; use use_orig_params=True")
-    elif t.method is Method.LORA and t.lora_dtype.value == "fp32" and t.param_bytes != 4:
-        why = ("a FlatParameter holds one dtype, and peft's fp32 adapters sit in 16-bit layers: use lora_dtype='base' "
-               "(adapters in the base dtype, as Fabric's init_module builds them) or use_orig_params=False")
-    elif not t.zero_grad_set_to_none:
-        why = "torch < 2.0's zero_grad (set_to_none=False) is not modelled with it"
-    elif t.optimizer.value == "paged-adamw":
-        why = "a paged optimizer's unified-memory states are not modelled with it"
+        return (f"precision={t.precision.value!r}: FSDP1's MixedPrecision policies are not modelled; use 'bf16-true' "
+                "or 'fp32' (what Fabric's 'bf16-true' runs)")
+    if p.pp > 1 or p.tp > 1 or p.cp > 1 or p.ep > 1 or p.offload.value != "none":
+        return "pp, tp, cp or ep > 1 or offload: only data-parallel sharding is modelled"
+    if p.zero < 2:
+        return f"zero={p.zero}: use zero=3 (FULL_SHARD) or zero=2 (SHARD_GRAD_OP)"
+    if t.method is Method.QLORA:
+        return "QLoRA: its 4-bit weights under FSDP1 (bnb_4bit_quant_storage, LoRA units of their own) are not modelled"
+    if t.method is Method.LORA and not t.use_orig_params:
+        return ("LoRA and use_orig_params=False: a FlatParameter needs uniform requires_grad, so the adapters would be "
+                "FSDP units of their own (peft's fsdp_auto_wrap_policy), which is not modelled; use use_orig_params=True")
+    if t.method is Method.LORA and t.lora_dtype.value == "fp32" and t.param_bytes != 4:
+        return ("peft's fp32 adapters in 16-bit blocks: a FlatParameter holds one dtype (torch refuses to flatten "
+                "both); use lora_dtype='base', the adapters in the base dtype, as Fabric's init_module builds them")
+    if len({k.moe for k in m.layer_kinds}) > 1:
+        return f"{m.name}'s dense and MoE layers: FSDP1 is modelled for models whose layers are alike"
+    if len({dt for _p, dt, _t in weight_tensors(m, t)}) > 1:
+        return (f"{m.name} keeps some parameters in another dtype (an fp32 router): torch's FSDP1 flattens one dtype "
+                "per FlatParameter")
+    if not t.zero_grad_set_to_none:
+        return "torch < 2.0's zero_grad (set_to_none=False), which is not modelled with it"
+    if t.optimizer.value == "paged-adamw":
+        return "a paged optimizer, whose unified-memory states are not modelled with it"
+    return ""
+
+
+def runs_fsdp1(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> bool:
+    """Is the step modelled as FSDP1: ``engine='fsdp'`` with ``fsdp_version=1`` where FSDP1 is modelled? A stack's
+    FSDP1 where it is not (`fsdp1_gap`) is modelled as FSDP2, and the estimate's notes say so."""
+    return p.engine is Engine.FSDP and t.fsdp_version == 1 and not fsdp1_gap(m, t, p)
+
+
+def _check_fsdp1(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> None:
+    """An FSDP1 the user asked for (``fsdp_version=1`` given, not a stack's) that is not modelled is refused,
+    saying why and what works."""
+    if "fsdp_version" not in t.model_fields_set or t.fsdp_version != 1:
+        return
+    if p.engine is not Engine.FSDP:
+        raise SpecError(f"fsdp_version=1 is an option of engine='fsdp' (got engine={p.engine.value!r})")
+    why = fsdp1_gap(m, t, p)
     if why:
-        raise SpecError(f"fsdp_version=1 (FullyShardedDataParallel) with {why}; or use fsdp_version=2 (fully_shard)")
+        raise SpecError(f"fsdp_version=1 (FullyShardedDataParallel) is not modelled with {why}; or use "
+                        "fsdp_version=2 (fully_shard)")
 
 
 def _check_context_parallel(t: TrainingSpec, p: ParallelSpec) -> None:

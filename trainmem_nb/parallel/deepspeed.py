@@ -72,7 +72,8 @@ class DeepSpeedHooks(EngineHooks):
         The engine casts the module to its 16-bit dtype (``engine._configure_distributed_model``:
         ``module.bfloat16()``/``half()``), which leaves QLoRA's NF4 weights packed: bitsandbytes'
         ``Params4bit`` holds integer (or ``bnb_4bit_quant_storage``) storage, not a floating tensor, and its
-        quantization state is no parameter. ZeRO-3 partitions the packed storage; the state stays whole."""
+        quantization state is no parameter: ZeRO-3 partitions the packed storage, and the state stays whole
+        on the GPU (`replicated`)."""
         def part(numel: int, shard_p: int) -> int:
             return -(-numel // shard_p) if numel >= DS_STAGE3_PERSISTENCE or shard_p == 1 else numel
 
@@ -80,18 +81,21 @@ class DeepSpeedHooks(EngineHooks):
         for p, dt, _train in weights:
             shard_p = shard_world(p, self.world, self.ep) if self.zero >= 3 else 1
             nf4 = nf4_parts(p, dt)
-            if nf4 is not None:  # packed 4-bit values, partitioned; the quantization state, whole
-                out.append((part(nf4[0], shard_p), p.count))
-                out.append((nf4[1], p.count))
-            else:
-                out.append((part(p.numel, shard_p) * self.model_dt, p.count))
+            out.append((part(nf4[0], shard_p) if nf4 else part(p.numel, shard_p) * self.model_dt, p.count))
         return out
+
+    @staticmethod
+    def replicated(weights: list[Any]) -> list[tuple[int, int]]:
+        """(bytes, count) of what every rank holds whole and on the GPU, offloaded or not: QLoRA's
+        quantization states (`nf4_parts`)."""
+        return [(nf4[1], p.count) for p, dt, _t in weights if (nf4 := nf4_parts(p, dt)) is not None]
 
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
         out: list[tuple[str, Sz, int]] = []
         world = self.world
         if self.offload != "optimizer+params":  # ZeRO-Infinity's offload_param: partitions on the host
             out += [("weights/params", const(n), c) for n, c in self.param_partitions(weights)]
+        out += [("weights/params", const(n), c) for n, c in self.replicated(weights)]
         if self.zero < 2 and t.grad_accum > 1:
             # ZeRO-0/1 accumulate into the 16-bit ``.grad`` of every trained parameter over the
             # micro-steps (`local_grads_accumulate`): a later micro-step starts with all of them, which

@@ -16,6 +16,7 @@ from ..spec.parallel import Engine, Offload, ParallelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.optimizers import paged_state_bytes, state_bytes
+from .checks import runs_fsdp1
 from .ddp import DDPHooks
 from .deepspeed import DeepSpeedHooks
 from .fsdp import FSDP2Hooks
@@ -122,7 +123,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     collectives library (default: gloo on CPU, NCCL on CUDA)."""
     weights = [w for w in weight_tensors(m, t) if on_stage(w[0], m, first, last)]
     stage: dict[str, Any] = {"first_stage": first, "last_stage": last}
-    if p.engine is Engine.FSDP and p.zero >= 2 and t.fsdp_version == 1:
+    if p.zero >= 2 and runs_fsdp1(m, t, p):
         # Fabric's no_backward_sync (lit-gpt): the micro-steps before the last accumulate unsharded
         return FSDP1Hooks(world=p.shard_degree, reshard_after_forward=p.zero >= 3,
                           units=flat_units(weights, m, p.shard_degree, t.use_orig_params),

@@ -105,9 +105,12 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
             paged = paged_state_bytes(stage_model, t, stage_shard)
         # what a rank loads: its stage's layers and tensor-parallel slices, sharded where the engine shards
         # the parameters it keeps (FSDP at any stage, ZeRO-3)
-        load_share = 1.0 / p.shard_degree if (p.zero >= 3 or (p.engine is Engine.FSDP and p.zero)) else 1.0
-        loads.append(load_peak_bytes(stage_model, t, load_share))
-        load_traces.append(loading_events(stage_model, t, load_share))
+        sharded = p.zero >= 3 or (p.engine is Engine.FSDP and p.zero)
+        load_share = 1.0 / p.shard_degree if sharded else 1.0
+        # a rank's routed experts (n_experts / ep of them) shard over the shard_degree / ep ranks holding them
+        expert_share = 1.0 / max(1, p.shard_degree // p.ep) if sharded else 1.0
+        loads.append(load_peak_bytes(stage_model, t, load_share, expert_share))
+        load_traces.append(loading_events(stage_model, t, load_share, expert_share))
         replay = None
         if t.device is Device.CUDA and calibration is None and replaying() and replayable(prog, peak):
             # the allocator's replay reads every layer's events in order: the unrolled program, adjusted
@@ -118,7 +121,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
                 unrolled = _with_micro_batches_in_flight(
                     prepare(compile_step(stage_model, program_key(t, stage_model), hooks, workspace, unrolled=True)),
                     _in_flight(p, stage, t.grad_accum) - 1)
-            replay = replay_step(unrolled, *shape, t.alloc_conf, loading_events(stage_model, t, load_share),
+            replay = replay_step(unrolled, *shape, t.alloc_conf, loading_events(stage_model, t, load_share, expert_share),
                                  first_step=False)
         if replay is None:  # a GPU run's measured cache fraction overrides the replay; a search screens without it
             high_water = (peak_with_churn(prog, *shape, churn_fraction(calibration))

@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..engine.program import TimelinePoint
-from ..model.params import NF4_BLOCK, NF4_NESTED_BLOCK, NF4_NESTED_CODE_BYTES, quantized, weight_tensors
+from ..model.params import NF4_BLOCK, NF4_NESTED_BLOCK, NF4_NESTED_CODE_BYTES, quantized, routed_expert, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.training import TrainingSpec
@@ -34,19 +34,20 @@ def _block(n: float) -> int:
     return -(-n // 512) * 512 if n > 0 else 0
 
 
-def loading_events(m: ModelSpec, t: TrainingSpec, shard: float = 1.0) -> tuple[int, ...]:
+def loading_events(m: ModelSpec, t: TrainingSpec, shard: float = 1.0, expert_shard: float | None = None) -> tuple[int, ...]:
     """The device's allocations and frees while the model loads, as a replay trace (``e >= 0`` mallocs
     ``e`` bytes, ``~i`` frees allocation ``i``), every tensor freed at the end: the step's own trace then
     allocates what loading left (`trainmem_nb.engine.trace`), so what remains is the cache loading
-    leaves behind. `shard`: the fraction of each weight a rank keeps (sharded data parallelism).
+    leaves behind. `shard`: the fraction of each weight a rank keeps (sharded data parallelism);
+    `expert_shard`: of each routed expert stack, when expert parallelism shards those over fewer ranks.
     Memoised on what shapes the step program (the batch shape does not change what loads)."""
     from .compile import program_key
 
-    return _loading_events(m, program_key(t, m), shard)
+    return _loading_events(m, program_key(t, m), shard, shard if expert_shard is None else expert_shard)
 
 
 @lru_cache(maxsize=256)
-def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float) -> tuple[int, ...]:
+def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: float) -> tuple[int, ...]:
     ev: list[int] = []
     n = 0
     kept: list[int] = []
@@ -60,7 +61,7 @@ def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float) -> tuple[int, .
     qlora = t.method is Method.QLORA
     for p, pdt, _trainable in weight_tensors(m, t):
         for _ in range(p.count):
-            numel = max(1, int(p.numel * shard))
+            numel = max(1, int(p.numel * (expert_shard if routed_expert(p) else shard)))
             if qlora and quantized(p):
                 w16 = malloc(numel * 2)  # the checkpoint's 16-bit weight, moved to the GPU
                 blocks = -(-numel // NF4_BLOCK)
@@ -79,19 +80,19 @@ def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float) -> tuple[int, .
     return tuple(ev)
 
 
-def load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float = 1.0) -> int:
+def load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float = 1.0, expert_shard: float | None = None) -> int:
     """The most bytes allocated while the model loads (each storage in 512-B blocks, as the step's peak):
     its weights, and for QLoRA also the one 16-bit weight being quantized and its fp32 absmax."""
     from .compile import program_key
 
-    return _load_peak_bytes(m, program_key(t, m), shard)
+    return _load_peak_bytes(m, program_key(t, m), shard, shard if expert_shard is None else expert_shard)
 
 
 @lru_cache(maxsize=256)
-def _load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float) -> int:
+def _load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: float) -> int:
     sizes: list[int] = []
     live = best = 0
-    for e in loading_events(m, t, shard):
+    for e in loading_events(m, t, shard, expert_shard):
         if e >= 0:
             sizes.append(_block(e))
             live += sizes[-1]
