@@ -1,7 +1,7 @@
 """How fast is an estimate? Prints the median time of one `estimate()` (goal <= 0.2 ms) and of 10,000
 estimates in a sweep (goal <= 1 s), warm (the step program compiled once per model and options) and
 cold (compiling included), and what replaying the caching allocator costs for a batch shape not seen
-before (goal <= 0.5 ms: not met, ~60 ms for an 8B model on an idle 2-core machine) and in a sweep.
+before (goal <= 0.5 ms: not met, ~30 ms for an 8B model on an idle 2-core machine) and in a sweep.
 
 Run: python benchmarks/bench_estimate.py
 """
