@@ -626,3 +626,26 @@ def test_fit_says_when_paged_optimizer_states_could_spill_to_host_ram() -> None:
     assert f.verdict != "fits" and any("pages them to host RAM" in n for n in f.notes)
     roomy = tm.fit(est, "H100")
     assert not any("paged" in n for n in roomy.notes)
+
+
+def test_the_plan_tries_expert_parallelism_for_a_mixture_of_experts_model() -> None:
+    """An MoE model gets an FSDP layout with expert parallelism inside a node (a rank's experts then gather
+    whole over fewer ranks); a dense model does not."""
+    moe = tm.plan("mixtral-8x7b", gpu="H100", gpus=16, tokens=1e9, micro_batch=1, seq_len=2048)
+    layouts = set(moe.options["layout"])
+    assert "fsdp zero-3 ep8" in layouts and "fsdp zero-3" in layouts
+    with_ep, without = (tm.estimate("mixtral-8x7b", micro_batch=1, seq_len=2048, gpus=16, nodes=2, engine="fsdp",
+                                    zero=3, ep=ep).peak_allocated_bytes for ep in (8, 1))
+    assert with_ep < without
+    dense = tm.plan("llama-3-8b", gpu="H100", gpus=16, tokens=1e9, micro_batch=1, seq_len=2048)
+    assert not any(layout.split()[-1].startswith("ep") for layout in dense.options["layout"])
+
+
+def test_an_expert_parallel_option_exports_its_launch_line_but_no_config_that_cannot_express_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from trainmem_nb.planning.launch import deepspeed_config, write_launch_files
+
+    plan = tm.plan("mixtral-8x7b", gpu="H100", gpus=16, tokens=1e9, micro_batch=1, seq_len=2048)
+    row = next(r for r in plan.rows if r["ep"] > 1)
+    assert [p.name for p in write_launch_files(row, tmp_path)] == ["launch.sh"]
+    with pytest.raises(tm.SpecError, match="does not express expert parallelism"):
+        deepspeed_config(row)

@@ -28,8 +28,9 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
                          "counted as FSDP2 (fully_shard)")
     if p is not None and p.engine is Engine.FSDP and m.is_moe and p.shard_degree // p.ep > m.n_experts // p.ep:
         notes.append(
-            f"FSDP over {p.shard_degree // p.ep} ranks per expert stack with {m.n_experts // p.ep} experts per "
-            "expert-parallel rank: the expert stacks are counted sharded along their second dim (torchtitan's "
+            f"FSDP over {p.shard_degree // p.ep} ranks per expert stack with {m.n_experts // p.ep} "
+            f"expert{'s' if m.n_experts // p.ep != 1 else ''} per expert-parallel rank: the expert stacks are "
+            "counted sharded along their second dim (torchtitan's "
             "shard_placement_fn); plain "
             "fully_shard shards dim 0, pads each rank to a whole expert and all-gathers the padding, so its memory "
             "grows with the GPU count")

@@ -79,6 +79,7 @@ class _Launch:
     grad_accum: int
     checkpointing: str
     family: str | None  # None: the option names none (only the FSDP config needs it)
+    ep: int = 1  # expert parallelism: no DeepSpeed JSON or accelerate FSDP config expresses it
 
     @property
     def dp(self) -> int:
@@ -99,7 +100,7 @@ def _launch(option: Any) -> _Launch:
         p, t = option.parallel, option.training
         return _Launch(p.gpus, p.nodes, p.gpus_per_node, p.engine.value, p.zero, p.hybrid_shard, p.offload.value,
                        p.tp, p.pp, t.precision.value, t.micro_batch, t.grad_accum, t.checkpointing.value,
-                       option.model.family.value)
+                       option.model.family.value, p.ep)
     if not isinstance(option, Mapping):
         raise SpecError(f"expected a plan option (a row of Plan.rows) or a MemoryEstimate, got {type(option).__name__}")
     n = int(option.get("n_gpus", 1))
@@ -111,7 +112,7 @@ def _launch(option: Any) -> _Launch:
         int(option.get("zero", 0)), bool(option.get("hybrid_shard", False)), str(option.get("offload", "none")),
         int(option.get("tp", 1)), int(option.get("pp", 1)), str(option.get("precision", "bf16-mixed")),
         int(option.get("micro_batch", 1)), int(option.get("grad_accum", 1)), str(option.get("checkpointing", "none")),
-        None if option.get("family") is None else str(option["family"]),
+        None if option.get("family") is None else str(option["family"]), int(option.get("ep", 1)),
     )
 
 
@@ -126,6 +127,9 @@ def deepspeed_config(option: Any, *, gradient_clipping: float = 1.0, steps_per_p
     (64, 3, {'enabled': True})
     """
     s = _launch(option)
+    if s.ep > 1:
+        raise SpecError(f"ep={s.ep}: DeepSpeed's JSON config does not express expert parallelism (its MoE layers "
+                        "take ep_size in the model code); torchtitan's --parallelism.expert_parallel_degree does")
     if s.tp > 1 or s.pp > 1:
         raise SpecError(f"tp={s.tp}, pp={s.pp}: DeepSpeed's JSON config covers data parallel and ZeRO; "
                         "tensor/pipeline parallel layouts are launched with Megatron-LM")
@@ -173,8 +177,9 @@ def accelerate_fsdp_config(option: Any, *, layer_cls: str | None = None, main_pr
     if s.zero not in (2, 3):
         raise SpecError(f"zero={s.zero}: an FSDP config shards gradients (zero=2) or everything (zero=3); "
                         "for plain data parallel use torchrun_command()")
-    if s.tp > 1 or s.pp > 1:
-        raise SpecError(f"tp={s.tp}, pp={s.pp}: accelerate's FSDP config covers data parallel sharding only")
+    if s.tp > 1 or s.pp > 1 or s.ep > 1:
+        raise SpecError(f"tp={s.tp}, pp={s.pp}, ep={s.ep}: accelerate's FSDP config covers data parallel sharding "
+                        "only (expert parallelism: torchtitan's --parallelism.expert_parallel_degree)")
     if s.offload == "optimizer":
         # fsdp_offload_params is CPUOffloadPolicy: parameters, gradients and optimizer move together
         raise SpecError("offload='optimizer': FSDP offloads parameters, gradients and optimizer together: use "
@@ -287,9 +292,10 @@ def write_launch_files(option: Any, directory: str | Path, script: str = "train.
     out = check_launch_dir(directory, force)
     out.mkdir(exist_ok=True)
     texts: dict[str, str] = {}
-    if s.tp == 1 and s.pp == 1:
+    if s.tp == 1 and s.pp == 1 and s.ep == 1:
         texts["ds_config.json"] = json.dumps(deepspeed_config(option), indent=2) + "\n"
-    if s.zero in (2, 3) and s.tp == 1 and s.pp == 1 and not s.hybrid_shard and s.offload != "optimizer":
+    if (s.zero in (2, 3) and s.tp == 1 and s.pp == 1 and s.ep == 1 and not s.hybrid_shard
+            and s.offload != "optimizer"):
         texts["accelerate_fsdp.yaml"] = to_yaml(accelerate_fsdp_config(option))
     texts["launch.sh"] = ("#!/bin/sh\n# one line per node; set MASTER_ADDR on every node for several nodes\n"
                           + torchrun_command(option, script) + "\n")

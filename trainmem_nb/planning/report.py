@@ -236,6 +236,8 @@ def _label(p: ParallelSpec) -> str:
         parts.append(f"pp{p.pp}")
     if p.cp > 1:
         parts.append(f"cp{p.cp}")
+    if p.ep > 1:
+        parts.append(f"ep{p.ep}")
     if p.offload.value != "none":
         parts.append(f"offload {p.offload.value}")
     return " ".join(parts)

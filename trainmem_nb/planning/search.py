@@ -69,7 +69,7 @@ MAX_PIPELINE_BUBBLE = 0.25
 # Plan
 
 
-_FAMILY_ORDER = ("single", "ddp", "fsdp", "hsdp", "megatron")
+_FAMILY_ORDER = ("single", "ddp", "fsdp", "fsdp-ep", "hsdp", "megatron")
 
 
 def _families(m: ModelSpec, g: GPU, n: int, fixed: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -84,9 +84,16 @@ def _families(m: ModelSpec, g: GPU, n: int, fixed: Mapping[str, Any]) -> list[tu
         ("ddp", {"engine": "ddp", "zero": 0}),
         ("fsdp", {"engine": "fsdp", "zero": 3}),
     ]
+    per_node = n // nodes
+    if m.is_moe:
+        # expert parallelism inside a node (torchtitan's EP over its data-parallel ranks): the largest power
+        # of two that divides the experts and the node's GPUs, a rank then holding n_experts / ep of them
+        ep = max((d for d in (2, 4, 8, 16, 32, 64) if d <= per_node and m.n_experts % d == 0 and n % d == 0),
+                 default=1)
+        if ep > 1:
+            out.append(("fsdp-ep", {"engine": "fsdp", "zero": 3, "ep": ep}))
     if nodes > 1:
         out.append(("hsdp", {"engine": "fsdp", "zero": 3, "hybrid_shard": True}))
-    per_node = n // nodes
     domain = min(per_node, g.nvlink_domain)
     tp = max((d for d in range(2, domain + 1) if per_node % d == 0 and m.n_heads % d == 0
               and (m.n_kv_heads % d == 0 or d % m.n_kv_heads == 0)), default=1)
@@ -376,7 +383,7 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
     label = _label(p)
     row: dict[str, Any] = {
         "gpu": g.name, "model": ctx.m.name, "family": ctx.m.family.value, "n_gpus": p.gpus, "nodes": p.nodes, "gpus_per_node": p.gpus_per_node, "layout": label,
-        "scale": _scale(p, g), "engine": p.engine.value, "zero": p.zero, "tp": p.tp, "pp": p.pp, "sp": p.sp,
+        "scale": _scale(p, g), "engine": p.engine.value, "zero": p.zero, "tp": p.tp, "pp": p.pp, "sp": p.sp, "ep": p.ep,
         "hybrid_shard": p.hybrid_shard, "offload": p.offload.value, "precision": t.precision.value,
         "checkpointing": t.checkpointing.value, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "global_batch": t.micro_batch * t.grad_accum * p.dp, "seq_len": t.seq_len,
