@@ -90,6 +90,26 @@ class ResizeAwareTracker(StorageTracker):
             self._refs[idx] = weakref.ref(storage, self._make_death(key, idx))
 
 
+def _tracked(tracker: ResizeAwareTracker, alloc: Callable[..., None],
+             free: Callable[[torch.Tensor], None]) -> tuple[Callable[..., None], Callable[[torch.Tensor], None]]:
+    """FSDP's storage allocate and free functions (``alloc(tensor[, size])``, ``free(tensor)``: a storage resized in
+    place), wrapped so that `tracker` sees each resize."""
+    def tracked_alloc(tensor: torch.Tensor, *size: Any) -> None:
+        before = tensor.untyped_storage().size()
+        alloc(tensor, *size)
+        after = tensor.untyped_storage().size()
+        if after != before:
+            tracker.resized(tensor, after)
+
+    def tracked_free(tensor: torch.Tensor) -> None:
+        before = tensor.untyped_storage().size()
+        free(tensor)
+        if before:
+            tracker.resized(tensor, 0)
+
+    return tracked_alloc, tracked_free
+
+
 @contextlib.contextmanager
 def _follow_resizes(tracker: ResizeAwareTracker) -> Iterator[None]:
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
@@ -116,20 +136,7 @@ def _follow_resizes(tracker: ResizeAwareTracker) -> Iterator[None]:
         setattr(module, name, tagging(saved[(module, name)], category))
     _ = _fsdp_collectives
 
-    def tracked_alloc(tensor: torch.Tensor) -> None:
-        before = tensor.untyped_storage().size()
-        alloc(tensor)
-        after = tensor.untyped_storage().size()
-        if after != before:
-            tracker.resized(tensor, after)
-
-    def tracked_free(tensor: torch.Tensor) -> None:
-        before = tensor.untyped_storage().size()
-        free(tensor)
-        if before:
-            tracker.resized(tensor, 0)
-
-    _fsdp_param.alloc_storage, _fsdp_param.free_storage = tracked_alloc, tracked_free
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = _tracked(tracker, alloc, free)  # type: ignore[assignment]
     try:
         yield
     finally:
@@ -145,21 +152,7 @@ def _follow_fsdp1_resizes(tracker: ResizeAwareTracker) -> Iterator[None]:
     from torch.distributed.fsdp import _flat_param
 
     alloc, free = _flat_param._alloc_storage, _flat_param._free_storage
-
-    def tracked_alloc(tensor: torch.Tensor, size: torch.Size) -> None:
-        before = tensor.untyped_storage().size()
-        alloc(tensor, size)
-        after = tensor.untyped_storage().size()
-        if after != before:
-            tracker.resized(tensor, after)
-
-    def tracked_free(tensor: torch.Tensor) -> None:
-        before = tensor.untyped_storage().size()
-        free(tensor)
-        if before:
-            tracker.resized(tensor, 0)
-
-    _flat_param._alloc_storage, _flat_param._free_storage = tracked_alloc, tracked_free
+    _flat_param._alloc_storage, _flat_param._free_storage = _tracked(tracker, alloc, free)  # type: ignore[assignment]
     try:
         with _fsdp1_quiet():
             yield
