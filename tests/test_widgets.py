@@ -211,7 +211,7 @@ def _answers(app: Explorer) -> None:
 def test_every_control_through_its_extremes_and_invalid_combinations_keeps_answering() -> None:
     app = tm.explore("gpt2", gpu="H100", micro_batch=1, seq_len=512)
     base = dict(model="llama-3.2-1b", micro_batch=1, seq_len=1024, gpus=1, zero=0, tp=1, pp=1, ep=1, engine="deepspeed",
-                method="full", precision="bf16-mixed", attention="sdpa")
+                method="full", precision="bf16-mixed", fp8="none", attention="sdpa")
     for name, widget in app.controls.items():
         values = _values(widget)
         if name == "preset":  # one preset per family: every preset is estimated in tests/test_presets.py

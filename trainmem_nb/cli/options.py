@@ -7,7 +7,16 @@ import argparse
 from collections.abc import Sequence
 from typing import Any
 
-from ..spec.choices import Attention, Checkpointing, LossImpl, Method, OptimizerImpl, OptimizerName, Precision
+from ..spec.choices import (
+    Attention,
+    Checkpointing,
+    Fp8Recipe,
+    LossImpl,
+    Method,
+    OptimizerImpl,
+    OptimizerName,
+    Precision,
+)
 from ..spec.stack import COMPONENTS
 
 __all__ = ['add_model_options', 'add_training_options', 'model_from_args', 'parallel_options_from_args', 'training_options_from_args']
@@ -49,8 +58,15 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     g.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     g.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence (default 2048)")
     g.add_argument("--grad-accum", type=int, default=1, help="gradient-accumulation steps (default 1)")
-    g.add_argument("--precision", default=None, metavar="|".join(_choices(Precision)),
-                   help="default: bf16-mixed; bf16-true (a 16-bit frozen base) with --method lora or qlora")
+    g.add_argument("--precision", default=None, metavar="|".join([*_choices(Precision), "fp8"]),
+                   help="default: bf16-mixed; bf16-true (a 16-bit frozen base) with --method lora or qlora; fp8 is "
+                        "bf16-true with --fp8 tensorwise")
+    g.add_argument("--fp8", default=None, metavar="|".join(_choices(Fp8Recipe)),
+                   help="fp8 matmuls in the transformer blocks' linears (torchao Float8Linear, eager) with tensorwise "
+                        "or rowwise scaling (default: none)")
+    g.add_argument("--fp8-all-gather", action="store_true",
+                   help="with --fp8 tensorwise under FSDP2: all-gather the converted weights in fp8 (torchao's "
+                        "enable_fsdp_float8_all_gather)")
     g.add_argument("--optimizer", default="adamw", metavar="|".join(_choices(OptimizerName)))
     g.add_argument("--optimizer-impl", default=None, metavar="|".join(_choices(OptimizerImpl)),
                    help="default: the device's PyTorch default (cuda: foreach, cpu: for-loop)")
@@ -146,6 +162,8 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         **({"fsdp_version": args.fsdp_version} if getattr(args, "fsdp_version", None) is not None else {}),
         **({"use_orig_params": False} if getattr(args, "no_use_orig_params", False) else {}),
         **({"loss_impl": args.loss_impl} if args.loss_impl is not None else {}),
+        **({"fp8": args.fp8} if args.fp8 is not None else {}),
+        **({"fp8_all_gather": True} if getattr(args, "fp8_all_gather", False) else {}),
         **({"loss_chunks": args.loss_chunks} if args.loss_chunks is not None else {}),
         **({"dropout": args.dropout} if args.dropout is not None else {}),
         **({"lora_dropout": args.lora_dropout} if args.lora_dropout is not None else {}),

@@ -83,8 +83,8 @@ def per_token_sq(n: float) -> Sz:
 class T:
     """A symbolic tensor: element count, bytes per element, reference count and provenance."""
 
-    __slots__ = ("base", "born", "chain", "dt", "final_grad", "freed", "grad", "is_grad", "is_param", "label", "n",
-                 "nf4", "phase", "refs", "region", "rg", "uses", "wcopy")
+    __slots__ = ("base", "born", "chain", "dt", "final_grad", "fp8_scale", "freed", "grad", "is_grad", "is_param",
+                 "label", "n", "nf4", "phase", "refs", "region", "rg", "uses", "wcopy")
 
     def __init__(self, n: Sz, dt: int, label: str, rg: bool, region: str, phase: str) -> None:
         self.n = n
@@ -105,6 +105,8 @@ class T:
         self.chain = False  # a layer's output (or its input's gradient): passed to the next layer
         self.final_grad: T | None = None  # a parameter's .grad once backward has produced it
         self.nf4 = 0  # an NF4-quantized weight (QLoRA): bytes per element of its compute dtype
+        #: a weight FSDP2 all-gathered in fp8 (torchao's float8 all-gather): the scale it came with
+        self.fp8_scale: T | None = None
 
     @property
     def bytes(self) -> Sz:
@@ -168,6 +170,8 @@ class Graph:
         #: inputs so kept, alive until the graph goes (the driver releases them at the end of backward)
         self.bnb_saves_input = False
         self.bnb_kept: list[T] = []
+        #: each FSDP unit's parameters, in the order of the model's weights (engines that gather per unit)
+        self.unit_params: dict[str, list[T]] = {}
 
     # -- memory --------------------------------------------------------------------------------
     def alloc(self, n: Sz, dt: int, label: str, rg: bool = False) -> T:

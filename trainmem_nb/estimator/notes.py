@@ -5,6 +5,7 @@ under ``MemoryEstimate.summary()``.
 
 from __future__ import annotations
 
+from ..model.families import Family
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.parallel import Engine, ParallelSpec
@@ -34,6 +35,16 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
             "shard_placement_fn); plain "
             "fully_shard shards dim 0, pads each rank to a whole expert and all-gathers the padding, so its memory "
             "grows with the GPU count")
+    if t.fp8.value != "none":
+        if m.family is Family.GPT2:
+            notes.append(f"fp8={t.fp8.value!r} on gpt2: its projections are Conv1D, not nn.Linear, which torchao's "
+                         "convert_to_float8_training leaves as they are: no matmul runs in fp8, the step is bf16's")
+        else:
+            notes.append(f"fp8={t.fp8.value!r} is torchao's Float8Linear in eager mode: it saves the bf16 input and weight "
+                         "for backward, so weights, gradients, states and activations are bf16's, and each block linear "
+                         "adds its casts' temporaries (an fp32 copy of each operand, six casts a linear); torch.compile "
+                         "fuses those casts and FSDP2's float8 all-gather halves the gathered weights: neither is "
+                         "modelled")
     if t.method is not Method.FULL and t.mixed:
         notes.append(
             f"{t.method.value} with precision={t.precision.value!r}: the frozen base is counted in fp32 (autocast "

@@ -170,10 +170,12 @@ class MemoryEstimate:
         method = "" if t.method.value == "full" else f", {t.method.value} r={t.lora_rank} on {t.lora_targets}"
         return (
             f"{self.model.name}: {format_count(self.n_params)} parameters ({format_count(self.n_trainable_params)} "
-            f"trained{method}), {t.precision.value}, {opt}, micro-batch {t.micro_batch} x {t.seq_len} tokens, "
+            f"trained{method}), {t.precision.value}{_fp8_words(t.fp8.value)}, {opt}, "
+            f"micro-batch {t.micro_batch} x {t.seq_len} tokens, "
             f"checkpointing {t.checkpointing.value}, {t.attention.value} attention, device {t.device.value}"
             f"{_LOSS_NOTES[t.loss_impl.value].format(chunks=t.loss_chunks)}"
         )
+
 
     def summary(self) -> str:
         """A plain-text table for terminals."""
@@ -276,3 +278,9 @@ _LOSS_NOTES: dict[str, str] = {
     "liger": f", loss: Liger Kernel {_head.LIGER_VERSION} fused linear cross-entropy",
     "cce": f", loss: Cut Cross-Entropy {_head.CCE_VERSION}",
 }
+
+
+def _fp8_words(recipe: str) -> str:
+    """The headline's words for fp8 training (`TrainingSpec.fp8`): nothing without it."""
+    return "" if recipe == "none" else f" with {recipe} fp8 matmuls (torchao Float8Linear, eager)"
+

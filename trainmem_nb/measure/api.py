@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import platform
 from collections.abc import Mapping
@@ -54,6 +55,8 @@ def versions() -> dict[str, str]:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             out[dist] = "not installed"
+    with contextlib.suppress(metadata.PackageNotFoundError):  # fp8 steps run torchao's Float8Linear
+        out["torchao"] = metadata.version("torchao")
     return out
 
 

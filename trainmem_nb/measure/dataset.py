@@ -242,7 +242,7 @@ def _t(**kw: Any) -> TrainingSpec:
 
 
 def _case_id(group: str, m: ModelSpec, t: TrainingSpec, mode: str) -> str:
-    parts = [t.precision.value, t.optimizer.value]
+    parts = [t.precision.value] + ([f"fp8-{t.fp8.value}"] if t.fp8.value != "none" else []) + [t.optimizer.value]
     if t.optimizer.value != "none":
         parts.append(t.resolved_optimizer_impl.value)
     if t.checkpointing.value != "none":
@@ -369,6 +369,7 @@ def full_matrix() -> list[CaseSpec]:
         cases += _cases("options", [model], [opts[i] for i in (0, 11, 12, 13, 16, 17)])
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     cases += moe_family_cases()
+    cases += fp8_cases()
     cases += harness_matrix()
     ids = [c.id for c in cases]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
@@ -420,6 +421,41 @@ def moe_family_cases() -> list[CaseSpec]:
     ])
     cases += _cases("presets", [_preset("deepseek-v3").layer_slice(0, 4).model_copy(update={"name": "deepseek-v3-4L"})],
                     [_t(micro_batch=1, seq_len=256, precision="bf16-mixed")])
+    return cases
+
+
+def fp8_cases() -> list[CaseSpec]:
+    """fp8 training (torchao's Float8Linear, tensorwise and rowwise) on real CPU tensors (torchao reads its scales
+    back, which fake tensors cannot answer): a Llama over options, and families with biases, fused projections,
+    q/k norms, layer patterns, MLA and a router wide enough to be converted."""
+    fp8: dict[str, Any] = {"precision": "bf16-true"}
+    llama = _m("llama", "llama-fp8", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1024)
+    cases = _cases("fp8", [llama], [
+        _t(micro_batch=2, seq_len=64, fp8="tensorwise", **fp8),
+        _t(micro_batch=2, seq_len=64, fp8="rowwise", **fp8),
+        _t(micro_batch=1, seq_len=128, fp8="tensorwise", optimizer_impl="for-loop", checkpointing="full", **fp8),
+        _t(micro_batch=4, seq_len=32, fp8="rowwise", optimizer="none", attention="eager", grad_accum=2, **fp8),
+    ], mode="cpu")
+    others = [
+        _m("qwen3", "qwen3-fp8-bias", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+           vocab=1024, qkv_bias=True, out_bias=True),
+        _m("phi", "phi-fp8", n_layers=2, hidden=128, n_heads=4, ffn=512, vocab=1024),
+        _m("gpt_neox", "gpt-neox-fp8", n_layers=2, hidden=128, n_heads=4, ffn=512, vocab=1024, norm="layernorm",
+           norm_bias=True, mlp="dense", activation="gelu", rotary_pct=0.25, fused_qkv=True, qkv_bias=True,
+           out_bias=True, mlp_bias=True, parallel_residual=True),
+        _m("gemma3", "gemma3-fp8", n_layers=3, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab=1024,
+           sliding_window=16, layer_types=("sliding_attention", "sliding_attention", "full_attention")),
+        _m("qwen3_moe", "qwen3-moe-fp8-16e", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=128,
+           vocab=512, n_experts=16, experts_top_k=2, expert_ffn=64),
+        _m("deepseek_v3", "deepseek-v3-fp8", n_layers=2, hidden=64, n_heads=4, head_dim=16, ffn=128, vocab=512,
+           n_experts=8, experts_top_k=2, expert_ffn=32, n_shared_experts=1, n_expert_groups=4, topk_groups=2,
+           q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16,
+           dense_layers=(0,)),
+    ]
+    cases += _cases("fp8", others, [
+        _t(micro_batch=2, seq_len=64, fp8="tensorwise", **fp8),
+        _t(micro_batch=2, seq_len=64, fp8="rowwise", optimizer="sgd", checkpointing="full", **fp8),
+    ], mode="cpu")
     return cases
 
 

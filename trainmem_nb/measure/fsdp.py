@@ -203,6 +203,20 @@ def _shard_fsdp1(model: nn.Module, p: ParallelSpec, t: TrainingSpec) -> nn.Modul
     return wrapped
 
 
+def _float8_gather_scales(model: nn.Module) -> list[torch.Tensor]:
+    """The scale each weight torchao all-gathers in fp8 kept from its last gather (the previous step's backward:
+    ``fsdp_post_all_gather`` gives the unsharded ``Float8TrainingTensor`` a new one at every gather)."""
+    out = []
+    for mod in model.modules():
+        get_state = getattr(mod, "_get_fsdp_state", None)
+        group = get_state()._fsdp_param_group if get_state is not None else None
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            scale = getattr(getattr(fsdp_param, "_unsharded_param", None), "_scale", None)
+            if isinstance(scale, torch.Tensor):
+                out.append(scale)
+    return out
+
+
 def _flat_grads(model: nn.Module) -> list[torch.Tensor]:
     """Every FSDP1 FlatParameter's ``.grad`` (its sharded gradient after a synchronised backward)."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -312,6 +326,8 @@ def run_fsdp_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0,
                                and mod._handle.flat_param._full_param_padded.untyped_storage().size()],
                               "weights/gathered")
             tracker.adopt(list(inputs.values()), "activations/inputs")
+            if t.fp8_all_gather:  # each fp8-gathered weight keeps its last gather's scale into the next step
+                tracker.adopt(_float8_gather_scales(model), "overhead/communication")
             t1 = time.perf_counter()
             follow = _follow_fsdp1_resizes(tracker) if flat else _follow_resizes(tracker)
             with tracker, _module_context(model, tracker), follow:

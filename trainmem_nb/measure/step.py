@@ -27,6 +27,7 @@ Options map to PyTorch as a training script would set them:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Iterator
@@ -40,6 +41,7 @@ from ..errors import SpecError
 from ..model.families import describe
 from ..model.hf_config import to_hf_config
 from ..model.spec import ModelSpec
+from ..recipes.base import FP8_SKIPPED
 from ..spec.choices import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
 from ..spec.training import TrainingSpec
 from .losses import step_loss
@@ -103,6 +105,14 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
             f"loss_impl={t.loss_impl.value!r} cannot be measured here: it is a Triton kernel, not installed with "
             "the measure extra; measure loss_impl='standard' or 'chunked'"
         )
+    if t.fp8.value != "none":
+        import importlib.util
+
+        if importlib.util.find_spec("torchao") is None:
+            raise RuntimeError(f"fp8={t.fp8.value!r} needs torchao's Float8 training: pip install 'trainmem_nb[measure]'")
+        if device == "fake":
+            raise RuntimeError(f"fp8={t.fp8.value!r} cannot be measured under fake tensors (torchao's scale is read "
+                               "back as a Python number); measure it with device='cpu'")
     if t.method is Method.QLORA:
         raise RuntimeError(
             "method='qlora' cannot be measured here: it needs bitsandbytes CUDA kernels for the NF4 base; "
@@ -278,6 +288,13 @@ def model_dtype(t: TrainingSpec) -> torch.dtype:
     return {Precision.BF16_TRUE: torch.bfloat16, Precision.FP16_TRUE: torch.float16}.get(t.precision, torch.float32)
 
 
+def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
+    """The linears fp8 training converts: not an output head (`trainmem_nb.recipes.base.FP8_SKIPPED`), and
+    dimensions that are multiples of 16, which ``torch._scaled_mm`` needs (torchtitan's and accelerate's rule)."""
+    return (fqn.rsplit(".", 1)[-1] not in FP8_SKIPPED and isinstance(module, nn.Linear)
+            and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
 def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[str, torch.Tensor]]:
     """The Hugging Face model for `m` in training mode, in the recipe's dtype, and its inputs.
 
@@ -309,6 +326,13 @@ def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[s
         from .lora import apply_lora
 
         model = apply_lora(model, m, t)
+    if t.fp8.value != "none":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig.from_recipe_name(t.fp8.value)
+        if t.fp8_all_gather:  # FSDP2's float8 all-gather (torchtitan's float8.enable_fsdp_float8_all_gather)
+            config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+        convert_to_float8_training(model, config=config, module_filter_fn=fp8_module_filter)
     gen = torch.Generator(device="cpu").manual_seed(0)
     ids = torch.randint(0, m.vocab, (t.micro_batch, t.seq_len), generator=gen).to(torch_device)
     if m.num_labels:
@@ -319,15 +343,25 @@ def build(m: ModelSpec, t: TrainingSpec, device: str) -> tuple[nn.Module, dict[s
 
 @contextlib.contextmanager
 def quiet_transformers() -> Iterator[None]:
-    """Silence transformers' logger (config notices) while a step is built and run."""
+    """Silence transformers' logger (config notices) while a step is built and run, and the log lines of
+    importing torchao (which peft imports when it is installed): the CUDA-only kernels it cannot load on a
+    machine without them, and torch's notice on its pytree registrations."""
+    import logging
+
     from transformers.utils import logging as hf_logging
 
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    others = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [lg.level for lg in others]
+    for lg in others:
+        lg.setLevel(logging.ERROR)
     try:
         yield
     finally:
         hf_logging.set_verbosity(level)
+        for lg, old in zip(others, levels, strict=True):
+            lg.setLevel(old)
 
 
 class _Setup:

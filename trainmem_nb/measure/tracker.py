@@ -5,6 +5,10 @@ module and op that made it, and a weakref callback on its `UntypedStorage` (PyTo
 object per storage) records the moment it is freed. Replaying the allocation/free events gives the live
 bytes after every op, its peak, and what was alive at the peak, by category. With fake tensors
 (`FakeTensorMode`) nothing is computed and the same accounting holds for any model size.
+
+Tensor subclasses that wrap others (torchao's ``Float8TrainingTensor``) own no storage of their own: the
+tracker records their inner tensors, and runs the subclass's own dispatch with itself still active, so the
+copies a subclass makes inside an op (a ``contiguous()`` of its fp8 data before ``_scaled_mm``) are seen too.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["CUDA_BLOCK_BYTES", "Record", "StorageTracker", "cuda_round"]
@@ -46,6 +50,15 @@ class Record:
     source_param: bool = False  # made by copying a parameter (autocast weight copy)
     in_layer: bool = False
     layer_index: int | None = None
+
+
+def _traced_through(t: Any) -> bool:
+    """A tensor subclass whose own handler the tracker runs (so its inner ATen ops are recorded): one that runs
+    plain-tensor ops on what it wraps (torchao's ``Float8TrainingTensor``). DTensor is not: its handler
+    dispatches again on DTensors; its ops run as usual and its outputs' local shards are recorded."""
+    if not is_traceable_wrapper_subclass(t):
+        return False
+    return not any(c.__name__ == "DTensor" for c in type(t).__mro__)
 
 
 class StorageTracker(TorchDispatchMode):
@@ -87,6 +100,11 @@ class StorageTracker(TorchDispatchMode):
                 self._param_storages.add(id(t.untyped_storage()))
 
     def _see(self, t: torch.Tensor, op: str, force_category: str = "", source_param: bool = False) -> int | None:
+        if is_traceable_wrapper_subclass(t):  # a wrapper's storage is a placeholder: record what it wraps
+            inner, _ = t.__tensor_flatten__()
+            for name in inner:
+                self._see(getattr(t, name), op, force_category, source_param)
+            return None
         storage = t.untyped_storage()
         key = id(storage)
         if key in self._live:
@@ -132,6 +150,13 @@ class StorageTracker(TorchDispatchMode):
         return found
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        wrapper = next((a for a in tree_flatten((args, kwargs))[0] if _traced_through(a)), None)
+        if wrapper is not None:
+            # the subclass's own handler, with this mode still on: the ATen ops it runs on its inner
+            # tensors come back here and are recorded (with the mode popped, as `func` would run it, they
+            # would not be)
+            with self:
+                return type(wrapper).__torch_dispatch__(func, types, args, kwargs or {})
         out = func(*args, **(kwargs or {}))
         name = func.__name__ if hasattr(func, "__name__") else str(func)
         source_param = False

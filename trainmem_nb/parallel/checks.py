@@ -34,6 +34,7 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
     if t is not None:
         _check_context_parallel(t, p)
         _check_fsdp1(m, t, p)
+        _check_fp8(t, p)
         if t.method is Method.QLORA and p.engine is Engine.MEGATRON:
             # Megatron-LM builds its own 16-bit layers (megatron/core/transformer) and has no bitsandbytes
             # path; QLoRA is a transformers + peft + bitsandbytes recipe
@@ -78,6 +79,29 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
         if p.zero and p.shard_degree % p.ep:
             raise SpecError(f"ep={p.ep} must divide the ranks ZeRO/FSDP shards over ({p.shard_degree}): each expert "
                             "shards over shard_degree / ep ranks; use an ep that divides it")
+
+
+def _check_fp8(t: TrainingSpec, p: ParallelSpec) -> None:
+    """fp8 is modelled as torchao's Float8Linear on each rank of a data-parallel layout (DDP, FSDP2, ZeRO); the
+    layouts that bring their own fp8 linears are refused, saying which."""
+    if t.fp8_all_gather and not (p.engine is Engine.FSDP and p.zero >= 2 and t.fsdp_version == 2 and p.pp == 1
+                                 and p.offload.value == "none"):
+        raise SpecError(f"fp8_all_gather=True is FSDP2's float8 all-gather; with engine={p.engine.value!r}, "
+                        f"zero={p.zero}, pp={p.pp}, offload={p.offload.value!r} nothing is all-gathered that way: use "
+                        "engine='fsdp' with zero 2 or 3 (pp=1, no offload), or fp8_all_gather=False")
+    if t.fp8.value == "none":
+        return
+    how = f"fp8={t.fp8.value!r}"
+    if p.engine is Engine.MEGATRON:
+        raise SpecError(f"{how} with engine='megatron': Megatron trains fp8 with Transformer Engine's layers (fp8 weight "
+                        "copies and saved fp8 inputs), which is not modelled; use engine='fsdp' (torchao, as torchtitan "
+                        "runs it) or fp8='none'")
+    if p.tp > 1 or p.cp > 1:
+        raise SpecError(f"{how} with tp={p.tp}, cp={p.cp}: torchao's float8 tensor-parallel styles (Float8ColwiseParallel) "
+                        "are not modelled; use tp=1 and cp=1 with fp8")
+    if p.engine is Engine.FSDP and t.fsdp_version == 1:
+        raise SpecError(f"{how} with fsdp_version=1 is not modelled (torchao's float8 is FSDP2's: torchtitan); use "
+                        "fsdp_version=2")
 
 
 def fsdp1_gap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> str:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from itertools import groupby
 from typing import Any
 
+from ..engine.ops.fp8 import fp8_cast
 from ..engine.program import Segment, _segment
 from ..engine.tape import Graph, Sz, T, const
 from ..model.params import ParamTensor
@@ -57,22 +58,52 @@ class FSDP2Hooks(EngineHooks):
         return self.param_dt or dt
 
     def _gathered_bytes(self, q: _Param) -> int:
-        # the policy's param_dtype casts floating parameters; QLoRA's packed 4-bit storage (1 B) is gathered as is
+        # the policy's param_dtype casts floating parameters; QLoRA's packed 4-bit storage (1 B) is gathered as
+        # is; torchao's float8 all-gather gathers a converted weight's fp8 data (1 B)
+        if q.fp8:
+            return (q.world or self.world) * q.shard
         return (q.world or self.world) * q.shard * (self.param_dt if self.param_dt and q.dt >= 2 else q.dt)
 
     def _all_gather_output(self, g: Graph, unit: str, label: str) -> T:
+        # torchao's float8 all-gather: fsdp_pre_all_gather casts each converted weight's shard to fp8, its
+        # amax all-reduced over the ranks (WeightWithDynamicFloat8CastTensor, fsdp_utils.py); the fp8 shards
+        # are copied into the all-gather buffer and go, their scales ride along as metadata
+        shards, scales = [], []
+        for q in self._unit(unit):
+            if q.fp8:
+                data, scale = fp8_cast(g, const(q.shard), self.param_dt or q.dt, const(1), False,
+                                       f"float8 all-gather {unit}", all_reduced=True)
+                data.region = scale.region = "communication"
+                shards.append(data)
+                scales.append(scale)
         # one flat buffer per unit (uint8 when the unit's dtypes differ): every rank's shards
         ag = g.alloc(const(sum(self._gathered_bytes(q) for q in self._unit(unit))), 1, label)
         ag.region, ag.chain = "communication", True
+        g.drop(*reversed(shards))
+        if scales:
+            self._st(g).setdefault("scales", {})[unit] = scales
         return ag
 
     def _copy_out(self, g: Graph, unit: str) -> None:
+        st = self._st(g)
         ups = []
         for q in self._unit(unit):  # each parameter's unsharded storage (alloc_storage)
             t = g.alloc(const(self._gathered_bytes(q)), 1, f"unsharded {unit}")
             t.region = "gathered"
             ups.append(t)
-        self._st(g)["ups"][unit] = ups
+        st["ups"][unit] = ups
+        scales = st.get("scales", {}).pop(unit, None)
+        if scales is not None:
+            # fsdp_post_all_gather(out=...) gives each unsharded fp8 weight its new scale; the one it had (the
+            # previous gather's, or the previous step's before the first) goes unless a saved weight holds it
+            converted = [w for q, w in zip(self._unit(unit), g.unit_params.get(unit, []), strict=False) if q.fp8]
+            for w, scale in zip(converted, scales, strict=True):
+                old = w.fp8_scale
+                if old is None:  # the first gather of the step: the previous step's backward left the scale
+                    old = g.external(const(1), 4, f"float8 scale {unit} (previous step)")
+                    old.region = "communication"
+                w.fp8_scale = scale
+                g.drop(old)
 
     def _gather(self, g: Graph, unit: str, linger: bool) -> None:
         st = self._st(g)
@@ -263,6 +294,12 @@ class FSDP2Hooks(EngineHooks):
             return kept
         out: list[tuple[str, Sz, int]] = [("weights/params", const(n), c) for n, c in self.param_shards(weights)]
         out += kept
+        # torchao's float8 all-gather: each converted weight keeps the scale of its last gather (the previous
+        # step's backward) until this step's first gather replaces it
+        for unit, count in Counter(layer_units(m)).items():
+            n = sum(q.fp8 for q in self._unit(unit))
+            if n:
+                out.append(("overhead/communication", const(4), n * count))
         if self.pipelined:
             # every parameter of the stage stays gathered from the first micro-batch's forward to
             # perform_reduce_grad: torchtitan does not reshard after forward under PP (parallelize.py,

@@ -11,6 +11,7 @@ from ..engine.program import CAT_INDEX, Program, Segment, _round, _segment
 from ..engine.tape import Sz
 from ..model.params import ParamTensor, on_stage, weight_tensors
 from ..model.spec import ModelSpec
+from ..recipes.base import fp8_weight
 from ..spec.choices import Checkpointing, Device, Precision
 from ..spec.parallel import Engine, Offload, ParallelSpec
 from ..spec.training import TrainingSpec
@@ -131,7 +132,9 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     if p.engine is Engine.FSDP and p.zero >= 2:
         world = p.shard_degree
         mixed = t.mixed
-        units = tuple((name, tuple(_fsdp_param(w, world, p.ep) for w in ws)) for name, ws in _units(weights, m).items())
+        fp8_gathered = t.fp8_all_gather
+        units = tuple((name, tuple(_fsdp_param(w, world, p.ep, fp8_gathered and fp8_weight(w[0], m)) for w in ws))
+                      for name, ws in _units(weights, m).items())
         # torch.distributed.pipelining with FSDP2 stages (not with CPU offload, which is not modelled there)
         pipelined = p.pp > 1 and p.offload is Offload.NONE
         # the recipe of torchtitan and accelerate: MixedPrecisionPolicy(param_dtype=16-bit,
@@ -157,7 +160,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
     return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, ep=p.ep, **stage)
 
 
-def _fsdp_param(w: tuple[ParamTensor, int, bool], world: int, ep: int) -> _Param:
+def _fsdp_param(w: tuple[ParamTensor, int, bool], world: int, ep: int, fp8: bool = False) -> _Param:
     """One parameter as FSDP2 shards and gathers it: rank 0's padded dim-0 chunk (routed experts over
     their own group, `shard_world`); of a QLoRA weight, its packed 4-bit storage (1 byte per element) alone,
     its quantization state staying whole on every rank (`nf4_parts`, `FSDP2Hooks.replicated`)."""
@@ -166,7 +169,7 @@ def _fsdp_param(w: tuple[ParamTensor, int, bool], world: int, ep: int) -> _Param
     nf4 = nf4_parts(p, dt)
     if nf4 is not None:
         return _Param(-(-nf4[0] // ws), trainable, 1, nf4[0], ws)
-    return _Param(_padded_shard(p, ws), trainable, dt, p.numel, ws)
+    return _Param(_padded_shard(p, ws), trainable, dt, p.numel, ws, fp8)
 
 
 def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> int:

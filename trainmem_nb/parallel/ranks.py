@@ -114,6 +114,7 @@ class _Param(NamedTuple):
     dt: int  # bytes per element of the sharded parameter
     numel: int = 0  # elements of the unsharded parameter (its gradient's size)
     world: int = 0  # ranks it is sharded over when not the engine's (a routed expert: `shard_world`)
+    fp8: bool = False  # all-gathered in fp8 (torchao's float8 all-gather of a converted linear's weight)
 
 
 def _held(hooks: EngineHooks, p: ParamTensor, m: ModelSpec) -> bool:

@@ -105,6 +105,9 @@ def _fit_notes(est: MemoryEstimate, g: GPU, headroom: float = DEFAULT_HEADROOM) 
     if t.precision.value.startswith("bf16") and not g.supports_bf16:
         swap = t.precision.value.replace("bf16", "fp16")
         notes.append(f"{g.name} has no bf16: train with precision='{swap}' (same memory, loss scaling)")
+    if t.fp8.value != "none" and not g.supports_fp8:
+        notes.append(f"{g.name} has no fp8 tensor cores: torch._scaled_mm needs compute capability 8.9 or later "
+                     "(Ada, Hopper, Blackwell); train with fp8='none' on it")
     if t.device.value != "cuda":
         notes.append(f"the estimate is for device='{t.device.value}': no CUDA context or allocator cache counted; "
                      "use device='cuda' to plan a GPU")

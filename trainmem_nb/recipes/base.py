@@ -14,6 +14,7 @@ from ..engine import ops
 from ..engine.ops import Ctx
 from ..engine.tape import Graph, Sz, T, per_token
 from ..model.layers import LayerKind
+from ..model.params import ParamTensor
 from ..model.spec import ModelSpec
 from ..spec.choices import Checkpointing, Method
 from ..spec.training import TrainingSpec
@@ -65,6 +66,28 @@ class Shared:
         return list(self.masks.values()) if self.masks else [self.mask]
 
 
+#: Output heads that fp8 training leaves in high precision (torchtitan filters its ``output``; BERT's masked-LM head
+#: is ``cls.predictions.decoder``; the measured
+#: steps filter these by name, `trainmem_nb.measure.step.fp8_module_filter`)
+FP8_SKIPPED = frozenset({"lm_head", "score", "classifier", "decoder"})
+
+
+def fp8_converted(module: str, in_features: int, out_features: int) -> bool:
+    """Does fp8 training convert the projection `module` (its name in the layer) of these dimensions: its
+    dimensions are multiples of 16 (``torch._scaled_mm``'s rule, which torchtitan's and accelerate's module
+    filters apply), and it is not an output head (`FP8_SKIPPED`)."""
+    return in_features % 16 == 0 and out_features % 16 == 0 and module not in FP8_SKIPPED
+
+
+def fp8_weight(p: ParamTensor, m: ModelSpec) -> bool:
+    """Is `p` the weight of a projection fp8 training converts (`fp8_converted`): a layer's 2-D ``*.weight``
+    of an ``nn.Linear`` (gpt2's projections are Conv1D, which torchao leaves as they are)."""
+    if not (p.in_layer and p.name.endswith(".weight") and len(p.shape) == 2) or m.family.value == "gpt2":
+        return False
+    module = p.name[len("layers."):-len(".weight")]
+    return fp8_converted(module, p.shape[1], p.shape[0])
+
+
 class Recipe:
     """A family's forward on symbolic tensors: ``embed`` → ``layer`` (per layer) → ``head``."""
 
@@ -81,6 +104,9 @@ class Recipe:
                **kw: object) -> T:
         """A projection layer (``nn.Linear``/``Conv1D``) by its module name in the layer: the plain
         matmul, or peft's LoRA-wrapped forward when an adapter targets it."""
+        if self.fp8_linear(module, in_features, out_features):
+            return ops.fp8_linear(g, self.ctx, x, p[f"{module}.weight"], in_features, out_features,
+                                  p.get(f"{module}.bias"), module)
         a_w = p.get(f"{module}.lora_A.weight")
         if a_w is not None:
             return ops.lora_linear(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), a_w,
@@ -88,6 +114,12 @@ class Recipe:
                                    self.t.lora_dropout, module, cache_input=bool(kw.get("cache_input", False)))
         return ops.linear(g, self.ctx, x, p[f"{module}.weight"], in_features, out_features, p.get(f"{module}.bias"),
                           module, **kw)  # type: ignore[arg-type]
+
+    def fp8_linear(self, module: str, in_features: int, out_features: int) -> bool:
+        """Does fp8 training convert this projection: every block ``nn.Linear`` whose dimensions are multiples
+        of 16 (``torch._scaled_mm``'s rule, which torchtitan's and accelerate's module filters apply), never a
+        classifier (`FP8_SKIPPED`)."""
+        return self.ctx.fp8 is not None and fp8_converted(module, in_features, out_features)
 
     # parameters are created by simulate.py from the inventory and passed in by name
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:

@@ -37,7 +37,7 @@ class LayerNormRecipe(Recipe):
         """`Recipe.linear`, except that a projection with a (trainable) bias runs as ``addmm``, whose
         bias gradient is the engine's reduction of the output gradient (`ops.addmm`)."""
         b = p.get(f"{module}.bias")
-        if b is None or p.get(f"{module}.lora_A.weight") is not None:
+        if b is None or p.get(f"{module}.lora_A.weight") is not None or self.fp8_linear(module, in_features, out_features):
             return super().linear(g, x, p, module, in_features, out_features, **kw)
         return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], b, in_features, out_features, module, linear_casts=True)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .base import _Choice
 
-__all__ = ['CHECKPOINTING_HELP', 'AdapterDtype', 'Attention', 'Checkpointing', 'Device', 'LossImpl', 'Method', 'OptimizerImpl', 'OptimizerName', 'Precision']
+__all__ = ['CHECKPOINTING_HELP', 'AdapterDtype', 'Attention', 'Checkpointing', 'Device', 'Fp8Recipe', 'LossImpl', 'Method', 'OptimizerImpl', 'OptimizerName', 'Precision']
 
 
 class Precision(_Choice):
@@ -97,6 +97,15 @@ class LossImpl(_Choice):
     CHUNKED = "chunked"  #: torchtune's LinearCrossEntropyLoss: logits chunk by chunk (``loss_chunks``)
     LIGER = "liger"  #: Liger Kernel's fused linear cross-entropy: gradients in the forward, no full logits
     CCE = "cce"  #: Apple's Cut Cross-Entropy: no logits tensor at all
+
+
+class Fp8Recipe(_Choice):
+    """fp8 matmuls in the transformer blocks' linears: torchao's Float8 training recipes
+    (``Float8LinearConfig.from_recipe_name``; `trainmem_nb.engine.ops.fp8`)."""
+
+    NONE = "none"  #: 16/32-bit matmuls (no fp8)
+    TENSORWISE = "tensorwise"  #: one scale per tensor (torchao's default recipe)
+    ROWWISE = "rowwise"  #: one scale per row, rounded to powers of two
 
 
 class CausalLMLoss(_Choice):

@@ -18,6 +18,7 @@ from .choices import (
     CausalLMLoss,
     Checkpointing,
     Device,
+    Fp8Recipe,
     LossImpl,
     Method,
     OptimizerImpl,
@@ -45,6 +46,12 @@ class TrainingSpec(SpecModel):
     precision: Precision = Field(
         default=Precision.BF16_MIXED, description="default: bf16-mixed for method='full', bf16-true (a 16-bit frozen "
         "base, fp32 adapters) for lora and qlora, as peft users run them")
+    fp8: Fp8Recipe = Field(
+        default=Fp8Recipe.NONE, description="fp8 matmuls in the transformer blocks' linears (torchao Float8Linear, "
+        "eager): 'tensorwise' or 'rowwise' scaling; precision='fp8' means bf16-true with fp8='tensorwise'")
+    fp8_all_gather: bool = Field(
+        default=False, description="FSDP2 all-gathers the fp8-converted weights in fp8 (torchao's "
+        "enable_fsdp_float8_all_gather, tensorwise only, as torchtitan's float8 option turns on)")
     optimizer: OptimizerName = OptimizerName.ADAMW
     optimizer_impl: OptimizerImpl | None = Field(
         default=None, description="None: the device's PyTorch default (cuda: foreach, cpu: for-loop)"
@@ -118,6 +125,12 @@ class TrainingSpec(SpecModel):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
+        precision = data.get("precision")
+        if isinstance(precision, str) and precision.strip().lower() == "fp8":
+            # precision='fp8' is torchao's README setup: a bf16 model whose block linears compute in fp8
+            data["precision"] = Precision.BF16_TRUE
+            if data.get("fp8") in (None, "none", Fp8Recipe.NONE):
+                data["fp8"] = Fp8Recipe.TENSORWISE
         if data.get("precision") is None:  # the default follows the method: see _default_precision
             data.pop("precision", None)
         # Hugging Face's gradient_checkpointing=True recomputes whole layers: True means full, False none
@@ -126,7 +139,7 @@ class TrainingSpec(SpecModel):
         for key, enum in (
             ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
             ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
-            ("loss_impl", LossImpl), ("causal_lm_loss", CausalLMLoss),
+            ("loss_impl", LossImpl), ("causal_lm_loss", CausalLMLoss), ("fp8", Fp8Recipe),
         ):
             if key in data and data[key] is not None:
                 data[key] = enum.parse(data[key], key)
@@ -214,6 +227,10 @@ class TrainingSpec(SpecModel):
         if self.loss_impl in (LossImpl.LIGER, LossImpl.CCE) and self.device is Device.CPU:
             raise SpecError(f"loss_impl={self.loss_impl.value!r} is a Triton kernel: it runs on CUDA only; use "
                             "device='cuda', or loss_impl='standard' or 'chunked' on the CPU")
+        if self.fp8 is not Fp8Recipe.NONE:
+            self._check_fp8()
+        elif self.fp8_all_gather:
+            raise SpecError("fp8_all_gather=True needs fp8 training: set fp8='tensorwise' (or precision='fp8')")
         if self.optimizer_impl is OptimizerImpl.FUSED and self.optimizer not in (
             OptimizerName.ADAMW, OptimizerName.ADAM, OptimizerName.SGD, OptimizerName.SGD_MOMENTUM,
         ):
@@ -222,6 +239,22 @@ class TrainingSpec(SpecModel):
                 f"(got optimizer={self.optimizer.value!r}); use 'foreach' or 'for-loop'"
             )
         return self
+
+    def _check_fp8(self) -> None:
+        """fp8 as modelled: torchao's Float8Linear in eager mode over a bf16 model, every parameter trained."""
+        how = f"fp8={self.fp8.value!r}"
+        if self.precision is not Precision.BF16_TRUE:
+            raise SpecError(f"{how} with precision={self.precision.value!r} is not modelled: fp8 training is modelled over "
+                            "a bf16 model (torchao's README setup); use precision='bf16-true' (or precision='fp8')")
+        if self.method is not Method.FULL:
+            raise SpecError(f"{how} with method={self.method.value!r} is not modelled (peft's LoRA layers wrap the "
+                            "linears torchao would convert); use method='full', or fp8='none' with LoRA")
+        if self.fp8_all_gather and self.fp8 is not Fp8Recipe.TENSORWISE:
+            raise SpecError(f"fp8_all_gather=True with {how}: torchao all-gathers fp8 weights with tensorwise "
+                            "scales only (Float8LinearConfig asserts it); use fp8='tensorwise'")
+        if self.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.SELECTIVE_OP):
+            raise SpecError(f"{how} with checkpointing={self.checkpointing.value!r} is not modelled (the policies "
+                            "name aten.mm, and fp8 matmuls run torch._scaled_mm); use checkpointing='none' or 'full'")
 
     @property
     def tokens(self) -> int:

@@ -18,7 +18,7 @@ from ..engine.tape import Graph, Sz, T, const, per_token
 from ..model.params import buffer_inventory, on_stage, quantized, weight_tensors
 from ..model.spec import ModelSpec
 from ..recipes.registry import recipe_for
-from ..spec.choices import Checkpointing, Device, LossImpl, Method, OptimizerName, Precision
+from ..spec.choices import Checkpointing, Device, Fp8Recipe, LossImpl, Method, OptimizerName, Precision
 from ..spec.training import TrainingSpec
 from .checkpoint import _checkpointed_layer, _Frame
 from .layers import in_layer_of, layer_plan
@@ -109,7 +109,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
                   unrolled: bool = False) -> Program:
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1,
-                  causal_lm_loss=t.causal_lm_loss.value)
+                  causal_lm_loss=t.causal_lm_loss.value, fp8=None if t.fp8 is Fp8Recipe.NONE else t.fp8.value)
     g = Graph()
     g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
     g.bnb_saves_input = t.bnb_saves_input
@@ -148,6 +148,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
         else:
             other[p.name] = g.param(const(p.numel), dt, p.name, trainable or "root" in trains)
             unit_params["root"].append(other[p.name])
+    g.unit_params = unit_params
     recipe = recipe_for(m, t, ctx)
     # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
     # start and new gradients are added in place (HF Trainer zeroes them only after optimizer.step());

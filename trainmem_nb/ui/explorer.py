@@ -32,7 +32,16 @@ from ..estimator.result import MemoryEstimate
 from ..model.families import Family
 from ..model.presets import list_presets, resolve_model
 from ..model.spec import ModelSpec
-from ..spec.choices import CHECKPOINTING_HELP, Attention, Checkpointing, LossImpl, Method, OptimizerName, Precision
+from ..spec.choices import (
+    CHECKPOINTING_HELP,
+    Attention,
+    Checkpointing,
+    Fp8Recipe,
+    LossImpl,
+    Method,
+    OptimizerName,
+    Precision,
+)
 from ..spec.stack import list_stacks, resolve_stack
 from ..units import format_count
 from .explorer_text import legend_html, summary_html, verdict_text
@@ -60,8 +69,8 @@ ENGINES: tuple[str, ...] = ("deepspeed", "fsdp", "ddp", "megatron")
 
 #: The controls and the option each one sets (model controls are handled apart).
 TRAINING_CONTROLS: tuple[str, ...] = (
-    "micro_batch", "seq_len", "stack", "grad_accum", "precision", "optimizer", "checkpointing", "attention", "loss_impl",
-    "method", "lora_rank", "alloc_conf",
+    "micro_batch", "seq_len", "stack", "grad_accum", "precision", "fp8", "optimizer", "checkpointing", "attention",
+    "loss_impl", "method", "lora_rank", "alloc_conf",
 )
 #: The caching allocator's settings offered (``PYTORCH_CUDA_ALLOC_CONF``): its default and expandable segments.
 ALLOC_CONFS: tuple[tuple[str, str], ...] = (("default", ""), ("expandable", "expandable_segments:True"))
@@ -165,6 +174,10 @@ class Explorer:
                                 value=t["stack"] or "default", description="stack"),
             "precision": w.Dropdown(options=[p.value for p in Precision], value=t["precision"],
                                     description="precision"),
+            "fp8": w.ToggleButtons(options=[x.value for x in Fp8Recipe], value=t["fp8"], description="fp8",
+                                   style={"button_width": "6.5em"},
+                                   tooltips=["16-bit matmuls", "torchao Float8Linear, one scale per tensor",
+                                             "torchao Float8Linear, one scale per row"]),
             "optimizer": w.Dropdown(options=[o.value for o in OptimizerName], value=t["optimizer"],
                                     description="optimizer"),
             "checkpointing": w.ToggleButtons(options=[(CHECKPOINT_LABELS.get(c.value, c.value), c.value)
@@ -385,6 +398,9 @@ class Explorer:
                     self._fill_custom(change.get("old"))  # start from the model shown, until you edit it
             elif owner is c["method"]:
                 self._sync_lora()
+            elif owner is c["fp8"] and change["new"] != Fp8Recipe.NONE.value:
+                c["precision"].value = Precision.BF16_TRUE.value  # fp8 is modelled over a bf16 model
+                c["method"].value = Method.FULL.value
             elif owner is c["stack"]:  # the loss control follows the stack (it passes loss_impl explicitly)
                 c["loss_impl"].value = _stack_loss(str(change["new"]))
             elif owner is c["upload"]:
@@ -556,7 +572,7 @@ def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     p = build_parallel(**{"engine": "deepspeed", **{k: v for k, v in options.items() if k in PARALLEL_CONTROLS}})
     return {
         "micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
-        "precision": t.precision.value, "optimizer": t.optimizer.value, "checkpointing": t.checkpointing.value,
+        "precision": t.precision.value, "fp8": t.fp8.value, "optimizer": t.optimizer.value, "checkpointing": t.checkpointing.value,
         "attention": t.attention.value, "loss_impl": t.loss_impl.value, "method": t.method.value, "stack": t.stack,
         "lora_rank": t.lora_rank,
         "alloc_conf": t.alloc_conf, "gpus": p.gpus, "zero": p.zero, "engine": p.engine.value, "tp": p.tp, "pp": p.pp,

@@ -30,6 +30,7 @@ from .elementwise import (
     unary_saving_input,
     unary_saving_output,
 )
+from .fp8 import fp8_linear
 from .linear import addmm, baddbmm, baddbmm_check, bmm, embedding, grouped_mm, linear, linear_4bit
 from .lora import (
     linear_strided_grad,
@@ -71,3 +72,4 @@ __all__ += ["add_", "clamp", "mul_reduce_cast", "sub"]  # gpt_oss
 __all__ += ["copy_into_new", "expand_view"]  # deepseek_v3
 __all__ += ["index_pairs"]  # sequence classification
 __all__ += ["all_to_all", "index_put_new"]  # expert parallelism
+__all__ += ["fp8_linear"]  # fp8 training

@@ -27,6 +27,8 @@ class Ctx:
     batch1: bool = False  # micro-batch 1: some slices are already contiguous (no copy)
     #: how the transformers version computes the causal-LM loss (`trainmem_nb.recipes.head.causal_lm_loss`)
     causal_lm_loss: str = "labels-shifted"
+    #: fp8 training's recipe for the block linears (`trainmem_nb.engine.ops.fp8`): None, "tensorwise", "rowwise"
+    fp8: str | None = None
     wcache: dict[int, T] = field(default_factory=dict)
 
     @property

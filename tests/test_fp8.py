@@ -1,0 +1,188 @@
+"""fp8 training (`TrainingSpec.fp8`): torchao's Float8Linear in eager mode, tensorwise and rowwise, modelled
+from its source and checked against steps measured with torchao on real CPU tensors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+import trainmem_nb as tm
+from trainmem_nb.errors import SpecError
+from trainmem_nb.measure.dataset import load_cases
+from trainmem_nb.model.spec import ModelSpec
+from trainmem_nb.spec.training import TrainingSpec
+from trainmem_nb.step.compile import compile_step, program_key
+
+FP8_CASES = [c for c in load_cases() if c.measurement.training.fp8.value != "none"]
+SMALL = ModelSpec(name="llama-fp8-test", family="llama", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512,
+                  vocab=1024)
+
+
+def _labels(model: ModelSpec, **options: object) -> list[str]:
+    t = TrainingSpec(micro_batch=2, seq_len=64, device="cpu", **options)  # type: ignore[arg-type]
+    return [label for seg in compile_step(model, program_key(t, model)).segments for *_rest, label in seg.events]
+
+
+def test_the_dataset_has_measured_fp8_steps_of_both_recipes_and_several_families() -> None:
+    assert len(FP8_CASES) >= 12
+    assert {c.measurement.training.fp8.value for c in FP8_CASES} == {"tensorwise", "rowwise"}
+    assert len({c.measurement.model.family for c in FP8_CASES}) >= 6
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=lambda c: c.id)
+def test_every_measured_fp8_step_is_reproduced_to_the_byte_in_every_category(case: object) -> None:
+    m = case.measurement  # type: ignore[attr-defined]
+    e = tm.estimate(m.model, m.training)
+    assert (e.peak_allocated_bytes, e.peak_phase) == (m.peak_allocated_bytes, m.peak_phase)
+    assert e.breakdown_bytes == m.breakdown_bytes
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_adds_cast_temporaries_and_keeps_what_bf16_saves(recipe: str) -> None:
+    wide = SMALL.model_copy(update={"vocab": 128, "ffn": 2048})  # the MLP's casts, not the head, set the peak
+    options = dict(micro_batch=4, seq_len=128, precision="bf16-true", optimizer="none", device="cpu")
+    base = tm.estimate(wide, **options)
+    fp8 = tm.estimate(wide, fp8=recipe, **options)
+    # Float8Linear saves the bf16 input and weight, as nn.Linear does: nothing saved changes
+    assert fp8.saved_activations_bytes == base.saved_activations_bytes
+    assert fp8.peak_allocated_bytes > base.peak_allocated_bytes  # the casts' fp32 copies in backward
+    with_fp8 = _labels(SMALL, precision="bf16-true", fp8=recipe)
+    assert any(label.endswith("input fp8") for label in with_fp8)
+    assert not any("fp8" in label for label in _labels(SMALL, precision="bf16-true"))
+
+
+def test_rowwise_applies_its_scales_after_the_backward_matmuls_and_rounds_them_to_powers_of_two() -> None:
+    rowwise = _labels(SMALL, precision="bf16-true", fp8="rowwise")
+    tensorwise = _labels(SMALL, precision="bf16-true", fp8="tensorwise")
+    assert any("scale outer product" in label for label in rowwise)
+    assert any(label.endswith("exp2") for label in rowwise)
+    assert not any("scale outer product" in label or label.endswith("exp2") for label in tensorwise)
+
+
+def test_the_output_head_and_dimensions_scaled_mm_cannot_take_stay_in_high_precision() -> None:
+    labels = _labels(SMALL, precision="bf16-true", fp8="tensorwise")
+    assert not any(label.startswith("lm_head") and "fp8" in label for label in labels)
+    odd = SMALL.model_copy(update={"ffn": 520})  # 520 % 16 != 0: the MLP projections are not converted
+    odd_labels = _labels(odd, precision="bf16-true", fp8="tensorwise")
+    assert not any(label.startswith("mlp.") and "fp8" in label for label in odd_labels)
+    assert any(label.startswith("self_attn.q_proj") and "fp8" in label for label in odd_labels)
+
+
+def test_precision_fp8_means_a_bf16_model_with_tensorwise_fp8_unless_a_recipe_is_named() -> None:
+    t = TrainingSpec(precision="fp8")
+    assert (t.precision.value, t.fp8.value) == ("bf16-true", "tensorwise")
+    assert TrainingSpec(precision="fp8", fp8="rowwise").fp8.value == "rowwise"
+    assert TrainingSpec().fp8.value == "none"
+
+
+@pytest.mark.parametrize(("options", "text"), [
+    ({"fp8": "tensorwise"}, "use precision='bf16-true'"),  # the default bf16-mixed
+    ({"precision": "fp8", "method": "lora"}, "use method='full'"),
+    ({"precision": "fp8", "checkpointing": "selective"}, "use checkpointing='none' or 'full'"),
+    ({"fp8": "columnwise"}, "valid values: none, tensorwise, rowwise"),
+    ({"precision": "fp8", "parallel": {"engine": "megatron", "gpus": 2, "tp": 2}}, "Transformer Engine"),
+    ({"precision": "fp8", "parallel": {"engine": "fsdp", "gpus": 2, "zero": 3, "tp": 2}}, "use tp=1"),
+    ({"precision": "fp8", "fsdp_version": 1, "parallel": {"engine": "fsdp", "gpus": 2, "zero": 3}}, "fsdp_version=2"),
+])
+def test_fp8_where_it_is_not_modelled_is_refused_saying_what_works(options: dict, text: str) -> None:
+    with pytest.raises(SpecError, match=text.replace("(", r"\(").replace(")", r"\)")):
+        tm.estimate("llama-3.2-1b", **options)
+
+
+def test_fp8_composes_with_data_parallel_sharding() -> None:
+    e = tm.estimate("llama-3.2-1b", precision="fp8", parallel={"engine": "fsdp", "gpus": 4, "zero": 3})
+    assert e.training.fp8.value == "tensorwise" and e.peak_allocated_bytes > 0
+
+
+def test_the_notes_say_what_eager_fp8_keeps_and_that_gpt2_converts_nothing() -> None:
+    summary = tm.estimate("llama-3.2-1b", precision="fp8").summary()
+    assert "bf16-true with tensorwise fp8 matmuls" in summary
+    assert "saves the bf16 input and weight" in summary and "neither is modelled" in summary
+    assert "Conv1D" in tm.estimate("gpt2", precision="fp8", seq_len=512).summary()
+
+
+def test_a_gpu_without_fp8_gets_a_note_and_one_with_it_does_not() -> None:
+    est = tm.estimate("llama-3.2-1b", precision="fp8", micro_batch=1, seq_len=1024)
+    assert any("no fp8 tensor cores" in n for n in tm.fit(est, "A100 80GB").notes)
+    assert not any("no fp8 tensor cores" in n for n in tm.fit(est, "H100").notes)
+
+
+def test_the_cli_takes_fp8_as_a_precision_and_as_a_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainmem_nb.cli.main import main
+
+    assert main(["estimate", "--model", "llama-3.2-1b", "--precision", "fp8", "--json"]) == 0
+    training = json.loads(capsys.readouterr().out)["training"]
+    assert (training["precision"], training["fp8"]) == ("bf16-true", "tensorwise")
+    assert main(["estimate", "--model", "llama-3.2-1b", "--precision", "bf16-true", "--fp8", "rowwise", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["training"]["fp8"] == "rowwise"
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs the measure extra's torchao")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_a_live_torchao_step_matches_the_estimate_to_the_byte(recipe: str) -> None:
+    # the tracker records what torchao's Float8TrainingTensor wraps, and the copies it makes inside _scaled_mm
+    from trainmem_nb.measure.api import measure
+
+    m = SMALL.model_copy(update={"n_layers": 1})
+    options = dict(micro_batch=2, seq_len=32, precision="bf16-true", fp8=recipe, optimizer="none")
+    measured = measure(m, device="cpu", **options)
+    e = tm.estimate(m, device="cpu", **options)
+    assert (e.peak_allocated_bytes, e.breakdown_bytes) == (measured.peak_allocated_bytes, measured.breakdown_bytes)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs the measure extra's torchao")
+@pytest.mark.parametrize(("options", "zero"), [
+    ({"fp8": "tensorwise"}, 3),
+    ({"fp8": "rowwise", "checkpointing": "full"}, 2),
+    ({"fp8": "tensorwise", "fp8_all_gather": True}, 3),
+    ({"fp8": "tensorwise", "fp8_all_gather": True, "checkpointing": "full", "grad_accum": 2}, 3),
+    ({"fp8": "tensorwise", "fp8_all_gather": True}, 2),
+])
+def test_an_fsdp2_rank_training_in_fp8_matches_a_measured_step_to_the_byte(options: dict, zero: int) -> None:
+    # FSDP2 gathers the bf16 weights and each rank's Float8Linear casts them as on one device; or, with the
+    # float8 all-gather, each rank casts its shards (amax all-reduced) and gathers fp8 data with its scale
+    from trainmem_nb.estimator.simulate import simulate
+    from trainmem_nb.measure.fsdp import run_fsdp_step
+    from trainmem_nb.measure.step import summarize
+    from trainmem_nb.spec.parallel import ParallelSpec
+
+    m = SMALL.model_copy(update={"n_layers": 3})
+    t = TrainingSpec.model_validate({"micro_batch": 2, "seq_len": 64, "device": "cpu", "precision": "bf16-true",
+                                     **options})
+    p = ParallelSpec(gpus=4, engine="fsdp", zero=zero)
+    measured = summarize(run_fsdp_step(m, t, p, rank=0, device="cpu"), timeline_points=0)
+    est = simulate(m, t, None, p, backend="nccl")  # the fake process group allocates like NCCL
+    assert (est.peak_allocated_bytes, est.peak_phase) == (measured["peak"], measured["peak_phase"])
+    assert est.detail_bytes == {k: v for k, v in measured["detail"].items() if v}
+
+
+def test_the_float8_all_gather_halves_the_gathered_layer_weights_and_skips_their_casts() -> None:
+    m = SMALL.model_copy(update={"n_layers": 4})
+    options = dict(micro_batch=2, seq_len=64, precision="fp8", device="cpu")
+    t0, t1 = (TrainingSpec(fp8_all_gather=ag, **options) for ag in (False, True))  # type: ignore[arg-type]
+    from trainmem_nb.parallel.layout import _hooks
+    from trainmem_nb.spec.parallel import ParallelSpec
+
+    p = ParallelSpec(gpus=4, engine="fsdp", zero=3)
+    bf16, fp8 = (dict(_hooks(m, t, p, "nccl").units)["layer"] for t in (t0, t1))
+    hooks = _hooks(m, t1, p, "nccl")
+    assert sum(q.fp8 for q in fp8) == 7  # q, k, v, o, gate, up, down; not the norms
+    plain = _hooks(m, t0, p, "nccl")
+    assert sum(hooks._gathered_bytes(q) for q in fp8 if q.fp8) * 2 == sum(
+        plain._gathered_bytes(b) for q, b in zip(fp8, bf16, strict=True) if q.fp8)
+    labels = {label for seg in compile_step(m, program_key(t1, m), hooks).segments for *_r, label in seg.events}
+    assert not any(label.startswith("self_attn.q_proj weight") for label in labels)  # cast before the gather
+    assert any(label.startswith("float8 all-gather") for label in labels)
+
+
+def test_the_float8_all_gather_is_refused_where_nothing_is_gathered_that_way() -> None:
+    with pytest.raises(SpecError, match="FSDP2's float8 all-gather"):
+        tm.estimate("llama-3.2-1b", precision="fp8", fp8_all_gather=True)
+    with pytest.raises(SpecError, match="tensorwise scales only"):
+        TrainingSpec(precision="fp8", fp8="rowwise", fp8_all_gather=True)
+    with pytest.raises(SpecError, match="needs fp8 training"):
+        TrainingSpec(fp8_all_gather=True)
