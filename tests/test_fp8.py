@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,9 @@ from trainmem_nb.step.compile import compile_step, program_key
 FP8_CASES = [c for c in load_cases() if c.measurement.training.fp8.value != "none"]
 SMALL = ModelSpec(name="llama-fp8-test", family="llama", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512,
                   vocab=1024)
+#: 16 experts: the router's (16, 64) weight has fp8-able dimensions, but it is no nn.Linear in transformers 5
+MOE16 = ModelSpec(name="qwen3-moe-fp8-16e", family="qwen3_moe", n_layers=2, hidden=64, n_heads=4, n_kv_heads=2,
+                  head_dim=32, ffn=128, vocab=512, n_experts=16, experts_top_k=2, expert_ffn=64)
 
 
 def _labels(model: ModelSpec, **options: object) -> list[str]:
@@ -74,7 +78,9 @@ def test_precision_fp8_means_a_bf16_model_with_tensorwise_fp8_unless_a_recipe_is
     t = TrainingSpec(precision="fp8")
     assert (t.precision.value, t.fp8.value) == ("bf16-true", "tensorwise")
     assert TrainingSpec(precision="fp8", fp8="rowwise").fp8.value == "rowwise"
-    assert TrainingSpec().fp8.value == "none"
+    assert TrainingSpec().fp8.value == "none" == TrainingSpec(fp8=None).fp8.value
+    with pytest.raises(SpecError, match="contradict"):
+        TrainingSpec(precision="fp8", fp8="none")
 
 
 @pytest.mark.parametrize(("options", "text"), [
@@ -99,7 +105,11 @@ def test_fp8_composes_with_data_parallel_sharding() -> None:
 def test_the_notes_say_what_eager_fp8_keeps_and_that_gpt2_converts_nothing() -> None:
     summary = tm.estimate("llama-3.2-1b", precision="fp8").summary()
     assert "bf16-true with tensorwise fp8 matmuls" in summary
-    assert "saves the bf16 input and weight" in summary and "neither is modelled" in summary
+    assert "saves the bf16 input and weight" in summary and "(not modelled)" in summary
+    assert "fp8_all_gather=True) halves the gathered weights" in summary
+    gathered = tm.estimate("llama-3.2-1b", precision="fp8", fp8_all_gather=True,
+                           parallel={"engine": "fsdp", "gpus": 2, "zero": 3}).summary()
+    assert "the float8 all-gather is counted" in gathered
     assert "Conv1D" in tm.estimate("gpt2", precision="fp8", seq_len=512).summary()
 
 
@@ -121,14 +131,15 @@ def test_the_cli_takes_fp8_as_a_precision_and_as_a_recipe(capsys: pytest.Capture
 
 @pytest.mark.torch
 @pytest.mark.skipif(importlib.util.find_spec("torchao") is None, reason="needs the measure extra's torchao")
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_a_live_torchao_step_matches_the_estimate_to_the_byte(recipe: str) -> None:
-    # the tracker records what torchao's Float8TrainingTensor wraps, and the copies it makes inside _scaled_mm
+@pytest.mark.parametrize(("recipe", "device"), [("tensorwise", "cpu"), ("rowwise", "cpu"), ("rowwise", "fake")])
+def test_a_live_torchao_step_matches_the_estimate_to_the_byte(recipe: str, device: str) -> None:
+    # the tracker records what torchao's Float8TrainingTensor wraps, and the copies it makes inside _scaled_mm;
+    # under fake tensors too (torchao's training casts never read a value back)
     from trainmem_nb.measure.api import measure
 
     m = SMALL.model_copy(update={"n_layers": 1})
     options = dict(micro_batch=2, seq_len=32, precision="bf16-true", fp8=recipe, optimizer="none")
-    measured = measure(m, device="cpu", **options)
+    measured = measure(m, device=device, **options)
     e = tm.estimate(m, device="cpu", **options)
     assert (e.peak_allocated_bytes, e.breakdown_bytes) == (measured.peak_allocated_bytes, measured.breakdown_bytes)
 
@@ -141,6 +152,7 @@ def test_a_live_torchao_step_matches_the_estimate_to_the_byte(recipe: str) -> No
     ({"fp8": "tensorwise", "fp8_all_gather": True}, 3),
     ({"fp8": "tensorwise", "fp8_all_gather": True, "checkpointing": "full", "grad_accum": 2}, 3),
     ({"fp8": "tensorwise", "fp8_all_gather": True}, 2),
+    ({"fp8": "tensorwise", "fp8_all_gather": True, "model": "moe16"}, 3),  # a router (not nn.Linear) wide enough
 ])
 def test_an_fsdp2_rank_training_in_fp8_matches_a_measured_step_to_the_byte(options: dict, zero: int) -> None:
     # FSDP2 gathers the bf16 weights and each rank's Float8Linear casts them as on one device; or, with the
@@ -150,7 +162,8 @@ def test_an_fsdp2_rank_training_in_fp8_matches_a_measured_step_to_the_byte(optio
     from trainmem_nb.measure.step import summarize
     from trainmem_nb.spec.parallel import ParallelSpec
 
-    m = SMALL.model_copy(update={"n_layers": 3})
+    options = dict(options)
+    m = MOE16 if options.pop("model", "") == "moe16" else SMALL.model_copy(update={"n_layers": 3})
     t = TrainingSpec.model_validate({"micro_batch": 2, "seq_len": 64, "device": "cpu", "precision": "bf16-true",
                                      **options})
     p = ParallelSpec(gpus=4, engine="fsdp", zero=zero)
@@ -186,3 +199,38 @@ def test_the_float8_all_gather_is_refused_where_nothing_is_gathered_that_way() -
         TrainingSpec(precision="fp8", fp8="rowwise", fp8_all_gather=True)
     with pytest.raises(SpecError, match="needs fp8 training"):
         TrainingSpec(fp8_all_gather=True)
+
+
+def test_the_planner_keeps_fp8_in_every_option_and_leaves_out_gpus_without_it() -> None:
+    pl = tm.plan("llama-3.2-1b", gpu=["H100", "A100 80GB"], tokens=1e7, seq_len=1024, precision="fp8")
+    assert pl.rows and {(r["precision"], r["fp8"]) for r in pl.rows} == {("bf16-true", "tensorwise")}
+    assert {r["gpu"] for r in pl.rows} == {"H100 SXM 80GB"}
+    assert any("no fp8 tensor cores" in r["reason"] for r in pl.rejected if r["gpu"].startswith("A100"))
+    assert not any(r["engine"] in ("megatron", "deepspeed") for r in pl.rows)  # not modelled with fp8
+
+
+def test_an_fp8_launch_export_writes_the_torchrun_line_with_the_flags_that_switch_fp8_on(tmp_path: Any) -> None:
+    from trainmem_nb.planning.launch import accelerate_fsdp_config, deepspeed_config, write_launch_files
+
+    option = {"n_gpus": 8, "engine": "fsdp", "zero": 3, "family": "llama", "precision": "bf16-true",
+              "fp8": "tensorwise", "fp8_all_gather": True}
+    written = write_launch_files(option, tmp_path / "out")
+    assert [p.name for p in written] == ["launch.sh"]
+    assert "--float8.enable_fsdp_float8_all_gather" in written[0].read_text()
+    for make in (deepspeed_config, accelerate_fsdp_config):
+        with pytest.raises(SpecError, match="torchao's Float8 training"):
+            make(option)
+
+
+def test_fp8_on_cuda_needs_micro_batch_tokens_in_multiples_of_16() -> None:
+    with pytest.raises(SpecError, match="multiple of 16"):
+        TrainingSpec(precision="fp8", micro_batch=1, seq_len=30)
+    assert TrainingSpec(precision="fp8", micro_batch=1, seq_len=30, device="cpu").fp8.value == "tensorwise"
+
+
+def test_measuring_the_float8_all_gather_on_one_device_is_refused() -> None:
+    pytest.importorskip("torch")
+    from trainmem_nb.measure.step import check_measurable
+
+    with pytest.raises(RuntimeError, match="single device gathers nothing"):
+        check_measurable(SMALL, TrainingSpec(precision="fp8", fp8_all_gather=True, device="cpu"), "cpu")

@@ -172,6 +172,8 @@ def _values(widget: Any) -> list[Any]:
         return [widget._options_values[0], widget._options_values[-1]]
     if isinstance(widget, (w.Dropdown, w.ToggleButtons)):
         return list(widget._options_values)
+    if isinstance(widget, w.Checkbox):
+        return [True, False]
     if isinstance(widget, w.FileUpload):
         cfg = json.dumps(get_preset("gpt2").config).encode()
         nan = b'{"model_type":"llama","hidden_size":64,"num_attention_heads":4,"intermediate_size":128,' \
@@ -211,7 +213,7 @@ def _answers(app: Explorer) -> None:
 def test_every_control_through_its_extremes_and_invalid_combinations_keeps_answering() -> None:
     app = tm.explore("gpt2", gpu="H100", micro_batch=1, seq_len=512)
     base = dict(model="llama-3.2-1b", micro_batch=1, seq_len=1024, gpus=1, zero=0, tp=1, pp=1, ep=1, engine="deepspeed",
-                method="full", precision="bf16-mixed", fp8="none", attention="sdpa")
+                method="full", precision="bf16-mixed", fp8="none", fp8_all_gather=False, attention="sdpa")
     for name, widget in app.controls.items():
         values = _values(widget)
         if name == "preset":  # one preset per family: every preset is estimated in tests/test_presets.py

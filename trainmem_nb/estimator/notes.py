@@ -40,11 +40,13 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
             notes.append(f"fp8={t.fp8.value!r} on gpt2: its projections are Conv1D, not nn.Linear, which torchao's "
                          "convert_to_float8_training leaves as they are: no matmul runs in fp8, the step is bf16's")
         else:
+            gather = ("FSDP2's float8 all-gather (fp8_all_gather=True) halves the gathered weights" if not
+                      t.fp8_all_gather else "the float8 all-gather is counted (fp8 gathered weights, their casts before "
+                      "the gather)")
             notes.append(f"fp8={t.fp8.value!r} is torchao's Float8Linear in eager mode: it saves the bf16 input and weight "
                          "for backward, so weights, gradients, states and activations are bf16's, and each block linear "
                          "adds its casts' temporaries (an fp32 copy of each operand, six casts a linear); torch.compile "
-                         "fuses those casts and FSDP2's float8 all-gather halves the gathered weights: neither is "
-                         "modelled")
+                         f"fuses those casts (not modelled); {gather}")
     if t.method is not Method.FULL and t.mixed:
         notes.append(
             f"{t.method.value} with precision={t.precision.value!r}: the frozen base is counted in fp32 (autocast "

@@ -425,9 +425,9 @@ def moe_family_cases() -> list[CaseSpec]:
 
 
 def fp8_cases() -> list[CaseSpec]:
-    """fp8 training (torchao's Float8Linear, tensorwise and rowwise) on real CPU tensors (torchao reads its scales
-    back, which fake tensors cannot answer): a Llama over options, and families with biases, fused projections,
-    q/k norms, layer patterns, MLA and a router wide enough to be converted."""
+    """fp8 training (torchao's Float8Linear, tensorwise and rowwise) on real CPU tensors (fake ones give the same
+    bytes): a Llama over options, and families with biases, fused projections, q/k norms, layer patterns, MLA
+    and a router with fp8-able dimensions (left alone: it is no nn.Linear)."""
     fp8: dict[str, Any] = {"precision": "bf16-true"}
     llama = _m("llama", "llama-fp8", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1024)
     cases = _cases("fp8", [llama], [

@@ -110,9 +110,9 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
 
         if importlib.util.find_spec("torchao") is None:
             raise RuntimeError(f"fp8={t.fp8.value!r} needs torchao's Float8 training: pip install 'trainmem_nb[measure]'")
-        if device == "fake":
-            raise RuntimeError(f"fp8={t.fp8.value!r} cannot be measured under fake tensors (torchao's scale is read "
-                               "back as a Python number); measure it with device='cpu'")
+        if t.fp8_all_gather:
+            raise RuntimeError("fp8_all_gather=True is FSDP2's float8 all-gather: a single device gathers nothing; "
+                               "measure it with gpus > 1 and engine='fsdp', or fp8_all_gather=False")
     if t.method is Method.QLORA:
         raise RuntimeError(
             "method='qlora' cannot be measured here: it needs bitsandbytes CUDA kernels for the NF4 base; "
@@ -289,8 +289,9 @@ def model_dtype(t: TrainingSpec) -> torch.dtype:
 
 
 def fp8_module_filter(module: nn.Module, fqn: str) -> bool:
-    """The linears fp8 training converts: not an output head (`trainmem_nb.recipes.base.FP8_SKIPPED`), and
-    dimensions that are multiples of 16, which ``torch._scaled_mm`` needs (torchtitan's and accelerate's rule)."""
+    """The linears fp8 training converts in the measured steps: not an output head
+    (`trainmem_nb.recipes.base.FP8_SKIPPED`), and dimensions that are multiples of 16, which
+    ``torch._scaled_mm`` needs (the rule `trainmem_nb.recipes.base.fp8_converted` models)."""
     return (fqn.rsplit(".", 1)[-1] not in FP8_SKIPPED and isinstance(module, nn.Linear)
             and module.in_features % 16 == 0 and module.out_features % 16 == 0)
 

@@ -86,9 +86,9 @@ def _check_fp8(t: TrainingSpec, p: ParallelSpec) -> None:
     layouts that bring their own fp8 linears are refused, saying which."""
     if t.fp8_all_gather and not (p.engine is Engine.FSDP and p.zero >= 2 and t.fsdp_version == 2 and p.pp == 1
                                  and p.offload.value == "none"):
-        raise SpecError(f"fp8_all_gather=True is FSDP2's float8 all-gather; with engine={p.engine.value!r}, "
-                        f"zero={p.zero}, pp={p.pp}, offload={p.offload.value!r} nothing is all-gathered that way: use "
-                        "engine='fsdp' with zero 2 or 3 (pp=1, no offload), or fp8_all_gather=False")
+        raise SpecError(f"fp8_all_gather=True (FSDP2's float8 all-gather) is modelled for engine='fsdp' with zero 2 or 3, "
+                        f"pp=1 and no offload, not with engine={p.engine.value!r}, zero={p.zero}, pp={p.pp}, "
+                        f"offload={p.offload.value!r}; use that layout or fp8_all_gather=False")
     if t.fp8.value == "none":
         return
     how = f"fp8={t.fp8.value!r}"
@@ -96,6 +96,10 @@ def _check_fp8(t: TrainingSpec, p: ParallelSpec) -> None:
         raise SpecError(f"{how} with engine='megatron': Megatron trains fp8 with Transformer Engine's layers (fp8 weight "
                         "copies and saved fp8 inputs), which is not modelled; use engine='fsdp' (torchao, as torchtitan "
                         "runs it) or fp8='none'")
+    if p.engine is Engine.DEEPSPEED:
+        raise SpecError(f"{how} with engine='deepspeed' is not modelled (torchao's Float8Linear under ZeRO's "
+                        "parameter partitioning is measured nowhere); use engine='fsdp' (as torchtitan runs it) or "
+                        "'ddp'")
     if p.tp > 1 or p.cp > 1:
         raise SpecError(f"{how} with tp={p.tp}, cp={p.cp}: torchao's float8 tensor-parallel styles (Float8ColwiseParallel) "
                         "are not modelled; use tp=1 and cp=1 with fp8")

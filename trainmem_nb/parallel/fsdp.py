@@ -96,7 +96,8 @@ class FSDP2Hooks(EngineHooks):
         if scales is not None:
             # fsdp_post_all_gather(out=...) gives each unsharded fp8 weight its new scale; the one it had (the
             # previous gather's, or the previous step's before the first) goes unless a saved weight holds it
-            converted = [w for q, w in zip(self._unit(unit), g.unit_params.get(unit, []), strict=False) if q.fp8]
+            # the step's parameters of the unit, in the order of the engine's (both follow the model's weights)
+            converted = [w for q, w in zip(self._unit(unit), g.unit_params[unit], strict=True) if q.fp8]
             for w, scale in zip(converted, scales, strict=True):
                 old = w.fp8_scale
                 if old is None:  # the first gather of the step: the previous step's backward left the scale

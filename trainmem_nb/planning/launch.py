@@ -80,6 +80,8 @@ class _Launch:
     checkpointing: str
     family: str | None  # None: the option names none (only the FSDP config needs it)
     ep: int = 1  # expert parallelism: no DeepSpeed JSON or accelerate FSDP config expresses it
+    fp8: str = "none"  # torchao's fp8 recipe (`TrainingSpec.fp8`): set in the training code, not in these configs
+    fp8_all_gather: bool = False
 
     @property
     def dp(self) -> int:
@@ -100,7 +102,7 @@ def _launch(option: Any) -> _Launch:
         p, t = option.parallel, option.training
         return _Launch(p.gpus, p.nodes, p.gpus_per_node, p.engine.value, p.zero, p.hybrid_shard, p.offload.value,
                        p.tp, p.pp, t.precision.value, t.micro_batch, t.grad_accum, t.checkpointing.value,
-                       option.model.family.value, p.ep)
+                       option.model.family.value, p.ep, t.fp8.value, t.fp8_all_gather)
     if not isinstance(option, Mapping):
         raise SpecError(f"expected a plan option (a row of Plan.rows) or a MemoryEstimate, got {type(option).__name__}")
     n = int(option.get("n_gpus", 1))
@@ -113,7 +115,20 @@ def _launch(option: Any) -> _Launch:
         int(option.get("tp", 1)), int(option.get("pp", 1)), str(option.get("precision", "bf16-mixed")),
         int(option.get("micro_batch", 1)), int(option.get("grad_accum", 1)), str(option.get("checkpointing", "none")),
         None if option.get("family") is None else str(option["family"]), int(option.get("ep", 1)),
+        str(option.get("fp8", "none")), bool(option.get("fp8_all_gather", False)),
     )
+
+
+def _fp8_launch_note(s: _Launch) -> str:
+    """What a launcher config cannot say about fp8 training: torchao's conversion is the training code's
+    (torchtitan's flags, or ``convert_to_float8_training`` in your script)."""
+    if s.fp8 == "none":
+        return ""
+    flags = f"--model.converters float8 --float8.recipe_name {s.fp8}"
+    if s.fp8_all_gather:
+        flags += " --float8.enable_fsdp_float8_all_gather"
+    return (f"fp8={s.fp8!r} is torchao's Float8 training, which the training code switches on (torchtitan: {flags}; "
+            "your own script: torchao.float8.convert_to_float8_training)")
 
 
 def deepspeed_config(option: Any, *, gradient_clipping: float = 1.0, steps_per_print: int = 100) -> dict[str, Any]:
@@ -127,6 +142,9 @@ def deepspeed_config(option: Any, *, gradient_clipping: float = 1.0, steps_per_p
     (64, 3, {'enabled': True})
     """
     s = _launch(option)
+    if s.fp8 != "none":
+        raise SpecError(f"{_fp8_launch_note(s)}; DeepSpeed's JSON config has no such option, and fp8 under DeepSpeed "
+                        "is not modelled: plan fp8 with engine='fsdp' or 'ddp'")
     if s.ep > 1:
         raise SpecError(f"ep={s.ep}: DeepSpeed's JSON config does not express expert parallelism (its MoE layers "
                         "take ep_size in the model code); torchtitan's --parallelism.expert_parallel_degree does")
@@ -177,6 +195,9 @@ def accelerate_fsdp_config(option: Any, *, layer_cls: str | None = None, main_pr
     if s.zero not in (2, 3):
         raise SpecError(f"zero={s.zero}: an FSDP config shards gradients (zero=2) or everything (zero=3); "
                         "for plain data parallel use torchrun_command()")
+    if s.fp8 != "none":
+        raise SpecError(f"{_fp8_launch_note(s)}; the modelled step is torchao's, which accelerate's FSDP config "
+                        "does not set up: launch it with torchrun")
     if s.tp > 1 or s.pp > 1 or s.ep > 1:
         raise SpecError(f"tp={s.tp}, pp={s.pp}, ep={s.ep}: accelerate's FSDP config covers data parallel sharding "
                         "only (expert parallelism: torchtitan's --parallelism.expert_parallel_degree)")
@@ -292,13 +313,14 @@ def write_launch_files(option: Any, directory: str | Path, script: str = "train.
     out = check_launch_dir(directory, force)
     out.mkdir(exist_ok=True)
     texts: dict[str, str] = {}
-    if s.tp == 1 and s.pp == 1 and s.ep == 1:
+    fp8 = _fp8_launch_note(s)
+    if s.tp == 1 and s.pp == 1 and s.ep == 1 and not fp8:
         texts["ds_config.json"] = json.dumps(deepspeed_config(option), indent=2) + "\n"
     if (s.zero in (2, 3) and s.tp == 1 and s.pp == 1 and s.ep == 1 and not s.hybrid_shard
-            and s.offload != "optimizer"):
+            and s.offload != "optimizer" and not fp8):
         texts["accelerate_fsdp.yaml"] = to_yaml(accelerate_fsdp_config(option))
     texts["launch.sh"] = ("#!/bin/sh\n# one line per node; set MASTER_ADDR on every node for several nodes\n"
-                          + torchrun_command(option, script) + "\n")
+                          + (f"# {fp8}\n" if fp8 else "") + torchrun_command(option, script) + "\n")
     previous = _manifest_files(out / MANIFEST)
     for name in previous:
         if name not in texts and name in LAUNCH_FILES and (out / name).exists():

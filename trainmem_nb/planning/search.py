@@ -231,7 +231,8 @@ def plan(
                        prices=price_rows, mfu=mfu, headroom=headroom, provider=provider,
                        inter_node_gbs=a.inter_node_gbs, storage_gbs=a.storage_gbs,
                        spot_rate=a.spot_interruptions_per_node_hour, restart_s=a.restart_minutes * 60,
-                       interval_h=a.checkpoint_interval_hours, keep=a.keep_checkpoints, prices_source=source)
+                       interval_h=a.checkpoint_interval_hours, keep=a.keep_checkpoints, prices_source=source,
+                       fp8=base_training.fp8.value)
     rows: list[dict[str, Any]] = []
     rejected: list[dict[str, Any]] = []
     step = model_parallel(fixed)
@@ -288,13 +289,20 @@ class _PlanContext:
     interval_h: float | None
     keep: int
     prices_source: str = "snapshot"
+    fp8: str = "none"  # the fp8 recipe of the given options (precision='fp8' included), kept in every option
     kept: dict[tuple[str, int, str], MemoryEstimate] = field(default_factory=dict)
 
 
 def _search_gpu(ctx: _PlanContext, g: GPU, counts: list[int], scale_out: int, rows: list[dict[str, Any]],
                 rejected: list[dict[str, Any]]) -> None:
     """Rows for one GPU type: every layout family from the fewest GPUs that fit, `scale_out` doublings on."""
-    precision = _precision_for(str(build_training(None, **ctx.given).precision.value), g)
+    base = build_training(None, **ctx.given)
+    if base.fp8.value != "none" and not g.supports_fp8:
+        rejected.append({"gpu": g.name, "n_gpus": 0, "layout": "any",
+                         "reason": f"fp8={base.fp8.value!r}: {g.name} has no fp8 tensor cores (torch._scaled_mm needs "
+                                   "compute capability 8.9 or later)"})
+        return
+    precision = _precision_for(str(base.precision.value), g)
     fits_seen: dict[str, int] = {}
     dead: set[str] = set()  # families whose memory per GPU does not fall with more GPUs (DDP)
     closest: dict[str, Any] | None = None
@@ -372,7 +380,8 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
     """One row: the batch that fits, the verdict, time and cost (raises SpecError for bad layouts)."""
     ckpts = [ctx.given["checkpointing"]] if "checkpointing" in ctx.given else ["none", "full"]
     for ck in ckpts:  # no recomputation when it fits, else full checkpointing
-        over: dict[str, Any] = {"precision": precision, "checkpointing": ck}
+        # precision='fp8' names a bf16 model with fp8 matmuls: the recipe stays with it
+        over: dict[str, Any] = {"precision": precision, "checkpointing": ck, "fp8": ctx.fp8}
         mb, ga, mx = _choose_batch(ctx, g, p, over)
         if 0 < mb <= mx:
             break
@@ -384,7 +393,8 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
     row: dict[str, Any] = {
         "gpu": g.name, "model": ctx.m.name, "family": ctx.m.family.value, "n_gpus": p.gpus, "nodes": p.nodes, "gpus_per_node": p.gpus_per_node, "layout": label,
         "scale": _scale(p, g), "engine": p.engine.value, "zero": p.zero, "tp": p.tp, "pp": p.pp, "sp": p.sp, "ep": p.ep,
-        "hybrid_shard": p.hybrid_shard, "offload": p.offload.value, "precision": t.precision.value,
+        "hybrid_shard": p.hybrid_shard, "offload": p.offload.value, "precision": t.precision.value, "fp8": t.fp8.value,
+        "fp8_all_gather": t.fp8_all_gather,
         "checkpointing": t.checkpointing.value, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "global_batch": t.micro_batch * t.grad_accum * p.dp, "seq_len": t.seq_len,
         "fits": f.fits, "verdict": f.verdict, "headroom_fraction": f.margin_fraction, "needed_bytes": f.needed_bytes,

@@ -14,7 +14,7 @@ from ..engine import ops
 from ..engine.ops import Ctx
 from ..engine.tape import Graph, Sz, T, per_token
 from ..model.layers import LayerKind
-from ..model.params import ParamTensor
+from ..model.params import ParamTensor, quantized
 from ..model.spec import ModelSpec
 from ..spec.choices import Checkpointing, Method
 from ..spec.training import TrainingSpec
@@ -74,15 +74,17 @@ FP8_SKIPPED = frozenset({"lm_head", "score", "classifier", "decoder"})
 
 def fp8_converted(module: str, in_features: int, out_features: int) -> bool:
     """Does fp8 training convert the projection `module` (its name in the layer) of these dimensions: its
-    dimensions are multiples of 16 (``torch._scaled_mm``'s rule, which torchtitan's and accelerate's module
-    filters apply), and it is not an output head (`FP8_SKIPPED`)."""
+    dimensions are multiples of 16 (``torch._scaled_mm``'s rule; torchtitan's and torchao's auto filters skip
+    the others too) and it is not an output head (`FP8_SKIPPED`). accelerate's default filter also skips the
+    model's first linear: not modelled."""
     return in_features % 16 == 0 and out_features % 16 == 0 and module not in FP8_SKIPPED
 
 
 def fp8_weight(p: ParamTensor, m: ModelSpec) -> bool:
-    """Is `p` the weight of a projection fp8 training converts (`fp8_converted`): a layer's 2-D ``*.weight``
-    of an ``nn.Linear`` (gpt2's projections are Conv1D, which torchao leaves as they are)."""
-    if not (p.in_layer and p.name.endswith(".weight") and len(p.shape) == 2) or m.family.value == "gpt2":
+    """Is `p` the weight of a projection fp8 training converts (`fp8_converted`): the weight of an ``nn.Linear``
+    in a layer (`quantized`'s set: not a router, which transformers 5 holds in a custom module, nor a 3-D expert
+    stack; gpt2's projections are Conv1D, which torchao leaves as they are)."""
+    if m.family.value == "gpt2" or not quantized(p):
         return False
     module = p.name[len("layers."):-len(".weight")]
     return fp8_converted(module, p.shape[1], p.shape[0])

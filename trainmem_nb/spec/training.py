@@ -125,12 +125,18 @@ class TrainingSpec(SpecModel):
         if not isinstance(data, Mapping):
             return data
         data = dict(data)
+        if "fp8" in data and data["fp8"] is None:  # None: the default, as for precision
+            data.pop("fp8")
         precision = data.get("precision")
         if isinstance(precision, str) and precision.strip().lower() == "fp8":
             # precision='fp8' is torchao's README setup: a bf16 model whose block linears compute in fp8
             data["precision"] = Precision.BF16_TRUE
-            if data.get("fp8") in (None, "none", Fp8Recipe.NONE):
+            if "fp8" not in data:
                 data["fp8"] = Fp8Recipe.TENSORWISE
+            elif Fp8Recipe.parse(data["fp8"], "fp8") is Fp8Recipe.NONE:
+                raise SpecError("precision='fp8' with fp8='none' contradict each other: precision='fp8' means a bf16 "
+                                "model with fp8 matmuls; drop fp8 (tensorwise), give fp8='rowwise', or use "
+                                "precision='bf16-true' without fp8")
         if data.get("precision") is None:  # the default follows the method: see _default_precision
             data.pop("precision", None)
         # Hugging Face's gradient_checkpointing=True recomputes whole layers: True means full, False none
@@ -248,10 +254,17 @@ class TrainingSpec(SpecModel):
                             "a bf16 model (torchao's README setup); use precision='bf16-true' (or precision='fp8')")
         if self.method is not Method.FULL:
             raise SpecError(f"{how} with method={self.method.value!r} is not modelled (peft's LoRA layers wrap the "
-                            "linears torchao would convert); use method='full', or fp8='none' with LoRA")
+                            "linears torchao would convert); use method='full', or LoRA without fp8 (precision "
+                            "'bf16-true', fp8='none')")
         if self.fp8_all_gather and self.fp8 is not Fp8Recipe.TENSORWISE:
             raise SpecError(f"fp8_all_gather=True with {how}: torchao all-gathers fp8 weights with tensorwise "
                             "scales only (Float8LinearConfig asserts it); use fp8='tensorwise'")
+        if self.device is Device.CUDA and self.tokens % 16:
+            # the weight gradient's matmul contracts over the tokens: on CUDA torch._scaled_mm needs every
+            # dimension a multiple of 16 (torch/_meta_registrations.py, meta_scaled_mm)
+            raise SpecError(f"{how} with micro_batch x seq_len = {self.tokens} tokens: torch._scaled_mm on CUDA needs "
+                            "the tokens of a micro-batch to be a multiple of 16 (the weight gradient's matmul runs over "
+                            "them); pad seq_len to a multiple of 16")
         if self.checkpointing in (Checkpointing.SELECTIVE, Checkpointing.SELECTIVE_OP):
             raise SpecError(f"{how} with checkpointing={self.checkpointing.value!r} is not modelled (the policies "
                             "name aten.mm, and fp8 matmuls run torch._scaled_mm); use checkpointing='none' or 'full'")

@@ -70,7 +70,7 @@ ENGINES: tuple[str, ...] = ("deepspeed", "fsdp", "ddp", "megatron")
 #: The controls and the option each one sets (model controls are handled apart).
 TRAINING_CONTROLS: tuple[str, ...] = (
     "micro_batch", "seq_len", "stack", "grad_accum", "precision", "fp8", "optimizer", "checkpointing", "attention",
-    "loss_impl", "method", "lora_rank", "alloc_conf",
+    "loss_impl", "method", "lora_rank", "alloc_conf", "fp8_all_gather",
 )
 #: The caching allocator's settings offered (``PYTORCH_CUDA_ALLOC_CONF``): its default and expandable segments.
 ALLOC_CONFS: tuple[tuple[str, str], ...] = (("default", ""), ("expandable", "expandable_segments:True"))
@@ -201,6 +201,8 @@ class Explorer:
                                          if t["alloc_conf"] not in dict(ALLOC_CONFS).values() else ())],
                 value=t["alloc_conf"], description="allocator", style={"button_width": "6.5em"},
                 tooltips=["PyTorch's default caching allocator", "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"]),
+            "fp8_all_gather": w.Checkbox(value=t["fp8_all_gather"], description="fp8 all-gather", indent=False,
+                                         tooltip="FSDP2 gathers the fp8 layers' weights in fp8 (torchao)"),
             "gpus": w.SelectionSlider(options=_with(GPU_COUNTS, t["gpus"]), value=t["gpus"], description="GPUs",
                                       **slow),
             "zero": w.ToggleButtons(options=[0, 1, 2, 3], value=t["zero"], description="ZeRO",
@@ -238,8 +240,8 @@ class Explorer:
         # what a workshop moves most is always in view; the rest is one tab away
         tabs = w.Tab(
             children=[
-                w.VBox([c[k] for k in TRAINING_CONTROLS if k not in ("micro_batch", "seq_len")]),
-                w.VBox([c[k] for k in PARALLEL_CONTROLS]),
+                w.VBox([c[k] for k in TRAINING_CONTROLS if k not in ("micro_batch", "seq_len", "fp8_all_gather")]),
+                w.VBox([*(c[k] for k in PARALLEL_CONTROLS), c["fp8_all_gather"]]),
             ],
             titles=["Training", "Parallel"],
         )
@@ -401,6 +403,11 @@ class Explorer:
             elif owner is c["fp8"] and change["new"] != Fp8Recipe.NONE.value:
                 c["precision"].value = Precision.BF16_TRUE.value  # fp8 is modelled over a bf16 model
                 c["method"].value = Method.FULL.value
+            elif owner is c["fp8_all_gather"] and change["new"]:  # FSDP2's, with tensorwise fp8
+                c["fp8"].value = Fp8Recipe.TENSORWISE.value
+                c["engine"].value = "fsdp"
+                if c["zero"].value < 2:
+                    c["zero"].value = 3
             elif owner is c["stack"]:  # the loss control follows the stack (it passes loss_impl explicitly)
                 c["loss_impl"].value = _stack_loss(str(change["new"]))
             elif owner is c["upload"]:
@@ -572,7 +579,8 @@ def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     p = build_parallel(**{"engine": "deepspeed", **{k: v for k, v in options.items() if k in PARALLEL_CONTROLS}})
     return {
         "micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
-        "precision": t.precision.value, "fp8": t.fp8.value, "optimizer": t.optimizer.value, "checkpointing": t.checkpointing.value,
+        "precision": t.precision.value, "fp8": t.fp8.value, "fp8_all_gather": t.fp8_all_gather,
+        "optimizer": t.optimizer.value, "checkpointing": t.checkpointing.value,
         "attention": t.attention.value, "loss_impl": t.loss_impl.value, "method": t.method.value, "stack": t.stack,
         "lora_rank": t.lora_rank,
         "alloc_conf": t.alloc_conf, "gpus": p.gpus, "zero": p.zero, "engine": p.engine.value, "tp": p.tp, "pp": p.pp,
