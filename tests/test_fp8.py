@@ -84,7 +84,8 @@ def test_precision_fp8_means_a_bf16_model_with_tensorwise_fp8_unless_a_recipe_is
 
 
 @pytest.mark.parametrize(("options", "text"), [
-    ({"fp8": "tensorwise"}, "use precision='bf16-true'"),  # the default bf16-mixed
+    ({"fp8": "tensorwise"}, "not under autocast"),  # the default bf16-mixed on one device
+    ({"fp8": "tensorwise", "precision": "fp16-mixed"}, "or 'bf16-mixed' with FSDP2"),
     ({"precision": "fp8", "method": "lora"}, "use method='full'"),
     ({"precision": "fp8", "checkpointing": "selective"}, "use checkpointing='none' or 'full'"),
     ({"fp8": "columnwise"}, "valid values: none, tensorwise, rowwise"),
@@ -153,6 +154,10 @@ def test_a_live_torchao_step_matches_the_estimate_to_the_byte(recipe: str, devic
     ({"fp8": "tensorwise", "fp8_all_gather": True, "checkpointing": "full", "grad_accum": 2}, 3),
     ({"fp8": "tensorwise", "fp8_all_gather": True}, 2),
     ({"fp8": "tensorwise", "fp8_all_gather": True, "model": "moe16"}, 3),  # a router (not nn.Linear) wide enough
+    # torchtitan's: fp32 shards, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+    ({"fp8": "tensorwise", "precision": "bf16-mixed"}, 3),
+    ({"fp8": "tensorwise", "precision": "bf16-mixed", "fp8_all_gather": True, "checkpointing": "full"}, 3),
+    ({"fp8": "rowwise", "precision": "bf16-mixed", "grad_accum": 2}, 2),
 ])
 def test_an_fsdp2_rank_training_in_fp8_matches_a_measured_step_to_the_byte(options: dict, zero: int) -> None:
     # FSDP2 gathers the bf16 weights and each rank's Float8Linear casts them as on one device; or, with the
@@ -165,7 +170,7 @@ def test_an_fsdp2_rank_training_in_fp8_matches_a_measured_step_to_the_byte(optio
     options = dict(options)
     m = MOE16 if options.pop("model", "") == "moe16" else SMALL.model_copy(update={"n_layers": 3})
     t = TrainingSpec.model_validate({"micro_batch": 2, "seq_len": 64, "device": "cpu", "precision": "bf16-true",
-                                     **options})
+                                     **options})  # the fp32 shards of bf16-mixed are cast before the gather
     p = ParallelSpec(gpus=4, engine="fsdp", zero=zero)
     measured = summarize(run_fsdp_step(m, t, p, rank=0, device="cpu"), timeline_points=0)
     est = simulate(m, t, None, p, backend="nccl")  # the fake process group allocates like NCCL

@@ -44,8 +44,8 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
                       t.fp8_all_gather else "the float8 all-gather is counted (fp8 gathered weights, their casts before "
                       "the gather)")
             notes.append(f"fp8={t.fp8.value!r} is torchao's Float8Linear in eager mode: it saves the bf16 input and weight "
-                         "for backward, so weights, gradients, states and activations are bf16's, and each block linear "
-                         "adds its casts' temporaries (an fp32 copy of each operand, six casts a linear); torch.compile "
+                         "for backward, so weights, gradients, states and activations stay what they are without fp8, "
+                         "and each block linear adds its casts' temporaries (an fp32 copy of each operand, six casts a linear); torch.compile "
                          f"fuses those casts (not modelled); {gather}")
     if t.method is not Method.FULL and t.mixed:
         notes.append(

@@ -271,7 +271,8 @@ def run_fsdp_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0,
 
             fake_ctx, fixes = FakeTensorMode(allow_non_fake_inputs=True), fake_mode_fixes()
         # the model is built in fp32 and FSDP's policy casts for compute (no autocast)
-        build_t = TrainingSpec.model_validate({**t.model_dump(), "precision": "fp32"}) if t.mixed else t
+        # (a copy, not a new validation: fp8 is modelled over fp32 weights only under this policy)
+        build_t = t.model_copy(update={"precision": Precision.FP32}) if t.mixed else t
         flat = t.fsdp_version == 1
         if flat and device == "fake":
             from ..errors import SpecError

@@ -96,6 +96,12 @@ def _check_fp8(t: TrainingSpec, p: ParallelSpec) -> None:
         raise SpecError(f"{how} with engine='megatron': Megatron trains fp8 with Transformer Engine's layers (fp8 weight "
                         "copies and saved fp8 inputs), which is not modelled; use engine='fsdp' (torchao, as torchtitan "
                         "runs it) or fp8='none'")
+    if t.mixed and not (p.engine is Engine.FSDP and p.zero >= 2 and t.fsdp_version == 2):
+        # under autocast Float8Linear casts its input to the GPU's autocast dtype (float8_linear.py: a check of
+        # CUDA's autocast only); FSDP2's MixedPrecisionPolicy instead gathers the fp32 weights in bf16
+        raise SpecError(f"{how} with precision={t.precision.value!r} is modelled under FSDP2 (engine='fsdp', zero 2 or "
+                        "3: fp32 shards gathered in bf16, as torchtitan runs fp8), not under autocast; use that layout, "
+                        "or precision='bf16-true'")
     if p.engine is Engine.DEEPSPEED:
         raise SpecError(f"{how} with engine='deepspeed' is not modelled (torchao's Float8Linear under ZeRO's "
                         "parameter partitioning is measured nowhere); use engine='fsdp' (as torchtitan runs it) or "

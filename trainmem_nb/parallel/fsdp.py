@@ -71,8 +71,9 @@ class FSDP2Hooks(EngineHooks):
         shards, scales = [], []
         for q in self._unit(unit):
             if q.fp8:
-                data, scale = fp8_cast(g, const(q.shard), self.param_dt or q.dt, const(1), False,
-                                       f"float8 all-gather {unit}", all_reduced=True)
+                # the stored shard is cast (fp32 under a MixedPrecisionPolicy: no bf16 copy first)
+                data, scale = fp8_cast(g, const(q.shard), q.dt, const(1), False, f"float8 all-gather {unit}",
+                                       all_reduced=True)
                 data.region = scale.region = "communication"
                 shards.append(data)
                 scales.append(scale)

@@ -249,9 +249,10 @@ class TrainingSpec(SpecModel):
     def _check_fp8(self) -> None:
         """fp8 as modelled: torchao's Float8Linear in eager mode over a bf16 model, every parameter trained."""
         how = f"fp8={self.fp8.value!r}"
-        if self.precision is not Precision.BF16_TRUE:
+        if self.precision not in (Precision.BF16_TRUE, Precision.BF16_MIXED):
             raise SpecError(f"{how} with precision={self.precision.value!r} is not modelled: fp8 training is modelled over "
-                            "a bf16 model (torchao's README setup); use precision='bf16-true' (or precision='fp8')")
+                            "a bf16 model (torchao's README setup), or over fp32 weights that FSDP2 gathers in bf16 "
+                            "(torchtitan's); use precision='bf16-true' (or precision='fp8'), or 'bf16-mixed' with FSDP2")
         if self.method is not Method.FULL:
             raise SpecError(f"{how} with method={self.method.value!r} is not modelled (peft's LoRA layers wrap the "
                             "linears torchao would convert); use method='full', or LoRA without fp8 (precision "

@@ -401,7 +401,10 @@ class Explorer:
             elif owner is c["method"]:
                 self._sync_lora()
             elif owner is c["fp8"] and change["new"] != Fp8Recipe.NONE.value:
-                c["precision"].value = Precision.BF16_TRUE.value  # fp8 is modelled over a bf16 model
+                # fp8 is modelled over a bf16 model, or over fp32 shards FSDP2 gathers in bf16 (bf16-mixed)
+                fsdp2 = c["engine"].value == "fsdp" and c["zero"].value >= 2
+                if not (c["precision"].value == Precision.BF16_MIXED.value and fsdp2):
+                    c["precision"].value = Precision.BF16_TRUE.value
                 c["method"].value = Method.FULL.value
             elif owner is c["fp8_all_gather"] and change["new"]:  # FSDP2's, with tensorwise fp8
                 c["fp8"].value = Fp8Recipe.TENSORWISE.value
