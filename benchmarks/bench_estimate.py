@@ -2,8 +2,9 @@
 estimates in a sweep (goal <= 1 s), warm (the step program compiled once per model and options) and
 cold (compiling included), and what replaying the caching allocator costs for a batch shape not seen
 before (goal <= 0.5 ms: not met, ~30 ms for an 8B model on an idle 2-core machine) and in a sweep. fp8's
-eager casts give its step about five times the events of a bf16 step: a warm estimate ~0.22 ms (over the
-goal) and a new batch shape ~100 ms for an 8B model.
+eager casts give its step about three times the events of a bf16 step (the folded program merges its scalar
+temporaries; the replayed one keeps every malloc): a warm estimate ~0.19 ms and a new batch shape ~100 ms
+for an 8B model.
 
 Run: python benchmarks/bench_estimate.py
 """

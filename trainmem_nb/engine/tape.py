@@ -172,6 +172,9 @@ class Graph:
         self.bnb_kept: list[T] = []
         #: each FSDP unit's parameters, in the order of the model's weights (engines that gather per unit)
         self.unit_params: dict[str, list[T]] = {}
+        #: a run of same-size scalar temporaries may be one event of their blocks (the folded program, whose
+        #: peak bytes it keeps; never the unrolled one, whose every malloc the caching allocator replays)
+        self.merge_scalar_chains = False
 
     # -- memory --------------------------------------------------------------------------------
     def alloc(self, n: Sz, dt: int, label: str, rg: bool = False) -> T:
