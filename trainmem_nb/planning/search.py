@@ -298,7 +298,7 @@ def _search_gpu(ctx: _PlanContext, g: GPU, counts: list[int], scale_out: int, ro
     """Rows for one GPU type: every layout family from the fewest GPUs that fit, `scale_out` doublings on."""
     base = build_training(None, **ctx.given)
     if base.fp8.value != "none" and not g.supports_fp8:
-        rejected.append({"gpu": g.name, "n_gpus": 0, "layout": "any",
+        rejected.append({"gpu": g.name, "n_gpus": 1, "layout": "any",
                          "reason": f"fp8={base.fp8.value!r}: {g.name} has no fp8 tensor cores (torch._scaled_mm needs "
                                    "compute capability 8.9 or later)"})
         return
