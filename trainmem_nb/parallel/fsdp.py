@@ -96,8 +96,8 @@ class FSDP2Hooks(EngineHooks):
         scales = st.get("scales", {}).pop(unit, None)
         if scales is not None:
             # fsdp_post_all_gather(out=...) gives each unsharded fp8 weight its new scale; the one it had (the
-            # previous gather's, or the previous step's before the first) goes unless a saved weight holds it
-            # the step's parameters of the unit, in the order of the engine's (both follow the model's weights)
+            # previous gather's, or the previous step's before the first) goes unless a saved weight holds it.
+            # The step's parameters of the unit are in the engine's order: both follow the model's weights
             converted = [w for q, w in zip(self._unit(unit), g.unit_params[unit], strict=True) if q.fp8]
             for w, scale in zip(converted, scales, strict=True):
                 old = w.fp8_scale

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from ...device import CUDA_BLOCK_BYTES
 from ..tape import Graph, Sz, T, const
 from .core import F32, Ctx
+from .elementwise import add
 
 __all__ = ["fp8_cast", "fp8_linear"]
 
@@ -169,8 +170,6 @@ def fp8_linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: i
         g.drop(saved_w)
     if b is None:
         return out
-    from .elementwise import add
-
     res = add(g, out, b, f"{label} bias")  # ``output + self.bias.to(output.dtype)``
     g.drop(out)
     return res
