@@ -147,10 +147,9 @@ def test_starcoder2_reader_takes_configuration_starcoder2_defaults() -> None:
     assert (off.qkv_bias, off.out_bias, off.mlp_bias, off.norm_bias) == (False, False, False, True)
 
 
-def test_starcoder2_writer_refuses_biases_one_use_bias_cannot_express() -> None:
-    m = ModelSpec(family="starcoder2", n_layers=1, hidden=64, n_heads=4, ffn=256, vocab=100, mlp_bias=False)
+def test_starcoder2_spec_refuses_biases_one_use_bias_cannot_express() -> None:
     with pytest.raises(SpecError, match="use_bias"):
-        to_hf_config(m)
+        ModelSpec(family="starcoder2", n_layers=1, hidden=64, n_heads=4, ffn=256, vocab=100, mlp_bias=False)
 
 
 def test_starcoder2_presets_have_the_published_counts_and_window() -> None:

@@ -27,6 +27,8 @@ SPECS: dict[str, dict[str, Any]] = {
                                 tie_embeddings=False, query_pre_attn_scalar=48.0),
     "gemma3-5to1": dict(family="gemma3", n_layers=8, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
                         vocab=500, sliding_window=16),
+    "gemma3-attention-bias": dict(family="gemma3", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32,
+                                  ffn=256, vocab=500, sliding_window=16, qkv_bias=True, out_bias=True),
     "gemma3-final-cap": dict(family="gemma3", n_layers=2, hidden=128, n_heads=2, n_kv_heads=1, head_dim=64, ffn=256,
                              vocab=500, sliding_window=16, final_softcap=30.0,
                              layer_types=("full_attention", "sliding_attention")),
@@ -54,6 +56,30 @@ def test_parameter_count_equals_the_transformers_class_built_on_meta(name: str) 
             n *= d
         total += n
     assert count_params(m) == total
+
+
+@pytest.mark.parametrize("model_type", ["gemma", "gemma2", "gemma3_text"])
+def test_gemma_configs_attention_bias_builds_biased_q_k_v_and_o_projections(model_type: str) -> None:
+    # GemmaConfig, Gemma2Config and Gemma3TextConfig have attention_bias (default False), which every
+    # *Attention passes to q/k/v/o_proj; it was ignored (read as no biases)
+    cfg = {"model_type": model_type, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 500}
+    plain = ModelSpec.from_hf_config(cfg)
+    biased = ModelSpec.from_hf_config({**cfg, "attention_bias": True})
+    assert (plain.qkv_bias, plain.out_bias) == (False, False)
+    assert (biased.qkv_bias, biased.out_bias, biased.mlp_bias) == (True, True, False)
+    assert count_params(biased) - count_params(plain) == 2 * (128 + 2 * 64 + 128)
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs the measure extra")
+def test_gemma3_with_attention_biases_matches_its_measured_step() -> None:
+    from trainmem_nb.measure.api import measure
+
+    m = ModelSpec.model_validate({"name": "gemma3-attention-bias", **SPECS["gemma3-attention-bias"]})
+    kw: dict[str, Any] = dict(micro_batch=2, seq_len=32, device="cpu", precision="fp32", dropout=0.0)
+    est, measured = tm.estimate(m, **kw), measure(m, **kw)
+    assert (est.n_params, est.peak_allocated_bytes) == (measured.n_params, measured.peak_allocated_bytes)
 
 
 def test_multimodal_gemma3_config_is_read_as_its_language_model() -> None:

@@ -138,6 +138,28 @@ def test_gemma_legacy_gelu_maps_to_tanh_gelu_as_transformers_does() -> None:
     assert ModelSpec.from_hf_config(cfg).activation == "gelu_pytorch_tanh"
 
 
+@pytest.mark.parametrize(("family", "biases", "message"), [
+    ("qwen3", {"qkv_bias": True}, "switches qkv_bias and out_bias together"),   # attention_bias sets all four
+    ("llama", {"out_bias": True}, "config.json attention_bias"),
+    ("starcoder2", {"mlp_bias": False}, "use_bias"),
+    ("mistral", {"mlp_bias": True}, "always builds its projections with mlp_bias=False"),
+    ("qwen2", {"qkv_bias": False}, "qkv_bias=True"),                            # q/k/v bias=True in the module
+    ("gpt2", {"out_bias": False}, "out_bias=True"),
+])
+def test_bias_layouts_the_familys_modeling_code_cannot_build_are_refused(family: str, biases: dict, message: str) -> None:
+    # the measure extra builds a spec from its config: a layout no config expresses would measure another model
+    with pytest.raises(SpecError, match=message):
+        ModelSpec(family=family, n_layers=2, hidden=64, n_heads=4, ffn=128, vocab=100, **biases)
+
+
+def test_bias_layouts_a_config_key_switches_are_accepted_and_written_back() -> None:
+    from trainmem_nb.model.hf_config import to_hf_config
+
+    m = ModelSpec(family="llama", n_layers=2, hidden=64, n_heads=4, ffn=128, vocab=100, qkv_bias=True, out_bias=True)
+    assert {k: to_hf_config(m)[k] for k in ("attention_bias", "mlp_bias")} == {"attention_bias": True, "mlp_bias": False}
+    assert ModelSpec.from_hf_config(to_hf_config(m), name=m.name) == m
+
+
 def test_params_count_builds_a_plausible_llama_shape() -> None:
     m = ModelSpec.from_params(7e9)
     assert abs(m.n_params / 7e9 - 1) < 0.05

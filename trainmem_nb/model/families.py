@@ -20,7 +20,7 @@ from typing import Any
 
 from ..spec.base import _Choice
 
-__all__ = ["ACTIVATIONS", "DESCRIPTIONS", "Description", "Family", "describe"]
+__all__ = ["ACTIVATIONS", "BIAS_FIELDS", "DESCRIPTIONS", "Description", "Family", "describe"]
 
 
 class Family(_Choice):
@@ -54,6 +54,13 @@ ACTIVATIONS = ("silu", "gelu", "gelu_new", "gelu_pytorch_tanh", "relu")
 
 _RMS_DECODER = {"norm": "rmsnorm", "mlp": "gated", "activation": "silu", "positions": "rotary"}
 _LLAMA_INPUTS = ("embed_tokens.",)
+
+#: The `ModelSpec` bias flags of the projections; a family's `Description.biases` says which config keys set them.
+BIAS_FIELDS = ("qkv_bias", "out_bias", "mlp_bias")
+#: ``attention_bias`` builds q/k/v and the output projection with or without bias, all alike
+_ATTENTION_BIAS: tuple[tuple[str, tuple[str, ...]], ...] = (("attention_bias", ("qkv_bias", "out_bias")),)
+#: LlamaConfig's two switches: ``attention_bias`` (q/k/v/o) and ``mlp_bias`` (gate/up/down)
+_LLAMA_BIASES = (*_ATTENTION_BIAS, ("mlp_bias", ("mlp_bias",)))
 
 
 @dataclass(frozen=True)
@@ -117,6 +124,10 @@ class Description:
     rotary: str = "elementwise"
     #: one ``gate_up_proj`` chunked into gate and up instead of two projections
     fused_gate_up: bool = False
+    #: the config keys that switch projection biases, each with the `BIAS_FIELDS` it sets together (its
+    #: default is the `structure`'s); a bias field no key sets is fixed by the modeling code (``bias=True`` or
+    #: ``False`` in the module), so a spec must keep the family's value
+    biases: tuple[tuple[str, tuple[str, ...]], ...] = ()
     #: dropout on the attention and MLP outputs before each residual add
     residual_dropout: bool = False
     #: attention kinds whose mask the model builds even when no layer uses it (Qwen3Model always
@@ -177,7 +188,8 @@ class Description:
 DESCRIPTIONS: dict[Family, Description] = {
     Family.LLAMA: Description(
         Family.LLAMA, ("llama",), "LlamaForCausalLM", "LlamaDecoderLayer", "decoder", _RMS_DECODER,
-        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",)),
+        tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
+        biases=_LLAMA_BIASES),
     Family.MISTRAL: Description(
         Family.MISTRAL, ("mistral",), "MistralForCausalLM", "MistralDecoderLayer", "decoder", _RMS_DECODER,
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
@@ -190,7 +202,8 @@ DESCRIPTIONS: dict[Family, Description] = {
         Family.GEMMA, ("gemma",), "GemmaForCausalLM", "GemmaDecoderLayer", "decoder",
         {**_RMS_DECODER, "activation": "gelu_pytorch_tanh", "tie_embeddings": True},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        norm="gemma", embed_scale=True),
+        norm="gemma", embed_scale=True,
+        biases=_ATTENTION_BIAS),
     Family.PHI3: Description(
         Family.PHI3, ("phi3",), "Phi3ForCausalLM", "Phi3DecoderLayer", "decoder", {**_RMS_DECODER, "fused_qkv": True},
         tie_default=False, lora_qv=("self_attn.qkv_proj",),
@@ -213,13 +226,15 @@ DESCRIPTIONS: dict[Family, Description] = {
          "fused_qkv": True, "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True,
          "parallel_residual": True},
         tie_default=False, lora_qv=("attention.query_key_value",), dropout_keys=("attention_dropout", "hidden_dropout"),
-        input_side=("embed_in.",), heads=("embed_out.weight",), embedding="embed_in.weight", v4_upcast=False),
+        input_side=("embed_in.",), heads=("embed_out.weight",), embedding="embed_in.weight", v4_upcast=False,
+        biases=_ATTENTION_BIAS),
     Family.OPT: Description(
         Family.OPT, ("opt",), "OPTForCausalLM", "OPTDecoderLayer", "opt",
         {"norm": "layernorm", "mlp": "dense", "activation": "relu", "positions": "learned", "qkv_bias": True,
          "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("dropout", "attention_dropout"),
-        input_side=("embed_tokens.", "embed_positions.", "project_in."), v4_upcast=False),
+        input_side=("embed_tokens.", "embed_positions.", "project_in."), v4_upcast=False,
+        biases=(("enable_bias", BIAS_FIELDS),)),
     Family.BERT: Description(
         Family.BERT, ("bert",), "BertForMaskedLM", "BertLayer", "bert",
         {"norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "learned", "qkv_bias": True,
@@ -234,25 +249,29 @@ DESCRIPTIONS: dict[Family, Description] = {
     Family.QWEN3: Description(
         Family.QWEN3, ("qwen3",), "Qwen3ForCausalLM", "Qwen3DecoderLayer", "decoder", _RMS_DECODER,
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        qk_norm="head_view", always_masks=("full",)),
+        qk_norm="head_view", always_masks=("full",),
+        biases=_ATTENTION_BIAS),
     # modeling_smollm3.py: SmolLM3Attention applies rotary only where config.no_rope_layers[i] is 1;
     # SmolLM3Config ties the embeddings by default (configuration_smollm3.py line 94)
     Family.SMOLLM3: Description(
         Family.SMOLLM3, ("smollm3",), "SmolLM3ForCausalLM", "SmolLM3DecoderLayer", "decoder", _RMS_DECODER,
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        always_masks=("full",)),
+        always_masks=("full",),
+        biases=_LLAMA_BIASES),
     # modeling_granite.py: GraniteModel.forward, GraniteDecoderLayer.forward, GraniteForCausalLM.forward
     Family.GRANITE: Description(
         Family.GRANITE, ("granite",), "GraniteForCausalLM", "GraniteDecoderLayer", "decoder", _RMS_DECODER,
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        multipliers=True),
+        multipliers=True,
+        biases=_LLAMA_BIASES),
     # modeling_qwen3_moe.py: Qwen3MoeSparseMoeBlock (experts, then the gate), Qwen3MoeTopKRouter; one mask for
     # all layers, sliding when the config uses its window (Qwen3MoeModel.forward)
     Family.QWEN3_MOE: Description(
         Family.QWEN3_MOE, ("qwen3_moe",), "Qwen3MoeForCausalLM", "Qwen3MoeDecoderLayer", "decoder",
         {**_RMS_DECODER, "n_experts": 128, "experts_top_k": 8, "norm_topk_prob": False},
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        qk_norm="head_view", sliding_mask=True, moe="qwen3_moe"),
+        qk_norm="head_view", sliding_mask=True, moe="qwen3_moe",
+        biases=_ATTENTION_BIAS),
     # modeling_phi.py: PhiAttention's q/k/v/dense all have bias=True, PhiMLP's fc1/fc2 nn.Linear's
     # default bias, both LayerNorms affine with bias, lm_head bias=True; configuration_phi.py:
     # hidden_act "gelu_new" (line 71), partial_rotary_factor 0.5 (line 87), tie_word_embeddings False (line 76)
@@ -273,11 +292,13 @@ DESCRIPTIONS: dict[Family, Description] = {
          "positions": "rotary", "qkv_bias": True, "out_bias": True, "mlp_bias": True, "tie_embeddings": True},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
         dropout_keys=("attention_dropout", "residual_dropout", "embedding_dropout"),
-        mlp="starcoder2", sliding_mask=True, module_dropout=True, embed_dropout=True),
+        mlp="starcoder2", sliding_mask=True, module_dropout=True, embed_dropout=True,
+        biases=(("use_bias", BIAS_FIELDS),)),
     Family.OLMO2: Description(
         Family.OLMO2, ("olmo2",), "Olmo2ForCausalLM", "Olmo2DecoderLayer", "decoder", _RMS_DECODER,
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
-        layer="post", norm="olmo2", qk_norm="full", rotary_fp32=True),
+        layer="post", norm="olmo2", qk_norm="full", rotary_fp32=True,
+        biases=_ATTENTION_BIAS),
     Family.GEMMA2: Description(
         Family.GEMMA2, ("gemma2",), "Gemma2ForCausalLM", "Gemma2DecoderLayer", "decoder",
         # Gemma2Config's defaults (configuration_gemma2.py: soft-capping 50.0 / 30.0, sliding_window 4096)
@@ -286,7 +307,8 @@ DESCRIPTIONS: dict[Family, Description] = {
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, always_masks=("full", "sliding"), sliding_period=2,
         # Gemma2PreTrainedModel._supports_sdpa = False ("sdpa does not support softcapping", modeling_gemma2.py)
-        softcaps=("attention", "final"), sdpa=False),
+        softcaps=("attention", "final"), sdpa=False,
+        biases=_ATTENTION_BIAS),
     Family.GEMMA3: Description(
         Family.GEMMA3, ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", "Gemma3DecoderLayer", "decoder",
         # Gemma3TextConfig's default window (configuration_gemma3.py: sliding_window 4096)
@@ -294,7 +316,8 @@ DESCRIPTIONS: dict[Family, Description] = {
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         layer="sandwich", norm="gemma", embed_scale=True, sliding_mask=True, always_masks=("full", "sliding"), qk_norm="head",
         # Gemma3Attention passes no softcap to its attention function: only the final logits are capped
-        rotary_per_kind=True, sliding_period=6, softcaps=("final",), period_once=True),
+        rotary_per_kind=True, sliding_period=6, softcaps=("final",), period_once=True,
+        biases=_ATTENTION_BIAS),
     # modeling_gpt_oss.py (transformers 5.24): q/k/v/o biases (configuration_gpt_oss.py attention_bias=True),
     # per-head sinks, eager attention only (``_supports_sdpa = False``), layer_types alternating sliding/full
     # attention, a biased router and biased expert stacks (grouped_mm), half-width rotary cos/sin. The released
@@ -305,7 +328,8 @@ DESCRIPTIONS: dict[Family, Description] = {
         {**_RMS_DECODER, "qkv_bias": True, "out_bias": True, "n_experts": 128, "experts_top_k": 4},
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("attention_dropout",),
         attention="sinks", moe="gpt_oss", norm="olmo2", rotary="chunk", sdpa=False,
-        always_masks=("full", "sliding")),
+        always_masks=("full", "sliding"),
+        biases=_ATTENTION_BIAS),
     # modeling_deepseek_v3.py (transformers 5.24): multi-head latent attention (low-rank q with q_a_layernorm,
     # compressed kv with kv_a_layernorm, a shared rope key, interleaved rotary), first_k_dense_replace dense
     # layers then DeepseekV3MoE (sigmoid group-limited router, grouped_mm experts, shared experts)
@@ -314,7 +338,8 @@ DESCRIPTIONS: dict[Family, Description] = {
         {**_RMS_DECODER, "n_experts": 256, "experts_top_k": 8, "n_shared_experts": 1, "n_expert_groups": 8,
          "topk_groups": 4},
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj"),
-        dropout_keys=("attention_dropout",), attention="mla", moe="deepseek", norm="deepseek"),
+        dropout_keys=("attention_dropout",), attention="mla", moe="deepseek", norm="deepseek",
+        biases=_ATTENTION_BIAS),
 }
 
 

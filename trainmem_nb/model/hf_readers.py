@@ -90,7 +90,6 @@ def _read_gpt2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
 def _read_opt(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     hidden = _int(cfg, "hidden_size", family=f)
     proj = _int(cfg, "word_embed_proj_dim", family=f, default=hidden)
-    bias = _flag(cfg, "enable_bias", True)
     if cfg.get("_remove_final_layer_norm") or cfg.get("layer_norm_elementwise_affine") is False:
         raise SpecError("OPT configs with _remove_final_layer_norm or without layer-norm weights are not supported")
     return dict(
@@ -105,7 +104,7 @@ def _read_opt(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
         hidden_dropout=_float(cfg, "dropout", family=f, default=0.1),
         word_embed_proj_dim=0 if proj == hidden else proj,
         pre_norm=_flag(cfg, "do_layer_norm_before", True),
-        qkv_bias=bias, out_bias=bias, mlp_bias=bias,
+        **_biases(cfg, f),
     )
 
 
@@ -126,7 +125,6 @@ def _read_bert(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
 
 
 def _read_gpt_neox(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
-    bias = _flag(cfg, "attention_bias", True)
     return dict(
         n_layers=_int(cfg, "num_hidden_layers", family=f),
         hidden=_int(cfg, "hidden_size", family=f),
@@ -139,7 +137,7 @@ def _read_gpt_neox(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
         hidden_dropout=_float(cfg, "hidden_dropout", family=f, default=0.0),
         parallel_residual=_flag(cfg, "use_parallel_residual", True),
         rotary_pct=cfg.get("rotary_pct", _rope(cfg).get("partial_rotary_factor", 0.25)),
-        qkv_bias=bias, out_bias=bias,
+        **_biases(cfg, f),
     )
 
 
@@ -158,6 +156,7 @@ def _read_decoder(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
         max_positions=_int(cfg, "max_position_embeddings", family=f, default=2048),
         activation=_get(cfg, "hidden_activation", "hidden_act", default="silu", family=f),
         attn_dropout=_float(cfg, "attention_dropout", family=f, default=0.0),
+        **_biases(cfg, f),
     )
 
 
@@ -177,9 +176,19 @@ def _flag(cfg: Mapping[str, Any], key: str, default: bool) -> bool:
     return value
 
 
+def _biases(cfg: Mapping[str, Any], f: Family) -> dict[str, bool]:
+    """The projection biases the family's config keys switch (`Description.biases`), each key's default
+    the family's own; fields no key sets keep the family's value (the `ModelSpec` default)."""
+    d = DESCRIPTIONS[f]
+    out: dict[str, bool] = {}
+    for key, fields in d.biases:
+        value = _flag(cfg, key, bool(d.structure.get(fields[0], False)))
+        out.update(dict.fromkeys(fields, value))
+    return out
+
+
 def _read_llama(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
-    bias = _flag(cfg, "attention_bias", False)
-    return {**_read_decoder(cfg, f), "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False)}
+    return _read_decoder(cfg, f)
 
 
 def _read_mistral(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
@@ -238,20 +247,17 @@ def _read_starcoder2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     (line 65), hidden_act "gelu_pytorch_tanh" (line 66), max_position_embeddings 4096 (line 67),
     sliding_window None (line 75), attention/residual/embedding dropouts 0.0 (lines 76-78), use_bias True
     (line 79) for every projection; the rotary dims are the whole head (no partial factor)."""
-    bias = _flag(cfg, "use_bias", True)
     defaults = {"vocab_size": 49152, "num_key_value_heads": 2, "max_position_embeddings": 4096,
                 "hidden_act": "gelu_pytorch_tanh"}
     given = {**defaults, **{k: v for k, v in cfg.items() if v is not None}}
     return {**_read_decoder(given, f), **_window(cfg, True),
             "hidden_dropout": _float(cfg, "residual_dropout", family=f, default=0.0),
-            "embd_dropout": _float(cfg, "embedding_dropout", family=f, default=0.0),
-            "qkv_bias": bias, "out_bias": bias, "mlp_bias": bias}
+            "embd_dropout": _float(cfg, "embedding_dropout", family=f, default=0.0)}
 
 
 def _read_olmo2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     """Olmo2Config (configuration_olmo2.py): ``attention_bias`` biases q/k/v and ``o_proj`` alike."""
-    bias = _flag(cfg, "attention_bias", False)
-    return {**_read_decoder(cfg, f), "qkv_bias": bias, "out_bias": bias}
+    return _read_decoder(cfg, f)
 
 
 def _softcap(cfg: Mapping[str, Any], key: str, default: float | None, f: Family) -> float:
@@ -348,10 +354,9 @@ def _read_gpt_oss(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     (63); without layer_types, even layers slide and odd ones attend fully (``__post_init__``, line 85).
     ``intermediate_size`` is each expert's width; hidden_act is unused (the experts' clamped SwiGLU)."""
     kw = _read_decoder({"head_dim": 64, "vocab_size": 201088, "max_position_embeddings": 131072, **cfg}, f)
-    bias = _flag(cfg, "attention_bias", True)
     window = _sliding_window({**cfg, "sliding_window": cfg.get("sliding_window", 128)}, True)
     types = _patterned_layer_types(cfg, kw["n_layers"], lambda i: "sliding_attention" if (i + 1) % 2 else "full_attention")
-    return {**kw, "activation": "silu", "qkv_bias": bias, "out_bias": bias, "sliding_window": window,
+    return {**kw, "activation": "silu", "sliding_window": window,
             "layer_types": types,
             "n_experts": _int(cfg, "num_local_experts", "num_experts", family=f, default=128),
             "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=4)}
@@ -371,14 +376,12 @@ def _read_deepseek_v3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     rope = _int(cfg, "qk_rope_head_dim", family=f, default=64)
     n_layers = kw["n_layers"]
     k_dense = _int(cfg, "first_k_dense_replace", family=f, default=3, minimum=0)
-    bias = _flag(cfg, "attention_bias", False)
     return {**kw, "head_dim": rope, "qk_rope_head_dim": rope,
             "qk_nope_head_dim": _int(cfg, "qk_nope_head_dim", family=f, default=128),
             "v_head_dim": _int(cfg, "v_head_dim", family=f, default=128),
             "kv_lora_rank": _int(cfg, "kv_lora_rank", family=f, default=512),
             "q_lora_rank": _int(cfg, "q_lora_rank", family=f, default=1536) if "q_lora_rank" not in cfg
             or cfg["q_lora_rank"] is not None else 0,
-            "qkv_bias": bias, "out_bias": bias,
             "expert_ffn": _int(cfg, "moe_intermediate_size", family=f, default=2048),
             "n_experts": _int(cfg, "n_routed_experts", family=f, default=256),
             "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=8),
@@ -412,11 +415,10 @@ def _read_qwen3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     q/k/v/o; a window applies only with ``use_sliding_window``, to the layers of `_layer_types`."""
     kw = _read_decoder({"head_dim": 128, "num_key_value_heads": 32, "max_position_embeddings": 32768,
                         "vocab_size": 151936, **cfg}, f)
-    bias = _flag(cfg, "attention_bias", False)
     window = _sliding_window(cfg, False)
     types = _qwen_layer_types(cfg, kw["n_layers"], window, 28)
     # a window no layer uses is kept (it round-trips through `_write_qwen3`) but changes nothing
-    return {**kw, "qkv_bias": bias, "out_bias": bias, "sliding_window": window, "layer_types": types}
+    return {**kw, "sliding_window": window, "layer_types": types}
 
 
 def _read_smollm3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
@@ -432,14 +434,12 @@ def _read_smollm3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     if not isinstance(rope, list) or len(rope) != n or any(r not in (0, 1) or isinstance(r, float) for r in rope):
         raise SpecError(f"config.json no_rope_layers={show_value(rope)} must give 1 (rotary) or 0 (none) for each "
                         f"of the {n} layers")
-    bias = _flag(cfg, "attention_bias", False)
     window = _sliding_window(cfg, False)
     types = cfg.get("layer_types")
     if types is None and window:
         types = ["full_attention" if r else "sliding_attention" for r in rope]
     types = _qwen_layer_types({"layer_types": types}, n, window, 0) if types is not None else ()
-    return {**kw, "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False),
-            "nope_layers": tuple(i for i, r in enumerate(rope) if not r), "sliding_window": window,
+    return {**kw, "nope_layers": tuple(i for i, r in enumerate(rope) if not r), "sliding_window": window,
             "layer_types": types}
 
 
@@ -449,8 +449,7 @@ def _read_granite(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     kw = _read_decoder({"vocab_size": 32000, **cfg}, f)
     for key in ("embedding_multiplier", "logits_scaling", "residual_multiplier", "attention_multiplier"):
         _float(cfg, key, family=f, default=1.0)
-    bias = _flag(cfg, "attention_bias", False)
-    return {**kw, "qkv_bias": bias, "out_bias": bias, "mlp_bias": _flag(cfg, "mlp_bias", False)}
+    return kw
 
 
 def _read_qwen3_moe(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
@@ -466,11 +465,10 @@ def _read_qwen3_moe(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
         raise SpecError(f"config.json mlp_only_layers={show_value(only)} must be a list of layer indices")
     width = _int(cfg, "moe_intermediate_size", family=f, default=768)
-    bias = _flag(cfg, "attention_bias", False)
     return {**kw, "n_experts": experts, "experts_top_k": _int(cfg, "num_experts_per_tok", family=f, default=8),
             "expert_ffn": 0 if width == kw["ffn"] else width, "norm_topk_prob": _flag(cfg, "norm_topk_prob", False),
             "dense_layers": tuple(i for i in range(n) if i in only or (i + 1) % step),
-            "qkv_bias": bias, "out_bias": bias, **_window(cfg, False)}
+            **_window(cfg, False)}
 
 
 #: The config reader of every family.

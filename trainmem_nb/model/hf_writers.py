@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..errors import SpecError
-from .families import Family
+from .families import DESCRIPTIONS, Family
 
 __all__ = ["WRITERS", "to_hf_config"]
 
@@ -26,11 +26,14 @@ def to_hf_config(m: Any) -> dict[str, Any]:
     """
     out = {**WRITERS[m.family](m), "tie_word_embeddings": m.tie_embeddings}
     if m.num_labels:  # the family's sequence-classification class (BertForSequenceClassification, ...)
-        from .families import DESCRIPTIONS
-
         base = DESCRIPTIONS[m.family].hf_class.replace("ForCausalLM", "").replace("ForMaskedLM", "")
         out.update(architectures=[f"{base}ForSequenceClassification"], num_labels=m.num_labels)
     return out
+
+
+def _write_biases(m: Any) -> dict[str, bool]:
+    """The family's bias switches (`Description.biases`); `ModelSpec` validation keeps the fields each sets alike."""
+    return {key: getattr(m, fields[0]) for key, fields in DESCRIPTIONS[m.family].biases}
 
 
 def _write_gpt2(m: Any) -> dict[str, Any]:
@@ -45,7 +48,7 @@ def _write_opt(m: Any) -> dict[str, Any]:
             "num_attention_heads": m.n_heads, "vocab_size": m.vocab, "max_position_embeddings": m.max_positions,
             "word_embed_proj_dim": m.word_embed_proj_dim or m.hidden, "do_layer_norm_before": m.pre_norm,
             "activation_function": m.activation, "dropout": m.hidden_dropout,
-            "attention_dropout": m.attn_dropout, "enable_bias": m.qkv_bias}
+            "attention_dropout": m.attn_dropout, **_write_biases(m)}
 
 
 def _write_bert(m: Any) -> dict[str, Any]:
@@ -61,18 +64,14 @@ def _write_gpt_neox(m: Any) -> dict[str, Any]:
             "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "vocab_size": m.vocab,
             "max_position_embeddings": m.max_positions, "hidden_act": m.activation,
             "attention_dropout": m.attn_dropout, "hidden_dropout": m.hidden_dropout,
-            "use_parallel_residual": m.parallel_residual, "rotary_pct": m.rotary_pct, "attention_bias": m.qkv_bias}
+            "use_parallel_residual": m.parallel_residual, "rotary_pct": m.rotary_pct, **_write_biases(m)}
 
 
 def _write_decoder(m: Any) -> dict[str, Any]:
     return {"model_type": m.family.value, "hidden_size": m.hidden, "intermediate_size": m.ffn,
             "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads,
             "head_dim": m.head_dim, "vocab_size": m.vocab, "max_position_embeddings": m.max_positions,
-            "hidden_act": m.activation, "attention_dropout": m.attn_dropout}
-
-
-def _write_llama(m: Any) -> dict[str, Any]:
-    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "mlp_bias": m.mlp_bias}
+            "hidden_act": m.activation, "attention_dropout": m.attn_dropout, **_write_biases(m)}
 
 
 def _write_windowed(m: Any) -> dict[str, Any]:
@@ -101,14 +100,7 @@ def _write_phi(m: Any) -> dict[str, Any]:
 
 
 def _write_starcoder2(m: Any) -> dict[str, Any]:
-    if not m.qkv_bias == m.out_bias == m.mlp_bias:
-        raise SpecError("starcoder2 has one use_bias for every projection: qkv_bias, out_bias and mlp_bias must agree")
-    return {**_write_windowed(m), "residual_dropout": m.hidden_dropout, "embedding_dropout": m.embd_dropout,
-            "use_bias": m.qkv_bias}
-
-
-def _write_olmo2(m: Any) -> dict[str, Any]:
-    return {**_write_decoder(m), "attention_bias": m.qkv_bias}
+    return {**_write_windowed(m), "residual_dropout": m.hidden_dropout, "embedding_dropout": m.embd_dropout}
 
 
 def _write_gemma_sliding(m: Any) -> dict[str, Any]:
@@ -125,8 +117,7 @@ def _write_gemma_sliding(m: Any) -> dict[str, Any]:
 
 def _write_gpt_oss(m: Any) -> dict[str, Any]:
     types = list(m.layer_types) or ["full_attention"] * m.n_layers  # the spec's default kind (`_layer_kinds`)
-    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "sliding_window": m.sliding_window or None,
-            "layer_types": types, "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
+    return {**_write_decoder(m), "sliding_window": m.sliding_window or None, "layer_types": types, "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
 
 
 def _write_deepseek_v3(m: Any) -> dict[str, Any]:
@@ -140,7 +131,7 @@ def _write_deepseek_v3(m: Any) -> dict[str, Any]:
             "n_group": m.n_expert_groups, "topk_group": m.topk_groups, "norm_topk_prob": m.norm_topk_prob,
             "first_k_dense_replace": dense, "q_lora_rank": m.q_lora_rank or None, "kv_lora_rank": m.kv_lora_rank,
             "qk_rope_head_dim": m.qk_rope_head_dim, "qk_nope_head_dim": m.qk_nope_head_dim,
-            "v_head_dim": m.v_head_dim, "attention_bias": m.qkv_bias, "rope_interleave": True}
+            "v_head_dim": m.v_head_dim, "rope_interleave": True}
 
 
 def _write_layer_types(m: Any) -> dict[str, Any]:
@@ -152,22 +143,22 @@ def _write_layer_types(m: Any) -> dict[str, Any]:
 
 
 def _write_qwen3(m: Any) -> dict[str, Any]:
-    return {**_write_decoder(m), "attention_bias": m.qkv_bias, **_write_layer_types(m)}
+    return {**_write_decoder(m), **_write_layer_types(m)}
 
 
 def _write_smollm3(m: Any) -> dict[str, Any]:
-    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "mlp_bias": m.mlp_bias, **_write_layer_types(m),
+    return {**_write_decoder(m), **_write_layer_types(m),
             "no_rope_layers": [int(i not in m.nope_layers) for i in range(m.n_layers)]}
 
 
 def _write_granite(m: Any) -> dict[str, Any]:
     # multipliers other than 1.0 (the released models' 12, 0.22, 0.015625 and 8 for 2B) give the same memory
-    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "mlp_bias": m.mlp_bias, "embedding_multiplier": 12.0,
+    return {**_write_decoder(m), "embedding_multiplier": 12.0,
             "residual_multiplier": 0.22, "attention_multiplier": 0.015625, "logits_scaling": 8.0}
 
 
 def _write_qwen3_moe(m: Any) -> dict[str, Any]:
-    return {**_write_decoder(m), "attention_bias": m.qkv_bias, "num_experts": m.n_experts,
+    return {**_write_decoder(m), "num_experts": m.n_experts,
             "num_experts_per_tok": m.experts_top_k, "moe_intermediate_size": m.expert_width,
             "norm_topk_prob": m.norm_topk_prob, "decoder_sparse_step": 1, "mlp_only_layers": list(m.dense_layers),
             "use_sliding_window": bool(m.sliding_window), "sliding_window": m.sliding_window or None}
@@ -175,10 +166,10 @@ def _write_qwen3_moe(m: Any) -> dict[str, Any]:
 
 #: The config writer of every family (`to_hf_config`).
 WRITERS: dict[Family, Callable[[Any], dict[str, Any]]] = {
-    Family.LLAMA: _write_llama, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
+    Family.LLAMA: _write_decoder, Family.MISTRAL: _write_windowed, Family.QWEN2: _write_qwen2,
     Family.GEMMA: _write_decoder, Family.PHI3: _write_phi3, Family.MIXTRAL: _write_mixtral, Family.GPT2: _write_gpt2,
     Family.OPT: _write_opt, Family.BERT: _write_bert, Family.GPT_NEOX: _write_gpt_neox,
-    Family.OLMO2: _write_olmo2, Family.GEMMA2: _write_gemma_sliding, Family.GEMMA3: _write_gemma_sliding,
+    Family.OLMO2: _write_decoder, Family.GEMMA2: _write_gemma_sliding, Family.GEMMA3: _write_gemma_sliding,
     Family.QWEN3: _write_qwen3, Family.SMOLLM3: _write_smollm3, Family.GRANITE: _write_granite,
     Family.QWEN3_MOE: _write_qwen3_moe, Family.PHI: _write_phi, Family.STARCODER2: _write_starcoder2,
     Family.GPT_OSS: _write_gpt_oss, Family.DEEPSEEK_V3: _write_deepseek_v3,

@@ -16,7 +16,7 @@ from pydantic import Field, model_validator
 
 from ..errors import SpecError, did_you_mean
 from ..spec.base import _FROZEN, SpecModel, _validate
-from .families import ACTIVATIONS, DESCRIPTIONS, Family
+from .families import ACTIVATIONS, BIAS_FIELDS, DESCRIPTIONS, Family
 from .layers import LayerKind
 
 __all__ = ['ModelSpec']
@@ -146,6 +146,7 @@ class ModelSpec(SpecModel):
                 f"from {_divisors_near(self.n_heads, self.n_kv_heads)}"
             )
         self._check_layer_pattern()
+        self._check_biases()
         if "sliding" in DESCRIPTIONS[self.family].always_masks and not self.sliding_window:
             # masking_utils.create_sliding_window_causal_mask: "Could not find a `sliding_window` argument"
             raise SpecError(f"family {self.family.value!r} builds a sliding-window mask for every model: give "
@@ -205,6 +206,24 @@ class ModelSpec(SpecModel):
     def rotary_dims(self) -> int:
         """Dimensions of each head that get rotary embeddings."""
         return int(self.head_dim * self.rotary_pct)
+
+    def _check_biases(self) -> None:
+        """Only bias layouts the family's modeling code can build: the fields one config key sets agree, and
+        a field no key sets keeps the family's value (what the measure extra would build otherwise differs)."""
+        d = DESCRIPTIONS[self.family]
+        switched: set[str] = set()
+        for key, fields in d.biases:
+            switched.update(fields)
+            values = {getattr(self, f) for f in fields}
+            if len(values) > 1:
+                got = ", ".join(f"{f}={getattr(self, f)}" for f in fields)
+                raise SpecError(f"family {self.family.value!r} switches {_and(fields)} together (config.json "
+                                f"{key}): give them the same value (got {got})")
+        for f in BIAS_FIELDS:
+            fixed = bool(d.structure.get(f, False))
+            if f not in switched and getattr(self, f) != fixed:
+                raise SpecError(f"family {self.family.value!r} always builds its projections with {f}={fixed} (no "
+                                f"config key changes it); leave {f} out or set it to {fixed}")
 
     def _check_layer_pattern(self) -> None:
         if self.layer_types and len(self.layer_types) != self.n_layers:
@@ -344,6 +363,11 @@ def _estimate_anyway(cls: type[ModelSpec], data: Mapping[str, Any]) -> str:
             f"ffn {kw['ffn']}, vocab {kw['vocab']}) has {format_count(n)} parameters: copy the config with "
             "\"model_type\": \"llama\" if its layers are Llama's (RMSNorm, rotary, SwiGLU), or pass "
             f"params={count} (--params {count}) for a Llama-shaped stand-in")
+
+
+def _and(names: tuple[str, ...]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _divisors_near(n: int, near: int) -> str:
