@@ -1,5 +1,6 @@
 """The memory-efficient losses people switch on (`TrainingSpec.loss_impl`), each against transformers'
-standard loss: torchtune's chunked loss, Liger's fused linear cross-entropy, Apple's Cut Cross-Entropy."""
+standard loss: torchtune's chunked loss, Liger's fused linear cross-entropy, Apple's Cut Cross-Entropy,
+lit-gpt's chunked head and cross-entropy."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import trainmem_nb as tm
 from trainmem_nb.errors import SpecError
 from trainmem_nb.model.presets import get_model
 from trainmem_nb.recipes.head import liger_chunk_rows
+from trainmem_nb.spec.stack import resolve_stack
 from trainmem_nb.spec.training import TrainingSpec
 from trainmem_nb.step.compile import compile_step, program_key
 
@@ -94,7 +96,8 @@ def test_liger_programs_keep_the_batch_shape_the_others_share_one() -> None:
     ("phi-1.5", {"loss_impl": "liger"}, "bespoke"),
     ("llama-3.2-1b", {"loss_impl": "liger", "device": "cpu"}, "CUDA only"),
     ("llama-3.2-1b", {"loss_chunks": 4}, "loss_impl='chunked' only"),
-    ("llama-3.2-1b", {"loss_impl": "fused"}, "valid values: standard, chunked, liger, cce"),
+    ("llama-3.2-1b", {"loss_impl": "fused"}, "valid values: standard, chunked, liger, cce, litgpt"),
+    ("pythia-160m", {"loss_impl": "litgpt"}, "bespoke"),
 ])
 def test_a_loss_that_is_not_modelled_is_refused_saying_what_works(model: str, options: dict, text: str) -> None:
     with pytest.raises(SpecError, match=text):
@@ -121,6 +124,60 @@ def test_the_chunked_loss_matches_a_measured_cpu_step_byte_for_byte(family: str,
 
     m = tiny(family, vocab=4096)  # the head's loss dominates the forward and backward peaks
     t = training(loss_impl="chunked", **{"loss_chunks": 4, **options})
+    measured, _ = summaries(m, t, "cpu")
+    est = tm.estimate(m, t)
+    assert est.phase_peaks_bytes == measured["phase_peaks"]
+    assert est.saved_activations_bytes == measured["saved_activations"]
+
+
+def test_litgpt_runs_the_head_per_128_tokens_and_the_loss_in_the_logits_dtype() -> None:
+    # lit-gpt: [lm_head(x_i) for x_i in x.split(128, dim=1)], cross_entropy per chunk, no .float()
+    ev = _events("litgpt", precision="bf16-true", method="lora")
+    labels = {label for *_r, label in ev}
+    assert {f"lm_head chunk {i}" for i in range(4)} <= labels and "lm_head chunk 4" not in labels
+    assert not any("float()" in label for label in labels)
+    v = M.vocab
+    sizes = {label: n for _p, sign, n, label in ev if sign > 0}
+    assert sizes["lm_head chunk 0"] == B * 128 * v * 2            # bf16 logits of 128 tokens
+    assert sizes["chunk 3 log_softmax"] == B * 127 * v * 2         # the cut last chunk, still bf16
+    # with two sequences the cut last chunk is copied to be viewed as rows, and each chunk's input too
+    assert sizes["logit_chunk.reshape(-1, vocab) (a copy)"] == B * 127 * v * 2
+    assert "lm_head chunk 1 input reshape (a copy)" in labels
+
+
+def test_litgpt_under_autocast_casts_a_frozen_head_once_per_chunk() -> None:
+    # autocast caches casts of leaf weights that require grad only: a LoRA's frozen head is cast per chunk
+    head = "autocast embed_tokens.weight"  # llama-3.2-1b ties its head to the token embeddings
+    lora = _events("litgpt", precision="bf16-mixed", method="lora")
+    full = _events("litgpt", precision="bf16-mixed")
+    assert len([label for _p, sign, _n, label in lora if sign > 0 and label == head]) == 4
+    assert len([label for _p, sign, _n, label in full if sign > 0 and label == head]) == 1
+
+
+def test_the_litgpt_stack_leaves_the_chunked_head_off_until_what_lit_gpt_keeps_is_found() -> None:
+    # switched on and off: the chunked head and bf16 loss hold less than transformers' fp32 loss
+    on = tm.estimate("llama-2-7b", method="lora", micro_batch=2, seq_len=1024, stack="litgpt", loss_impl="litgpt")
+    off = tm.estimate("llama-2-7b", method="lora", micro_batch=2, seq_len=1024, stack="litgpt")
+    assert on.training.loss_impl.value == "litgpt" and off.training.loss_impl.value == "standard"
+    assert on.peak_allocated_bytes < off.peak_allocated_bytes
+    assert "128-token chunks (litgpt 0.5.13)" in on.summary().splitlines()[0]
+    assert any("loss_impl='litgpt'" in n for n in resolve_stack("litgpt").not_modelled)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize(("family", "options"), [
+    ("llama", {"precision": "fp32", "seq_len": 300}),
+    ("llama", {"precision": "bf16-mixed", "method": "lora", "lora_rank": 4, "seq_len": 260}),
+    ("qwen2", {"precision": "bf16-true", "micro_batch": 1, "checkpointing": "full", "seq_len": 300}),
+    ("llama", {"precision": "bf16-true", "seq_len": 100}),   # one chunk, cut by the loop
+])
+def test_the_litgpt_loss_matches_a_measured_cpu_step_byte_for_byte(family: str, options: dict) -> None:
+    # the measured step runs litgpt 0.5.13's chunked head, its loop's cut and chunked_cross_entropy
+    pytest.importorskip("transformers")
+    from test_measure import summaries, tiny, training
+
+    m = tiny(family, vocab=1024, max_positions=512)
+    t = training(loss_impl="litgpt", **{"micro_batch": 2, **options})
     measured, _ = summaries(m, t, "cpu")
     est = tm.estimate(m, t)
     assert est.phase_peaks_bytes == measured["phase_peaks"]

@@ -96,8 +96,8 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
                         f"classifier (num_labels={m.num_labels}) has no such head: use loss_impl='standard'")
     if t.loss_impl.value != "standard":
         d = describe(m.family)
-        why = ("its head is bespoke" if not d.composed else "its final-logit soft-capping" if m.final_softcap
-               else "its logits multiplier" if d.multipliers else "its lm_head bias" if m.lm_head_bias else "")
+        why = ("its head is bespoke" if not d.composed else "its final-logit soft-capping"
+               if m.final_softcap and t.loss_impl.value != "litgpt" else "its logits multiplier" if d.multipliers else "its lm_head bias" if m.lm_head_bias else "")
         if why:
             from ..model.families import DESCRIPTIONS
 

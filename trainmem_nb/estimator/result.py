@@ -277,6 +277,7 @@ _LOSS_NOTES: dict[str, str] = {
     "chunked": f", loss chunked in {{chunks}} (torchtune {_head.TORCHTUNE_VERSION} LinearCrossEntropyLoss)",
     "liger": f", loss: Liger Kernel {_head.LIGER_VERSION} fused linear cross-entropy",
     "cce": f", loss: Cut Cross-Entropy {_head.CCE_VERSION}",
+    "litgpt": f", head and loss in {_head.LITGPT_CHUNK}-token chunks (litgpt {_head.LITGPT_VERSION})",
 }
 
 

@@ -1,11 +1,17 @@
-"""The losses a measured step runs: transformers' own (the model's ``.loss``) or torchtune's
-``LinearCrossEntropyLoss`` (``TrainingSpec.loss_impl='chunked'``) on the model's last hidden state.
+"""The losses a measured step runs: transformers' own (the model's ``.loss``), torchtune's
+``LinearCrossEntropyLoss`` (``TrainingSpec.loss_impl='chunked'``) on the model's last hidden state, or
+lit-gpt's chunked head and ``chunked_cross_entropy`` (``loss_impl='litgpt'``).
 
 torchtune is not a dependency (it pulls torchao and its own model zoo), so its loss is reproduced here
 statement by statement from torchtune 0.7.0 (pytorch/torchtune@bd2a0fc7,
 torchtune/modules/loss/cross_entropy_loss.py, BSD-3-Clause: ``forward``, ``mask_inputs``,
 ``compute_cross_entropy``, eager) with the model's ``lm_head`` as its ``linear_projection``; the
-targets are the token ids, none ignored (torchtune's datasets shift them on the host)."""
+targets are the token ids, none ignored (torchtune's datasets shift them on the host).
+
+lit-gpt is not a dependency either: its finetune step's head and loss are reproduced from litgpt 0.5.13
+(Lightning-AI/litgpt@26857050, Apache-2.0: ``GPT.forward``'s ``lm_head_chunk_size`` branch in
+litgpt/model.py, the three statements of litgpt/finetune/lora.py lines 355-358 and ``chunked_cross_entropy``
+in litgpt/utils.py lines 302-331) on the transformers model's decoder and ``lm_head``."""
 
 from __future__ import annotations
 
@@ -17,16 +23,47 @@ import torch.nn.functional as F
 from ..spec.choices import LossImpl
 from ..spec.training import TrainingSpec
 
-__all__ = ["step_loss", "torchtune_linear_cross_entropy"]
+__all__ = ["litgpt_chunked_loss", "step_loss", "torchtune_linear_cross_entropy"]
 
-IGNORE_INDEX = -100  # torchtune's and transformers' default ignore_index
+IGNORE_INDEX = -100  # torchtune's and transformers' default ignore_index (lit-gpt's chunked_cross_entropy's too)
 
 
 def step_loss(model: Any, inputs: dict[str, torch.Tensor], t: TrainingSpec) -> torch.Tensor:
     """The loss of one forward: ``model(**inputs).loss``, or the chunked loss `t.loss_impl` names."""
     if t.loss_impl is LossImpl.CHUNKED:
         return torchtune_linear_cross_entropy(model, inputs["input_ids"], inputs["labels"], t.loss_chunks)
+    if t.loss_impl is LossImpl.LITGPT:
+        return litgpt_chunked_loss(model, inputs["input_ids"], inputs["labels"])
     return model(**inputs).loss
+
+
+def litgpt_chunked_loss(model: Any, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """lit-gpt's finetune step: ``logits = model(input_ids, lm_head_chunk_size=128)`` (the model returns a
+    list of 128-token logit chunks; its hidden state goes), ``logits[-1] = logits[-1][..., :-1, :]`` and
+    ``loss = chunked_cross_entropy(logits, targets[..., 1:])``."""
+    from ..recipes.head import LITGPT_CHUNK
+
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's transformers model
+    x = lm.get_decoder()(input_ids=input_ids).last_hidden_state
+    head = lm.get_output_embeddings()
+    thresh = getattr(lm.config, "final_logit_softcapping", None)  # GPT.forward's clamp_head (do_softcapping)
+    clamp_head = (lambda x: torch.tanh(x / thresh) * thresh) if thresh else (lambda x: x)
+    logits = [clamp_head(head(x_i)) for x_i in x.split(LITGPT_CHUNK, dim=1)]
+    del x
+    logits[-1] = logits[-1][..., :-1, :]
+    return _chunked_cross_entropy(logits, targets[..., 1:])
+
+
+def _chunked_cross_entropy(logits: list[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    """litgpt/utils.py ``chunked_cross_entropy`` for a list of logits (the chunked head's), ``chunk_size=128``."""
+    logit_chunks = [logit_chunk.reshape(-1, logit_chunk.size(-1)) for logit_chunk in logits]
+    target_chunks = [target_chunk.reshape(-1) for target_chunk in targets.split(logits[0].size(1), dim=1)]
+    loss_chunks = [
+        torch.nn.functional.cross_entropy(logit_chunk, target_chunk, ignore_index=IGNORE_INDEX, reduction="none")
+        for logit_chunk, target_chunk in zip(logit_chunks, target_chunks, strict=False)
+    ]
+    non_masked_elems = (targets != IGNORE_INDEX).sum()
+    return torch.cat(loss_chunks).sum() / non_masked_elems.maximum(torch.ones_like(non_masked_elems))
 
 
 def torchtune_linear_cross_entropy(model: Any, input_ids: torch.Tensor, targets: torch.Tensor,

@@ -136,6 +136,11 @@ class Recipe:
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T | None]:
         raise NotImplementedError
 
+    def lm_head_weight(self, p: dict[str, T]) -> T:
+        """The output projection's weight (the composed decoders'; `check_model_options` refuses the rest
+        where a loss needs it on its own)."""
+        raise NotImplementedError
+
 
 def tok(n: float) -> Sz:
     """``(b, s, n)`` elements: a per-token activation of width n."""

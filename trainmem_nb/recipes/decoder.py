@@ -186,13 +186,17 @@ class DecoderRecipe(Recipe):
         self.embed_locals = []
         return out
 
+    def lm_head_weight(self, p: dict[str, T]) -> T:
+        """The output projection's weight: ``lm_head``'s, or the token embeddings it is tied to."""
+        return p.get("lm_head.weight") or p["embed_tokens.weight"]
+
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T | None]:
         """``*ForCausalLM``: logits over the vocabulary and the loss; returns (loss, logits). With a
         memory-efficient `TrainingSpec.loss_impl` the head's projection is part of the loss (no logits)."""
         m, ctx = self.m, self.ctx
         if m.num_labels:
             return self.sequence_classification_loss(g, h, p)
-        w = p.get("lm_head.weight") or p["embed_tokens.weight"]
+        w = self.lm_head_weight(p)
         if self.t.loss_impl is not LossImpl.STANDARD:  # no logits returned (`check_model_options` refuses the rest)
             return fused_head_loss(g, ctx, self.t, h, w, m.hidden, m.vocab), None
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")

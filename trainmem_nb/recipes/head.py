@@ -1,5 +1,6 @@
 """The language-model head's loss: as transformers computes it, and the memory-efficient losses people
-switch on instead (torchtune's chunked loss, Liger's fused linear cross-entropy, Cut Cross-Entropy).
+switch on instead (torchtune's chunked loss, Liger's fused linear cross-entropy, Cut Cross-Entropy,
+lit-gpt's chunked head and cross-entropy).
 """
 
 from __future__ import annotations
@@ -12,6 +13,12 @@ from ..engine.tape import Graph, Sz, T, const
 from ..spec.choices import LossImpl
 from ..spec.training import TrainingSpec
 from .base import tok
+
+LITGPT_VERSION = "0.5.13"  # Lightning-AI/litgpt@26857050, litgpt/model.py, litgpt/utils.py, litgpt/finetune/lora.py
+#: lit-gpt's finetune scripts run the head and the loss in chunks of 128 tokens: ``model(input_ids,
+#: lm_head_chunk_size=128)`` (litgpt 0.5.13 litgpt/finetune/lora.py line 355, also full.py, adapter.py) and
+#: ``chunked_cross_entropy(..., chunk_size=128)`` (litgpt/utils.py line 305)
+LITGPT_CHUNK = 128
 
 
 def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int, v4_upcast: bool = True) -> tuple[T, T]:
@@ -150,10 +157,11 @@ def _shifted_labels(g: Graph, batch1: bool) -> tuple[T, T]:
     return pad, shift
 
 
-def _cross_entropy(g: Graph, lf: T, target: T, prefix: str = "") -> tuple[T, T, T]:
+def _cross_entropy(g: Graph, lf: T, target: T, prefix: str = "", loss_n: Sz | None = None) -> tuple[T, T, T]:
     """``F.cross_entropy`` on logits `lf` (fp32, or the head's dtype without an upcast): ``log_softmax``
-    (saves its output), then ``nll_loss`` (saves the target and its total weight), in `lf`'s dtype.
-    Returns (loss, log-probabilities, total weight); the caller lets the last two go."""
+    (saves its output), then ``nll_loss`` (saves the target and its total weight), in `lf`'s dtype; its
+    loss has `loss_n` elements (``reduction="none"``: one per row), else one. Returns (loss,
+    log-probabilities, total weight); the caller lets the last two go."""
     dt = lf.dt
     ls = g.alloc(lf.n, dt, f"{prefix}log_softmax")
     n = lf.n
@@ -162,7 +170,7 @@ def _cross_entropy(g: Graph, lf: T, target: T, prefix: str = "") -> tuple[T, T, 
         return [g.alloc(n, dt, f"{prefix}log_softmax backward")]
 
     g.record(f"{prefix}log_softmax", [lf], [ls], [ls], ls_bwd)
-    loss = g.alloc(const(1), dt, f"{prefix}loss")
+    loss = g.alloc(const(1) if loss_n is None else loss_n, dt, f"{prefix}loss")
     total_weight = g.alloc(const(1), dt, f"{prefix}nll total_weight")
 
     def nll_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
@@ -323,6 +331,87 @@ def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int
     g.drop(*parts)  # the tuple of chunks (views of the kept rows) lives until the loop ends
     loss = ops.scalar_op(g, total, "total_loss / total_valid_tokens")
     g.drop(total, tgt)
+    return loss
+
+
+def _litgpt_lengths(seq: int) -> list[int]:
+    """Tokens of each chunk of ``x.split(128, dim=1)``: 128 each, the last one what is left."""
+    return [min(LITGPT_CHUNK, seq - a) for a in range(0, seq, LITGPT_CHUNK)]
+
+
+def litgpt_head_chunks(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int, batch: int, seq: int,
+                       softcap: bool = False) -> list[T]:
+    """lit-gpt's ``GPT.forward(..., lm_head_chunk_size=128)``: ``[lm_head(x_i) for x_i in x.split(128,
+    dim=1)]``, one logits tensor per 128 tokens (under autocast a frozen head is cast again for every chunk,
+    and each copy is kept for backward), soft-capped chunk by chunk where the model caps its final logits
+    (`softcap`), then the loop's ``logits[-1] = logits[-1][..., :-1, :]``. With
+    several sequences a chunk is not viewable as rows: ``matmul`` folds it with a copy, unless autocast's
+    cast already made one. Returns the list the model returns (the loop's ``logits``)."""
+    lens = _litgpt_lengths(seq)
+    parts = ops.split(g, h, (), "x.split(lm_head_chunk_size, dim=1)", sizes=[const(batch * n * hidden) for n in lens])
+    strided = batch > 1 and len(lens) > 1
+    out = []
+    for i, xi in enumerate(parts):
+        src = xi
+        if strided and (ctx.autocast is None or xi.dt == ctx.autocast):
+            src = ops.clone(g, xi, f"lm_head chunk {i} input reshape (a copy)")
+        logits = ops.linear(g, ctx, src, w, hidden, vocab, None, f"lm_head chunk {i}")
+        g.drop(*((src,) if src is not xi else ()), xi)
+        if softcap:  # clamp_head = do_softcapping: ``torch.tanh(x / thresh) * thresh`` (litgpt/model.py)
+            ld = ops.scalar_op(g, logits, f"chunk {i} logits / thresh")
+            g.drop(logits)
+            lt = ops.unary_saving_output(g, ld, f"chunk {i} logits tanh")
+            g.drop(ld)
+            logits = ops.scalar_op(g, lt, f"chunk {i} logits * thresh")
+            g.drop(lt)
+        out.append(logits)
+    last = out[-1]
+    out[-1] = ops.slice_view(g, last, const(batch * (lens[-1] - 1) * vocab), "logits[-1][..., :-1, :]")
+    g.drop(last)
+    return out
+
+
+def litgpt_chunked_cross_entropy(g: Graph, ctx: ops.Ctx, logits: Sequence[T], batch: int, seq: int, vocab: int) -> T:
+    """lit-gpt's ``chunked_cross_entropy(logits, targets[..., 1:])`` on the chunked head's list: each chunk
+    ``reshape(-1, vocab)`` (the cut last one copied with several sequences), the targets split alike (copied
+    with several sequences), ``cross_entropy(reduction="none")`` per chunk in the logits' dtype (under
+    autocast an fp32 op: a transient fp32 copy of the chunk), then ``torch.cat(loss_chunks).sum() /
+    non_masked_elems.maximum(torch.ones_like(non_masked_elems))``. Modelled from litgpt 0.5.13
+    (litgpt/utils.py lines 302-331) and measured (`trainmem_nb.measure.losses` runs the same statements)."""
+    lens = _litgpt_lengths(seq)
+    lens[-1] -= 1
+    several = batch > 1
+    logit_chunks = list(logits)
+    if several:  # the last chunk, cut by the loop, is not viewable as rows
+        logit_chunks[-1] = ops.clone(g, logits[-1], "logit_chunk.reshape(-1, vocab) (a copy)")
+    else:
+        g.hold(logit_chunks[-1])
+    targets = [g.alloc(const(batch * n), I64, "target_chunk.reshape(-1) (a copy)") if several
+               else g.alloc(const(0), I64, "target_chunk (a view)") for n in lens]
+    loss_chunks = []
+    for i, (lc, tc) in enumerate(zip(logit_chunks, targets, strict=True)):
+        x = lc if ctx.autocast is None else ops.cast(g, lc, F32, f"chunk {i} cross_entropy autocast to fp32")
+        loss_i, ls, tw = _cross_entropy(g, x, tc, f"chunk {i} ", loss_n=const(batch * lens[i]))
+        g.drop(ls, tw, *((x,) if x is not lc else ()))
+        loss_chunks.append(loss_i)
+    mask = g.alloc(const(batch * (seq - 1)), ops.BOOL, "targets != ignore_index")
+    count = g.alloc(const(1), I64, "non_masked_elems")
+    g.drop(mask)
+    cat = ops.cat_last(g, ctx, loss_chunks, "torch.cat(loss_chunks)")
+    total = ops.sum_keepdim(g, cat, const(1), ".sum()")
+    g.drop(cat)
+    ones = g.alloc(const(1), I64, "torch.ones_like(non_masked_elems)")
+    denominator = g.alloc(const(1), I64, "non_masked_elems.maximum(...)")
+    g.drop(ones)
+    loss = g.alloc(const(1), total.dt, "/ non_masked_elems")
+
+    def div_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:  # grad / other
+        return [g.alloc(const(1), total.dt, "/ non_masked_elems backward"), None]
+
+    g.record("/ non_masked_elems", [total, denominator], [loss], [denominator], div_bwd)  # DivBackward0 saves other
+    g.drop(denominator, total)
+    # the function returns: its lists go (CPython frees a list's items last to first)
+    g.drop(logit_chunks[-1], *reversed(targets), *reversed(loss_chunks), count)
     return loss
 
 

@@ -97,6 +97,7 @@ class LossImpl(_Choice):
     CHUNKED = "chunked"  #: torchtune's LinearCrossEntropyLoss: logits chunk by chunk (``loss_chunks``)
     LIGER = "liger"  #: Liger Kernel's fused linear cross-entropy: gradients in the forward, no full logits
     CCE = "cce"  #: Apple's Cut Cross-Entropy: no logits tensor at all
+    LITGPT = "litgpt"  #: lit-gpt's finetune loop: the lm_head in 128-token chunks, cross-entropy per chunk, no upcast
 
 
 class Fp8Recipe(_Choice):

@@ -17,6 +17,7 @@ from ..engine.program import CAT_INDEX, Program, Segment, _segment
 from ..engine.tape import Graph, Sz, T, const, per_token
 from ..model.params import buffer_inventory, on_stage, quantized, weight_tensors
 from ..model.spec import ModelSpec
+from ..recipes.head import litgpt_chunked_cross_entropy, litgpt_head_chunks
 from ..recipes.registry import recipe_for
 from ..spec.choices import Checkpointing, Device, Fp8Recipe, LossImpl, Method, OptimizerName, Precision
 from ..spec.training import TrainingSpec
@@ -211,18 +212,28 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     for sh in (*shared.extra, embeds if kept else None, *shared.all_masks(), *shared.rotary_tensors()):
         if sh is not None:
             g.drop(sh)
-    if hooks.last_stage:
-        loss, logits = recipe.lm_head_loss(g, h, ids, other)
+    logits: list[T] = []
+    if hooks.last_stage and t.loss_impl is LossImpl.LITGPT:
+        # lit-gpt's GPT returns its logits in chunks (its hidden state goes); then the loop runs the loss
+        logits = litgpt_head_chunks(g, ctx, h, recipe.lm_head_weight(other), m.hidden, m.vocab, t.micro_batch, t.seq_len,
+                                    softcap=bool(m.final_softcap))
+        g.drop(h)
+        loss = litgpt_chunked_cross_entropy(g, ctx, logits, t.micro_batch, t.seq_len, m.vocab)
     else:
-        loss, logits = _send_to_next_stage(g, h), None
-    g.drop(h)  # *ForCausalLM returns: the base output (holding h) goes
+        if hooks.last_stage:
+            loss, out = recipe.lm_head_loss(g, h, ids, other)
+            logits = [out] if out is not None else []
+        else:
+            loss = _send_to_next_stage(g, h)
+        g.drop(h)  # *ForCausalLM returns: the base output (holding h) goes
     if ctx.autocast is not None:
         ops.end_autocast(g, ctx)
     # the caller keeps only `.loss` of the output; a loop that names the output keeps it until its next
     # forward returns (`loop_keeps_outputs`): this step's logits stay, the last step's go after the forward
-    kept_logits = logits if t.loop_keeps_outputs and logits is not None else None
-    if kept_logits is None:
-        g.drop(logits)
+    kept_logits = logits if t.loop_keeps_outputs else []
+    if not kept_logits:
+        g.drop(*logits)
+    kept_logits = [x.base if x.base is not None else x for x in kept_logits]  # a view keeps its whole storage
     hooks.unit_forward_end(g, "root")
     g.mark("fwd_end")
     fwd_end = len(g.events)
@@ -326,11 +337,11 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     segs.append(_segment("forward", "head and loss", 1, *evs(mk[f"L{n_sim - 1}_fwd_end"], mk["fwd_end"])))
     # the last (micro-)step's output, alive until this forward returns (a first step with accumulation is
     # modelled at a later micro-step, which has one before it)
-    previous = kept_logits is not None and (not t.first_step or t.grad_accum > 1)
+    previous = bool(kept_logits) and (not t.first_step or t.grad_accum > 1)
     if previous:
-        assert kept_logits is not None
         segs.append(_segment("forward", "the loop rebinds `outputs`: the last step's logits go", 1,
-                             ((CAT_INDEX["activations/head"], -1, kept_logits.bytes, "the last step's logits"),)))
+                             tuple((CAT_INDEX["activations/head"], -1, x.bytes, "the last step's logits")
+                                   for x in kept_logits)))
     segs.append(_segment("backward", "loss and head", 1, *evs(mk["bwd_start"], mk["head_bwd_end"])))
     prev = "head_bwd_end"
     for i in reversed(range(n_sim)):
@@ -367,8 +378,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     if m.num_labels:  # a classifier's labels, one per sequence, are a second input (int64; fp32 to regress)
         init.append((CAT_INDEX["activations/inputs"], Sz(b_=8 if m.num_labels > 1 else 4), 1))
     if previous:
-        assert kept_logits is not None
-        init.append((CAT_INDEX["activations/head"], kept_logits.bytes, 1))
+        init += [(CAT_INDEX["activations/head"], x.bytes, 1) for x in kept_logits]
     if scaler:
         init.append((CAT_INDEX["optimizer_states"], const(4), 2))  # GradScaler's _scale and _growth_tracker
     if t.device is Device.CUDA:
@@ -427,7 +437,7 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     seq = window if window and t.seq_len >= window else 1
     # model_copy skips validation: the values come from a validated spec. The chunked losses' chunk
     # sizes depend on the token count (`recipes.head`): their programs keep the batch shape.
-    shape = ({} if t.loss_impl in (LossImpl.LIGER, LossImpl.CHUNKED) else
+    shape = ({} if t.loss_impl in (LossImpl.LIGER, LossImpl.CHUNKED, LossImpl.LITGPT) else
              {"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq})
     # the stack shapes the program only through the options it sets; the CUDA context is not in it
     update = {**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": "", "stack": "", "versions": "",
