@@ -96,15 +96,17 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
                         f"classifier (num_labels={m.num_labels}) has no such head: use loss_impl='standard'")
     if t.loss_impl.value != "standard":
         d = describe(m.family)
+        capped = t.loss_impl.value != "litgpt"  # lit-gpt's chunked head soft-caps each chunk (clamp_head)
         why = ("its head is bespoke" if not d.composed else "its final-logit soft-capping"
-               if m.final_softcap and t.loss_impl.value != "litgpt" else "its logits multiplier" if d.multipliers else "its lm_head bias" if m.lm_head_bias else "")
+               if m.final_softcap and capped else "its logits multiplier" if d.multipliers
+               else "its lm_head bias" if m.lm_head_bias else "")
         if why:
             from ..model.families import DESCRIPTIONS
 
             ok = ", ".join(f.value for f, dd in DESCRIPTIONS.items() if dd.composed and not dd.multipliers)
             raise SpecError(f"loss_impl={t.loss_impl.value!r} on {m.family.value} is not modelled ({why}); it is "
-                            f"modelled for the decoders composed from parts ({ok}; without soft-capped logits); "
-                            "use loss_impl='standard'")
+                            f"modelled for the decoders composed from parts ({ok}"
+                            f"{'; without soft-capped logits' if capped else ''}); use loss_impl='standard'")
     if t.method.value != "full":
         from ..model.params import lora_modules, lora_moe_params
 
