@@ -10,7 +10,6 @@ import trainmem_nb as tm
 from trainmem_nb.errors import SpecError
 from trainmem_nb.model.presets import get_model
 from trainmem_nb.recipes.head import liger_chunk_rows
-from trainmem_nb.spec.stack import resolve_stack
 from trainmem_nb.spec.training import TrainingSpec
 from trainmem_nb.step.compile import compile_step, program_key
 
@@ -97,7 +96,7 @@ def test_liger_programs_keep_the_batch_shape_the_others_share_one() -> None:
     ("llama-3.2-1b", {"loss_impl": "liger", "device": "cpu"}, "CUDA only"),
     ("llama-3.2-1b", {"loss_chunks": 4}, "loss_impl='chunked' only"),
     ("llama-3.2-1b", {"loss_impl": "fused"}, "valid values: standard, chunked, liger, cce, litgpt"),
-    ("pythia-160m", {"loss_impl": "litgpt"}, "bespoke"),
+    ("gpt2", {"loss_impl": "litgpt", "seq_len": 512}, "bespoke"),
 ])
 def test_a_loss_that_is_not_modelled_is_refused_saying_what_works(model: str, options: dict, text: str) -> None:
     with pytest.raises(SpecError, match=text):
@@ -130,8 +129,8 @@ def test_the_chunked_loss_matches_a_measured_cpu_step_byte_for_byte(family: str,
     assert est.saved_activations_bytes == measured["saved_activations"]
 
 
-def test_litgpt_runs_the_head_per_128_tokens_and_the_loss_in_the_logits_dtype() -> None:
-    # lit-gpt: [lm_head(x_i) for x_i in x.split(128, dim=1)], cross_entropy per chunk, no .float()
+def test_litgpt_runs_the_head_per_128_tokens_and_the_loss_per_chunk() -> None:
+    # lit-gpt: [lm_head(x_i) for x_i in x.split(128, dim=1)], Fabric's fp32 conversion, cross_entropy per chunk
     ev = _events("litgpt", precision="bf16-true", method="lora")
     labels = {label for *_r, label in ev}
     assert {f"lm_head chunk {i}" for i in range(4)} <= labels and "lm_head chunk 4" not in labels
@@ -139,9 +138,9 @@ def test_litgpt_runs_the_head_per_128_tokens_and_the_loss_in_the_logits_dtype() 
     v = M.vocab
     sizes = {label: n for _p, sign, n, label in ev if sign > 0}
     assert sizes["lm_head chunk 0"] == B * 128 * v * 2            # bf16 logits of 128 tokens
-    assert sizes["chunk 3 log_softmax"] == B * 127 * v * 2         # the cut last chunk, still bf16
+    assert sizes["chunk 3 log_softmax"] == B * 127 * v * 4         # the cut last chunk, fp32 after Fabric
     # with two sequences the cut last chunk is copied to be viewed as rows, and each chunk's input too
-    assert sizes["logit_chunk.reshape(-1, vocab) (a copy)"] == B * 127 * v * 2
+    assert sizes["logit_chunk.reshape(-1, vocab) (a copy)"] == B * 127 * v * 4
     assert "lm_head chunk 1 input reshape (a copy)" in labels
 
 
@@ -154,14 +153,17 @@ def test_litgpt_under_autocast_casts_a_frozen_head_once_per_chunk() -> None:
     assert len([label for _p, sign, _n, label in full if sign > 0 and label == head]) == 1
 
 
-def test_the_litgpt_stack_leaves_the_chunked_head_off_until_what_lit_gpt_keeps_is_found() -> None:
-    # switched on and off: the chunked head and bf16 loss hold less than transformers' fp32 loss
-    on = tm.estimate("llama-2-7b", method="lora", micro_batch=2, seq_len=1024, stack="litgpt", loss_impl="litgpt")
-    off = tm.estimate("llama-2-7b", method="lora", micro_batch=2, seq_len=1024, stack="litgpt")
+def test_the_litgpt_stack_runs_the_chunked_head_and_fabric_converts_it_to_fp32() -> None:
+    # switched on by the stack, off by hand: lit-gpt's chunks, converted to fp32 by Fabric, vs transformers' loss
+    on = tm.estimate("llama-2-7b", method="lora", micro_batch=2, seq_len=1024, stack="litgpt")
+    off = tm.estimate("llama-2-7b", method="lora", micro_batch=2, seq_len=1024, stack="litgpt", loss_impl="standard")
     assert on.training.loss_impl.value == "litgpt" and off.training.loss_impl.value == "standard"
-    assert on.peak_allocated_bytes < off.peak_allocated_bytes
+    assert on.peak_allocated_bytes != off.peak_allocated_bytes
     assert "128-token chunks (litgpt 0.5.13)" in on.summary().splitlines()[0]
-    assert any("loss_impl='litgpt'" in n for n in resolve_stack("litgpt").not_modelled)
+    ev = _events("litgpt", precision="bf16-true", method="lora")
+    converts = [n for _p, sign, n, label in ev if sign > 0 and label == "Fabric convert_output .to(float32)"]
+    assert converts == [B * 128 * M.vocab * 4] * 4       # each chunk's fp32 copy (the last one before it is cut)
+    assert not [1 for _p, sign, _n, label in _events("litgpt", precision="fp32") if label.startswith("Fabric")]
 
 
 @pytest.mark.torch
@@ -170,6 +172,7 @@ def test_the_litgpt_stack_leaves_the_chunked_head_off_until_what_lit_gpt_keeps_i
     ("llama", {"precision": "bf16-mixed", "method": "lora", "lora_rank": 4, "seq_len": 260}),
     ("qwen2", {"precision": "bf16-true", "micro_batch": 1, "checkpointing": "full", "seq_len": 300}),
     ("llama", {"precision": "bf16-true", "seq_len": 100}),   # one chunk, cut by the loop
+    ("gpt_neox", {"precision": "bf16-true", "method": "lora", "lora_rank": 4, "seq_len": 260}),
 ])
 def test_the_litgpt_loss_matches_a_measured_cpu_step_byte_for_byte(family: str, options: dict) -> None:
     # the measured step runs litgpt 0.5.13's chunked head, its loop's cut and chunked_cross_entropy

@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
+from ..model.families import DESCRIPTIONS, Family, describe
 from ..model.presets import resolve_model
 from ..model.spec import ModelSpec
 from ..parallel.checks import check_layout, keeps_grads_modelled
+from ..recipes.registry import loss_gap, runs_loss
 from ..spec.calibration import Calibration, load_calibration
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
@@ -78,7 +80,6 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
         )
     if t.attention.value == "flash" and t.device.value == "cpu":
         raise SpecError("attention='flash' (flash-attention 2) runs only on CUDA; use attention='sdpa' with device='cpu'")
-    from ..model.families import describe
 
     if describe(m.family).attention == "sinks" and t.attention.value == "flash":
         raise SpecError(f"attention='flash' on {m.family.value}: its attention sinks need the kernels-community "
@@ -91,22 +92,16 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
     if m.family.value == "deepseek_v3" and t.attention.value == "flash":
         raise SpecError("attention='flash' on deepseek_v3 is not modelled (its v_head_dim differs from the q/k head "
                         "dim, which flash-attn does not take as is); use attention='sdpa' or 'eager'")
-    if t.loss_impl.value != "standard" and m.num_labels:
+    why = loss_gap(m, t)
+    if why and runs_loss(m, t) is t.loss_impl and m.num_labels:  # a stack's lit-gpt head falls back (`runs_loss`)
         raise SpecError(f"loss_impl={t.loss_impl.value!r} replaces the language-model head's loss; a sequence "
                         f"classifier (num_labels={m.num_labels}) has no such head: use loss_impl='standard'")
-    if t.loss_impl.value != "standard":
-        d = describe(m.family)
-        capped = t.loss_impl.value != "litgpt"  # lit-gpt's chunked head soft-caps each chunk (clamp_head)
-        why = ("its head is bespoke" if not d.composed else "its final-logit soft-capping"
-               if m.final_softcap and capped else "its logits multiplier" if d.multipliers
-               else "its lm_head bias" if m.lm_head_bias else "")
-        if why:
-            from ..model.families import DESCRIPTIONS
-
-            ok = ", ".join(f.value for f, dd in DESCRIPTIONS.items() if dd.composed and not dd.multipliers)
-            raise SpecError(f"loss_impl={t.loss_impl.value!r} on {m.family.value} is not modelled ({why}); it is "
-                            f"modelled for the decoders composed from parts ({ok}"
-                            f"{'; without soft-capped logits' if capped else ''}); use loss_impl='standard'")
+    if why and runs_loss(m, t) is t.loss_impl:  # the user's is refused
+        ok = ", ".join(f.value for f, dd in DESCRIPTIONS.items()
+                       if (dd.composed or (t.loss_impl.value == "litgpt" and _separate_head(f))) and not dd.multipliers)
+        capped = "" if t.loss_impl.value == "litgpt" else "; without soft-capped logits"
+        raise SpecError(f"loss_impl={t.loss_impl.value!r} on {m.family.value} is not modelled ({why}); it is "
+                        f"modelled for the decoders composed from parts ({ok}{capped}); use loss_impl='standard'")
     if t.method.value != "full":
         from ..model.params import lora_modules, lora_moe_params
 
@@ -115,3 +110,12 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
             raise SpecError(f"lora_dropout={t.lora_dropout:g} with lora_targets={t.lora_targets!r} on {m.family.value}: "
                             "peft's ParamWrapper (the router's and experts' adapters) does not work with "
                             "lora_dropout != 0; use lora_dropout=0 or lora_targets='qv'")
+
+
+def _separate_head(family: Family) -> bool:
+    """Does the family's recipe give its output projection's weight on its own (`Recipe.lm_head_weight`), as
+    lit-gpt's chunked head needs?"""
+    from ..recipes.base import Recipe
+    from ..recipes.registry import RECIPES
+
+    return RECIPES[describe(family).recipe].lm_head_weight is not Recipe.lm_head_weight

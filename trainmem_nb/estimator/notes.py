@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from ..model.families import Family
 from ..model.spec import ModelSpec
-from ..spec.choices import Method
+from ..recipes.registry import loss_gap, runs_loss
+from ..spec.choices import LossImpl, Method
 from ..spec.parallel import Engine, ParallelSpec
 from ..spec.training import TrainingSpec
 from ..units import format_bytes
@@ -27,6 +28,9 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
         if gap:
             notes.append(f"the stack {t.stack!r} runs FSDP1 (FullyShardedDataParallel), not modelled with {gap}: "
                          "counted as FSDP2 (fully_shard)")
+    if t.loss_impl is LossImpl.LITGPT and runs_loss(m, t) is not LossImpl.LITGPT:
+        notes.append(f"the stack {t.stack!r} runs lit-gpt's chunked head and loss, not modelled for "
+                     f"{m.family.value} ({loss_gap(m, t)}): counted as transformers' loss")
     if p is not None and p.engine is Engine.FSDP and m.is_moe and p.shard_degree // p.ep > m.n_experts // p.ep:
         notes.append(
             f"FSDP over {p.shard_degree // p.ep} ranks per expert stack with {m.n_experts // p.ep} "

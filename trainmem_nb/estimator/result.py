@@ -10,6 +10,7 @@ from typing import Any
 from ..engine.breakdown import TOP_KEYS, roll_up
 from ..model.spec import ModelSpec
 from ..recipes import head as _head
+from ..recipes.registry import runs_loss
 from ..spec.calibration import Calibration
 from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec
@@ -173,7 +174,7 @@ class MemoryEstimate:
             f"trained{method}), {t.precision.value}{_fp8_words(t.fp8.value)}, {opt}, "
             f"micro-batch {t.micro_batch} x {t.seq_len} tokens, "
             f"checkpointing {t.checkpointing.value}, {t.attention.value} attention, device {t.device.value}"
-            f"{_LOSS_NOTES[t.loss_impl.value].format(chunks=t.loss_chunks)}"
+            f"{_LOSS_NOTES[runs_loss(self.model, t).value].format(chunks=t.loss_chunks)}"
         )
 
 

@@ -15,6 +15,7 @@ in litgpt/utils.py lines 302-331) on the transformers model's decoder and ``lm_h
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -28,28 +29,41 @@ __all__ = ["litgpt_chunked_loss", "step_loss", "torchtune_linear_cross_entropy"]
 IGNORE_INDEX = -100  # torchtune's and transformers' default ignore_index (lit-gpt's chunked_cross_entropy's too)
 
 
-def step_loss(model: Any, inputs: dict[str, torch.Tensor], t: TrainingSpec) -> torch.Tensor:
-    """The loss of one forward: ``model(**inputs).loss``, or the chunked loss `t.loss_impl` names."""
-    if t.loss_impl is LossImpl.CHUNKED:
-        return torchtune_linear_cross_entropy(model, inputs["input_ids"], inputs["labels"], t.loss_chunks)
+def step_loss(model: Any, inputs: dict[str, torch.Tensor], t: TrainingSpec,
+              forward_context: Any = None) -> torch.Tensor:
+    """The loss of one forward: ``model(**inputs).loss``, or the chunked loss `t.loss_impl` names; the
+    forward runs in `forward_context` (autocast for a mixed precision), with the loss inside it except for
+    lit-gpt's, whose loop computes it after Fabric's forward returns."""
+    ctx = contextlib.nullcontext() if forward_context is None else forward_context
     if t.loss_impl is LossImpl.LITGPT:
-        return litgpt_chunked_loss(model, inputs["input_ids"], inputs["labels"])
-    return model(**inputs).loss
+        return litgpt_chunked_loss(model, inputs["input_ids"], inputs["labels"], ctx)
+    with ctx:
+        if t.loss_impl is LossImpl.CHUNKED:
+            return torchtune_linear_cross_entropy(model, inputs["input_ids"], inputs["labels"], t.loss_chunks)
+        return model(**inputs).loss
 
 
-def litgpt_chunked_loss(model: Any, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """lit-gpt's finetune step: ``logits = model(input_ids, lm_head_chunk_size=128)`` (the model returns a
-    list of 128-token logit chunks; its hidden state goes), ``logits[-1] = logits[-1][..., :-1, :]`` and
-    ``loss = chunked_cross_entropy(logits, targets[..., 1:])``."""
+def litgpt_chunked_loss(model: Any, input_ids: torch.Tensor, targets: torch.Tensor,
+                        forward_context: Any = None) -> torch.Tensor:
+    """lit-gpt's finetune step under Fabric: ``logits = model(input_ids, lm_head_chunk_size=128)`` (the model,
+    in Fabric's forward context, returns a list of 128-token logit chunks and its hidden state goes; Fabric's
+    ``_FabricModule.forward`` then converts the output to fp32, ``precision.convert_output``, for every
+    precision but 32-true), ``logits[-1] = logits[-1][..., :-1, :]`` and ``loss = chunked_cross_entropy(logits,
+    targets[..., 1:])``, outside the forward context."""
     from ..recipes.head import LITGPT_CHUNK
 
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model's transformers model
-    x = lm.get_decoder()(input_ids=input_ids).last_hidden_state
-    head = lm.get_output_embeddings()
-    thresh = getattr(lm.config, "final_logit_softcapping", None)  # GPT.forward's clamp_head (do_softcapping)
-    clamp_head = (lambda x: torch.tanh(x / thresh) * thresh) if thresh else (lambda x: x)
-    logits = [clamp_head(head(x_i)) for x_i in x.split(LITGPT_CHUNK, dim=1)]
-    del x
+    with contextlib.nullcontext() if forward_context is None else forward_context:
+        x = lm.get_decoder()(input_ids=input_ids).last_hidden_state
+        head = lm.get_output_embeddings()
+        thresh = getattr(lm.config, "final_logit_softcapping", None)  # GPT.forward's clamp_head (do_softcapping)
+        clamp_head = (lambda x: torch.tanh(x / thresh) * thresh) if thresh else (lambda x: x)
+        output = [clamp_head(head(x_i)) for x_i in x.split(LITGPT_CHUNK, dim=1)]
+        del x
+    # lightning 2.4 fabric/wrappers.py:138 `output = precision.convert_output(output)`: apply_to_collection(...,
+    # _convert_fp_tensor, dst_type=torch.get_default_dtype()), a new list (.to is a no-op for fp32 chunks)
+    logits = [chunk.to(torch.get_default_dtype()) for chunk in output]
+    del output
     logits[-1] = logits[-1][..., :-1, :]
     return _chunked_cross_entropy(logits, targets[..., 1:])
 

@@ -393,8 +393,7 @@ class _Setup:
         # gradient accumulation: the measured micro-step is the last one; the earlier ones leave their
         # gradients, which it adds to (the estimator's later micro-step with ``.grad`` alive)
         for _ in range(t.grad_accum - 1):
-            with self.autocast:
-                loss = step_loss(self.model, self.inputs, self.t)
+            loss = step_loss(self.model, self.inputs, self.t, self.autocast)
             (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             del loss
 
@@ -413,8 +412,7 @@ class _Setup:
         clock = time.perf_counter
         t0 = clock()
         mark("forward")
-        with self.autocast:
-            loss = step_loss(self.model, self.inputs, self.t)
+        loss = step_loss(self.model, self.inputs, self.t, self.autocast)
         t1 = clock()
         mark("backward")
         scaled = self.scaler.scale(loss) if self.scaler is not None else loss

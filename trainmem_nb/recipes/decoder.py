@@ -197,7 +197,7 @@ class DecoderRecipe(Recipe):
         if m.num_labels:
             return self.sequence_classification_loss(g, h, p)
         w = self.lm_head_weight(p)
-        if self.t.loss_impl is not LossImpl.STANDARD:  # no logits returned (`check_model_options` refuses the rest)
+        if self.t.loss_impl in (LossImpl.CHUNKED, LossImpl.LIGER, LossImpl.CCE):  # no logits returned
             return fused_head_loss(g, ctx, self.t, h, w, m.hidden, m.vocab), None
         logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
         if self.d.multipliers:  # Granite: ``logits = logits / self.config.logits_scaling`` (a new tensor)

@@ -145,10 +145,13 @@ class GPTNeoXRecipe(LayerNormRecipe):
         self.release_model_locals(g)
         return out
 
+    def lm_head_weight(self, p: dict[str, T]) -> T:
+        """``embed_out`` (the untied head), or the input embeddings it is tied to."""
+        return p.get("embed_out.weight") or p.get("lm_head.weight") or p["embed_in.weight"]
+
     def lm_head_loss(self, g: Graph, h: T, ids: T, p: dict[str, T]) -> tuple[T, T]:
         """GPTNeoXForCausalLM: ``lm_head`` (``embed_out``; tied to ``embed_in`` only if configured) and
         ForCausalLMLoss; returns (loss, logits)."""
         m, ctx = self.m, self.ctx
-        w = p.get("embed_out.weight") or p.get("lm_head.weight") or p["embed_in.weight"]
-        logits = ops.linear(g, ctx, h, w, m.hidden, m.vocab, None, "lm_head")
+        logits = ops.linear(g, ctx, h, self.lm_head_weight(p), m.hidden, m.vocab, None, "lm_head")
         return causal_lm_loss(g, ctx, logits, m.vocab, v4_upcast=describe(m.family).v4_upcast)

@@ -344,8 +344,7 @@ def litgpt_head_chunks(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: i
     """lit-gpt's ``GPT.forward(..., lm_head_chunk_size=128)``: ``[lm_head(x_i) for x_i in x.split(128,
     dim=1)]``, one logits tensor per 128 tokens (under autocast a frozen head is cast again for every chunk,
     and each copy is kept for backward), soft-capped chunk by chunk where the model caps its final logits
-    (`softcap`), then the loop's ``logits[-1] = logits[-1][..., :-1, :]``. With
-    several sequences a chunk is not viewable as rows: ``matmul`` folds it with a copy, unless autocast's
+    (`softcap`). With several sequences a chunk is not viewable as rows: ``matmul`` folds it with a copy, unless autocast's
     cast already made one. Returns the list the model returns (the loop's ``logits``)."""
     lens = _litgpt_lengths(seq)
     parts = ops.split(g, h, (), "x.split(lm_head_chunk_size, dim=1)", sizes=[const(batch * n * hidden) for n in lens])
@@ -365,17 +364,30 @@ def litgpt_head_chunks(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: i
             logits = ops.scalar_op(g, lt, f"chunk {i} logits * thresh")
             g.drop(lt)
         out.append(logits)
-    last = out[-1]
-    out[-1] = ops.slice_view(g, last, const(batch * (lens[-1] - 1) * vocab), "logits[-1][..., :-1, :]")
+    return out
+
+
+def litgpt_cut_last(g: Graph, logits: list[T], batch: int, seq: int, vocab: int) -> None:
+    """The loop's ``logits[-1] = logits[-1][..., :-1, :]`` (a view; its backward a full-size chunk gradient)."""
+    last = logits[-1]
+    logits[-1] = ops.slice_view(g, last, const(batch * (_litgpt_lengths(seq)[-1] - 1) * vocab), "logits[-1][..., :-1, :]")
     g.drop(last)
+
+
+def fabric_convert_output(g: Graph, output: Sequence[T]) -> list[T]:
+    """Fabric's ``_FabricModule.forward`` after the forward context (lightning 2.4 fabric/wrappers.py:138,
+    ``precision.convert_output``: every precision plugin but 32-true casts floating outputs to the default
+    dtype, fp32): a new list of fp32 chunks, then the model's 16-bit ones go."""
+    out = [ops.cast(g, x, F32, "Fabric convert_output .to(float32)") for x in output]
+    g.drop(*output)
     return out
 
 
 def litgpt_chunked_cross_entropy(g: Graph, ctx: ops.Ctx, logits: Sequence[T], batch: int, seq: int, vocab: int) -> T:
     """lit-gpt's ``chunked_cross_entropy(logits, targets[..., 1:])`` on the chunked head's list: each chunk
     ``reshape(-1, vocab)`` (the cut last one copied with several sequences), the targets split alike (copied
-    with several sequences), ``cross_entropy(reduction="none")`` per chunk in the logits' dtype (under
-    autocast an fp32 op: a transient fp32 copy of the chunk), then ``torch.cat(loss_chunks).sum() /
+    with several sequences), ``cross_entropy(reduction="none")`` per chunk in the logits' dtype (fp32 after
+    Fabric's conversion; the loop runs it outside the forward's autocast), then ``torch.cat(loss_chunks).sum() /
     non_masked_elems.maximum(torch.ones_like(non_masked_elems))``. Modelled from litgpt 0.5.13
     (litgpt/utils.py lines 302-331) and measured (`trainmem_nb.measure.losses` runs the same statements)."""
     lens = _litgpt_lengths(seq)
@@ -390,9 +402,8 @@ def litgpt_chunked_cross_entropy(g: Graph, ctx: ops.Ctx, logits: Sequence[T], ba
                else g.alloc(const(0), I64, "target_chunk (a view)") for n in lens]
     loss_chunks = []
     for i, (lc, tc) in enumerate(zip(logit_chunks, targets, strict=True)):
-        x = lc if ctx.autocast is None else ops.cast(g, lc, F32, f"chunk {i} cross_entropy autocast to fp32")
-        loss_i, ls, tw = _cross_entropy(g, x, tc, f"chunk {i} ", loss_n=const(batch * lens[i]))
-        g.drop(ls, tw, *((x,) if x is not lc else ()))
+        loss_i, ls, tw = _cross_entropy(g, lc, tc, f"chunk {i} ", loss_n=const(batch * lens[i]))  # no autocast here
+        g.drop(ls, tw)
         loss_chunks.append(loss_i)
     mask = g.alloc(const(batch * (seq - 1)), ops.BOOL, "targets != ignore_index")
     count = g.alloc(const(1), I64, "non_masked_elems")

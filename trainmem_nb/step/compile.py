@@ -17,8 +17,8 @@ from ..engine.program import CAT_INDEX, Program, Segment, _segment
 from ..engine.tape import Graph, Sz, T, const, per_token
 from ..model.params import buffer_inventory, on_stage, quantized, weight_tensors
 from ..model.spec import ModelSpec
-from ..recipes.head import litgpt_chunked_cross_entropy, litgpt_head_chunks
-from ..recipes.registry import recipe_for
+from ..recipes.head import fabric_convert_output, litgpt_chunked_cross_entropy, litgpt_cut_last, litgpt_head_chunks
+from ..recipes.registry import recipe_for, runs_loss
 from ..spec.choices import Checkpointing, Device, Fp8Recipe, LossImpl, Method, OptimizerName, Precision
 from ..spec.training import TrainingSpec
 from .checkpoint import _checkpointed_layer, _Frame
@@ -213,11 +213,17 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
         if sh is not None:
             g.drop(sh)
     logits: list[T] = []
-    if hooks.last_stage and t.loss_impl is LossImpl.LITGPT:
+    if hooks.last_stage and runs_loss(m, t) is LossImpl.LITGPT:
         # lit-gpt's GPT returns its logits in chunks (its hidden state goes); then the loop runs the loss
         logits = litgpt_head_chunks(g, ctx, h, recipe.lm_head_weight(other), m.hidden, m.vocab, t.micro_batch, t.seq_len,
                                     softcap=bool(m.final_softcap))
         g.drop(h)
+        # Fabric's forward context (autocast) ends with the model's forward; its output goes to fp32
+        if ctx.autocast is not None:
+            ops.end_autocast(g, ctx)
+        if t.precision is not Precision.FP32:
+            logits = fabric_convert_output(g, logits)
+        litgpt_cut_last(g, logits, t.micro_batch, t.seq_len, m.vocab)
         loss = litgpt_chunked_cross_entropy(g, ctx, logits, t.micro_batch, t.seq_len, m.vocab)
     else:
         if hooks.last_stage:
