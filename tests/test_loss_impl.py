@@ -153,6 +153,15 @@ def test_litgpt_under_autocast_casts_a_frozen_head_once_per_chunk() -> None:
     assert len([label for _p, sign, _n, label in full if sign > 0 and label == head]) == 1
 
 
+def test_litgpt_programs_are_shared_by_the_sequences_with_as_many_chunks() -> None:
+    # the chunks' sizes are symbolic in the batch shape: one program per chunk count (and one sequence or more)
+    key = lambda b, s: program_key(TrainingSpec(micro_batch=b, seq_len=s, loss_impl="litgpt"), M)  # noqa: E731
+    assert key(2, 300) is key(3, 384) is key(2, 257)
+    assert key(2, 256) is not key(2, 257) and key(1, 300) is not key(2, 300)
+    est = [tm.estimate(M, micro_batch=b, seq_len=s, loss_impl="litgpt", device="cpu") for b, s in ((2, 300), (3, 384))]
+    assert est[0].peak_allocated_bytes < est[1].peak_allocated_bytes
+
+
 def test_the_litgpt_stack_runs_the_chunked_head_and_fabric_converts_it_to_fp32() -> None:
     # switched on by the stack, off by hand: lit-gpt's chunks, converted to fp32 by Fabric, vs transformers' loss
     on = tm.estimate("llama-2-7b", method="lora", micro_batch=2, seq_len=1024, stack="litgpt")

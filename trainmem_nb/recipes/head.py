@@ -334,21 +334,31 @@ def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int
     return loss
 
 
-def _litgpt_lengths(seq: int) -> list[int]:
-    """Tokens of each chunk of ``x.split(128, dim=1)``: 128 each, the last one what is left."""
-    return [min(LITGPT_CHUNK, seq - a) for a in range(0, seq, LITGPT_CHUNK)]
+def litgpt_chunks(seq: int) -> int:
+    """How many chunks ``x.split(128, dim=1)`` makes of `seq` tokens."""
+    return -(-seq // LITGPT_CHUNK)
+
+
+def _litgpt_tokens(seq: int, cut: bool = False) -> list[Sz]:
+    """Tokens (b x length) of each chunk of ``x.split(128, dim=1)``, symbolic in the batch shape: b x 128 each,
+    the last ``b x (s - 128 (n - 1))``, one token fewer when the loop has `cut` it. A program then serves every
+    sequence length with the same number of chunks (`trainmem_nb.step.compile.program_key`)."""
+    n = litgpt_chunks(seq)
+    full = LITGPT_CHUNK * (n - 1)
+    return [Sz(b_=LITGPT_CHUNK)] * (n - 1) + [Sz(bs=1, b_=-(full + cut))]
 
 
 def litgpt_head_chunks(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int, batch: int, seq: int,
                        softcap: bool = False) -> list[T]:
+    # `batch` only tells one sequence from several (the program key's micro-batch), `seq` the chunk count
     """lit-gpt's ``GPT.forward(..., lm_head_chunk_size=128)``: ``[lm_head(x_i) for x_i in x.split(128,
     dim=1)]``, one logits tensor per 128 tokens (under autocast a frozen head is cast again for every chunk,
     and each copy is kept for backward), soft-capped chunk by chunk where the model caps its final logits
     (`softcap`). With several sequences a chunk is not viewable as rows: ``matmul`` folds it with a copy, unless autocast's
     cast already made one. Returns the list the model returns (the loop's ``logits``)."""
-    lens = _litgpt_lengths(seq)
-    parts = ops.split(g, h, (), "x.split(lm_head_chunk_size, dim=1)", sizes=[const(batch * n * hidden) for n in lens])
-    strided = batch > 1 and len(lens) > 1
+    tokens = _litgpt_tokens(seq)
+    parts = ops.split(g, h, (), "x.split(lm_head_chunk_size, dim=1)", sizes=[n * hidden for n in tokens])
+    strided = batch > 1 and len(tokens) > 1
     out = []
     for i, xi in enumerate(parts):
         src = xi
@@ -370,7 +380,7 @@ def litgpt_head_chunks(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: i
 def litgpt_cut_last(g: Graph, logits: list[T], batch: int, seq: int, vocab: int) -> None:
     """The loop's ``logits[-1] = logits[-1][..., :-1, :]`` (a view; its backward a full-size chunk gradient)."""
     last = logits[-1]
-    logits[-1] = ops.slice_view(g, last, const(batch * (_litgpt_lengths(seq)[-1] - 1) * vocab), "logits[-1][..., :-1, :]")
+    logits[-1] = ops.slice_view(g, last, _litgpt_tokens(seq, cut=True)[-1] * vocab, "logits[-1][..., :-1, :]")
     g.drop(last)
 
 
@@ -390,22 +400,21 @@ def litgpt_chunked_cross_entropy(g: Graph, ctx: ops.Ctx, logits: Sequence[T], ba
     Fabric's conversion; the loop runs it outside the forward's autocast), then ``torch.cat(loss_chunks).sum() /
     non_masked_elems.maximum(torch.ones_like(non_masked_elems))``. Modelled from litgpt 0.5.13
     (litgpt/utils.py lines 302-331) and measured (`trainmem_nb.measure.losses` runs the same statements)."""
-    lens = _litgpt_lengths(seq)
-    lens[-1] -= 1
+    tokens = _litgpt_tokens(seq, cut=True)
     several = batch > 1
     logit_chunks = list(logits)
     if several:  # the last chunk, cut by the loop, is not viewable as rows
         logit_chunks[-1] = ops.clone(g, logits[-1], "logit_chunk.reshape(-1, vocab) (a copy)")
     else:
         g.hold(logit_chunks[-1])
-    targets = [g.alloc(const(batch * n), I64, "target_chunk.reshape(-1) (a copy)") if several
-               else g.alloc(const(0), I64, "target_chunk (a view)") for n in lens]
+    targets = [g.alloc(n, I64, "target_chunk.reshape(-1) (a copy)") if several
+               else g.alloc(const(0), I64, "target_chunk (a view)") for n in tokens]
     loss_chunks = []
     for i, (lc, tc) in enumerate(zip(logit_chunks, targets, strict=True)):
-        loss_i, ls, tw = _cross_entropy(g, lc, tc, f"chunk {i} ", loss_n=const(batch * lens[i]))  # no autocast here
+        loss_i, ls, tw = _cross_entropy(g, lc, tc, f"chunk {i} ", loss_n=tokens[i])  # no autocast here
         g.drop(ls, tw)
         loss_chunks.append(loss_i)
-    mask = g.alloc(const(batch * (seq - 1)), ops.BOOL, "targets != ignore_index")
+    mask = g.alloc(Sz(bs=1, b_=-1), ops.BOOL, "targets != ignore_index")
     count = g.alloc(const(1), I64, "non_masked_elems")
     g.drop(mask)
     cat = ops.cat_last(g, ctx, loss_chunks, "torch.cat(loss_chunks)")

@@ -17,7 +17,14 @@ from ..engine.program import CAT_INDEX, Program, Segment, _segment
 from ..engine.tape import Graph, Sz, T, const, per_token
 from ..model.params import buffer_inventory, on_stage, quantized, weight_tensors
 from ..model.spec import ModelSpec
-from ..recipes.head import fabric_convert_output, litgpt_chunked_cross_entropy, litgpt_cut_last, litgpt_head_chunks
+from ..recipes.head import (
+    LITGPT_CHUNK,
+    fabric_convert_output,
+    litgpt_chunked_cross_entropy,
+    litgpt_chunks,
+    litgpt_cut_last,
+    litgpt_head_chunks,
+)
 from ..recipes.registry import recipe_for, runs_loss
 from ..spec.choices import Checkpointing, Device, Fp8Recipe, LossImpl, Method, OptimizerName, Precision
 from ..spec.training import TrainingSpec
@@ -441,9 +448,12 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     if hit is not None and hit[0] is t and hit[1] == window:  # one estimate asks up to four times
         return hit[2]
     seq = window if window and t.seq_len >= window else 1
+    if t.loss_impl is LossImpl.LITGPT:  # lit-gpt's chunks: the first length with as many, on the window's side
+        first = LITGPT_CHUNK * (litgpt_chunks(t.seq_len) - 1) + 1
+        seq = max(first, window) if window and t.seq_len >= window else first
     # model_copy skips validation: the values come from a validated spec. The chunked losses' chunk
     # sizes depend on the token count (`recipes.head`): their programs keep the batch shape.
-    shape = ({} if t.loss_impl in (LossImpl.LIGER, LossImpl.CHUNKED, LossImpl.LITGPT) else
+    shape = ({} if t.loss_impl in (LossImpl.LIGER, LossImpl.CHUNKED) else
              {"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq})
     # the stack shapes the program only through the options it sets; the CUDA context is not in it
     update = {**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": "", "stack": "", "versions": "",
