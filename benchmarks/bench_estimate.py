@@ -48,6 +48,15 @@ def main() -> None:
     new8 = median_ms(lambda i: tm.estimate(m, micro_batch=1, seq_len=next(fresh) * 16, precision="fp8"), 20)
     print(f"estimate() fp8, llama-3-8b: warm median {warm8:.3f} ms (goal <= 0.2 ms: {'ok' if warm8 <= 0.2 else 'OVER'}), "
           f"new batch shape median {new8:.1f} ms")
+    # the litgpt stack's chunked head: one program per count of 128-token chunks, so a new micro-batch or a
+    # sequence in the same band replays only, a new band compiles too
+    lit = dict(method="lora", stack="litgpt")
+    tm.estimate(m, micro_batch=2, seq_len=2048, **lit)
+    warm_l = median_ms(lambda i: tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048, **lit), 1000)
+    band = median_ms(lambda i: tm.estimate(m, micro_batch=1, seq_len=1921 + next(fresh) % 127, **lit), 20)
+    new_l = median_ms(lambda i: tm.estimate(m, micro_batch=1, seq_len=128 * (20 + next(fresh) % 40) + 5, **lit), 10)
+    print(f"estimate() litgpt stack (chunked head), llama-3-8b LoRA: warm median {warm_l:.3f} ms, new shape in the "
+          f"same 128-token band {band:.1f} ms, new band {new_l:.1f} ms")
 
     grid = list(itertools.product(range(1, 26), (128, 256, 512, 1024, 2048, 3072, 4096, 8192),
                                   ("bf16-mixed", "bf16-true"), ("none", "full"), ("adamw", "sgd"),

@@ -5,7 +5,7 @@ kernels, fine-tuning method), validated and frozen.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, TypeAdapter, ValidationError, model_validator
@@ -199,9 +199,7 @@ class TrainingSpec(SpecModel):
                                 f"{', '.join(sorted(self.STACK_OPTIONS))}")
             if key not in self.model_fields_set:
                 try:
-                    field = type(self).model_fields[key]
-                    kind: Any = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
-                    value = TypeAdapter(kind).validate_python(applied.value)
+                    value = _field_adapter(key).validate_python(applied.value)
                 except ValidationError as exc:
                     raise SpecError(f"stack {self.stack!r} sets {key}={applied.value!r}: "
                                     f"{exc.errors()[0]['msg']}") from None
@@ -331,3 +329,13 @@ def build_training(training: TrainingSpec | Mapping[str, Any] | None = None, **o
             f"unknown training option {unknown[0]!r}{did_you_mean(unknown[0], valid)}; valid options: {', '.join(valid)}"
         )
     return _validate(TrainingSpec, data)
+
+
+@cache
+def _field_adapter(key: str) -> TypeAdapter[Any]:
+    """A validator of one `TrainingSpec` field's values (a stack's options go through it); built once, as
+    building one costs more than an estimate."""
+    field = TrainingSpec.model_fields[key]
+    kind: Any = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    return TypeAdapter(kind)
+
