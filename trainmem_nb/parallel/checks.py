@@ -48,7 +48,8 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
         if t.loss_impl.value != "standard" and (p.engine is Engine.MEGATRON or p.tp > 1 or p.cp > 1):
             # Megatron (and tensor parallelism) shard the head over the vocabulary with their own
             # vocab-parallel cross-entropy; the modelled losses take the whole head on one rank
-            raise SpecError(f"loss_impl={t.loss_impl.value!r} with engine={p.engine.value!r}, tp={p.tp}, cp={p.cp} "
+            by = "" if "loss_impl" in t.model_fields_set else f"the stack {t.stack!r} sets "
+            raise SpecError(f"{by}loss_impl={t.loss_impl.value!r} with engine={p.engine.value!r}, tp={p.tp}, cp={p.cp} "
                             "is not modelled (a vocabulary-sharded head has its own vocab-parallel cross-entropy); "
                             "use it with ddp, fsdp or deepspeed and tp=1, cp=1, or loss_impl='standard'")
     if m.n_heads % p.tp:
