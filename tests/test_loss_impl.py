@@ -153,6 +153,17 @@ def test_litgpt_under_autocast_casts_a_frozen_head_once_per_chunk() -> None:
     assert len([label for _p, sign, _n, label in full if sign > 0 and label == head]) == 1
 
 
+def test_chunked_programs_are_shared_by_the_batch_shapes_whose_tokens_leave_the_same_residue() -> None:
+    # torchtune's tensor_split rows are (b s - r) / chunks (+1 for the first r): symbolic where the hidden and
+    # vocabulary widths are multiples of the chunk count
+    key = lambda b, s, m=M: program_key(TrainingSpec(micro_batch=b, seq_len=s, loss_impl="chunked"), m)  # noqa: E731
+    assert key(2, 512) is key(4, 100) is key(2, 1000)          # 1024, 400, 2000 tokens: residue 0 of 8
+    assert key(2, 513) is not key(2, 512) and key(3, 333) is not key(2, 333)   # 999 tokens: odd, not 2 x anything
+    odd = M.model_copy(update={"vocab": 1001})                 # a vocabulary the chunks do not divide
+    assert key(2, 512, odd) is not key(2, 1000, odd)
+    # the measured steps below (tiny models: hidden 64, vocab 4096, 4 chunks) run the symbolic rows
+
+
 def test_litgpt_programs_are_shared_by_the_sequences_with_as_many_chunks() -> None:
     # the chunks' sizes are symbolic in the batch shape: one program per chunk count (and one sequence or more)
     key = lambda b, s: program_key(TrainingSpec(micro_batch=b, seq_len=s, loss_impl="litgpt"), M)  # noqa: E731

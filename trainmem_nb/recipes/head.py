@@ -292,6 +292,23 @@ def cut_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: in
 TORCHTUNE_VERSION = "0.7.0"  # pytorch/torchtune@bd2a0fc7
 
 
+def torchtune_rows_symbolic(hidden: int, chunks: int, vocab: int | None = None) -> bool:
+    """Are the chunked loss's row counts kept symbolic (whole-number coefficients for the hidden and the
+    vocabulary widths)?"""
+    return hidden % chunks == 0 and (vocab is None or vocab % chunks == 0)
+
+
+def torchtune_chunk_rows(tokens: int, chunks: int, hidden: int, vocab: int) -> list[Sz]:
+    """Rows of each chunk of ``tensor_split(chunks)`` over `tokens` rows: the first ``tokens % chunks`` one row
+    longer. Symbolic in the batch shape (``(b s - r) / chunks`` rows, r = tokens % chunks) where `hidden` and
+    `vocab` are multiples of `chunks` (whole-number sizes), so one program serves every batch shape with the same residue
+    (`trainmem_nb.step.compile.program_key`); otherwise the rows of this token count."""
+    r = tokens % chunks
+    if not torchtune_rows_symbolic(hidden, chunks, vocab):
+        return [const(tokens // chunks + (i < r)) for i in range(chunks)]
+    return [Sz(bs=1 / chunks, c0=(i < r) - r / chunks) for i in range(chunks)]
+
+
 def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: int, chunks: int,
                                  tokens: int) -> T:
     """torchtune's ``LinearCrossEntropyLoss`` (its recipes' default; eager, ``compile: False``): the model
@@ -317,8 +334,7 @@ def chunked_linear_cross_entropy(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int
     tgt = g.alloc(tok(1), I64, "target.index_select(valid)")
     g.drop(idx)
     # tensor_split: the first tokens % chunks chunks one row longer (the program keeps the batch shape)
-    rows = [tokens // chunks + (i < tokens % chunks) for i in range(chunks)]
-    parts = ops.split(g, kept, [r / tokens for r in rows], "tensor_split", sizes=[const(r * hidden) for r in rows])
+    parts = ops.split(g, kept, (), "tensor_split", sizes=[n * hidden for n in torchtune_chunk_rows(tokens, chunks, hidden, vocab)])
     g.drop(kept)
     total = g.alloc(const(1), F32, "total_loss = torch.tensor(0.0)")
     for i, part in enumerate(parts):

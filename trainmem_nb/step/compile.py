@@ -24,6 +24,7 @@ from ..recipes.head import (
     litgpt_chunks,
     litgpt_cut_last,
     litgpt_head_chunks,
+    torchtune_rows_symbolic,
 )
 from ..recipes.registry import recipe_for, runs_loss
 from ..spec.choices import Checkpointing, Device, Fp8Recipe, LossImpl, Method, OptimizerName, Precision
@@ -444,17 +445,20 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     transformers gives SDPA an explicit mask: `trainmem_nb.recipes.mistral`). The allocator's
     configuration shapes only its replay of the step (`trainmem_nb.step.reserved.replay_step`)."""
     window = m.sliding_window if m is not None else 0
+    shaped = (window, m.hidden, m.vocab) if m is not None else (0, 0, 0)  # what of `m` the key depends on
     hit = _KEYS.get(id(t))
-    if hit is not None and hit[0] is t and hit[1] == window:  # one estimate asks up to four times
+    if hit is not None and hit[0] is t and hit[1] == shaped:  # one estimate asks up to four times
         return hit[2]
     seq = window if window and t.seq_len >= window else 1
+    batch = 1 if t.micro_batch == 1 else 2
     if t.loss_impl is LossImpl.LITGPT:  # lit-gpt's chunks: the first length with as many, on the window's side
         first = LITGPT_CHUNK * (litgpt_chunks(t.seq_len) - 1) + 1
         seq = max(first, window) if window and t.seq_len >= window else first
-    # model_copy skips validation: the values come from a validated spec. The chunked losses' chunk
-    # sizes depend on the token count (`recipes.head`): their programs keep the batch shape.
-    shape = ({} if t.loss_impl in (LossImpl.LIGER, LossImpl.CHUNKED) else
-             {"micro_batch": 1 if t.micro_batch == 1 else 2, "seq_len": seq})
+    elif t.loss_impl is LossImpl.CHUNKED:  # torchtune's rows: a length with the same residue of the tokens
+        seq = _same_residue(t, m, batch, window)
+    # model_copy skips validation: the values come from a validated spec. Liger's chunk rows and torchtune's
+    # where they cannot be symbolic depend on the token count (`recipes.head`): those programs keep the shape.
+    shape = ({} if t.loss_impl is LossImpl.LIGER or seq == 0 else {"micro_batch": batch, "seq_len": seq})
     # the stack shapes the program only through the options it sets; the CUDA context is not in it
     update = {**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": "", "stack": "", "versions": "",
               "cuda_lazy_loading": True}
@@ -470,9 +474,24 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
         key = _KEY_OBJECTS[sig] = t.model_copy(update=update)
     if len(_KEYS) >= 64:
         _KEYS.clear()
-    _KEYS[id(t)] = (t, window, key)  # holding `t` keeps its id from being reused while it is here
+    _KEYS[id(t)] = (t, shaped, key)  # holding `t` keeps its id from being reused while it is here
     return key
 
 
-_KEYS: dict[int, tuple[TrainingSpec, int, TrainingSpec]] = {}
+def _same_residue(t: TrainingSpec, m: ModelSpec | None, batch: int, window: int) -> int:
+    """A sequence length for torchtune's chunked loss's program key: ``batch x length`` leaves the tokens'
+    residue modulo the chunk count, on the same side of the window; 0 where its rows cannot be symbolic
+    (`torchtune_rows_symbolic`) or no such length exists (the program then keeps the batch shape)."""
+    c = t.loss_chunks
+    if m is None or not torchtune_rows_symbolic(m.hidden, c, m.vocab):
+        return 0
+    r = t.tokens % c
+    lo, hi = (window, window + c) if window and t.seq_len >= window else (1, 1 + c)
+    for seq in range(lo, hi):
+        if (batch * seq) % c == r and (not window or (seq >= window) == (t.seq_len >= window)):
+            return seq
+    return 0
+
+
+_KEYS: dict[int, tuple[TrainingSpec, tuple[int, int, int], TrainingSpec]] = {}
 _KEY_OBJECTS: dict[tuple[object, ...], TrainingSpec] = {}
