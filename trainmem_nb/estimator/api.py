@@ -13,11 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import SpecError
-from ..model.families import DESCRIPTIONS, Family, describe
+from ..model.families import DESCRIPTIONS, describe
 from ..model.presets import resolve_model
 from ..model.spec import ModelSpec
 from ..parallel.checks import check_layout, keeps_grads_modelled
-from ..recipes.registry import loss_gap, runs_loss
+from ..recipes.registry import loss_gap, runs_loss, separate_head
 from ..spec.calibration import Calibration, load_calibration
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
@@ -98,7 +98,7 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
                         f"classifier (num_labels={m.num_labels}) has no such head: use loss_impl='standard'")
     if why and runs_loss(m, t) is t.loss_impl:  # the user's is refused
         ok = ", ".join(f.value for f, dd in DESCRIPTIONS.items()
-                       if (dd.composed or (t.loss_impl.value == "litgpt" and _separate_head(f))) and not dd.multipliers)
+                       if (dd.composed or (t.loss_impl.value == "litgpt" and separate_head(f))) and not dd.multipliers)
         capped = "" if t.loss_impl.value == "litgpt" else "; without soft-capped logits"
         raise SpecError(f"loss_impl={t.loss_impl.value!r} on {m.family.value} is not modelled ({why}); it is "
                         f"modelled for the decoders composed from parts ({ok}{capped}); use loss_impl='standard'")
@@ -110,12 +110,3 @@ def check_model_options(m: ModelSpec, t: TrainingSpec) -> None:
             raise SpecError(f"lora_dropout={t.lora_dropout:g} with lora_targets={t.lora_targets!r} on {m.family.value}: "
                             "peft's ParamWrapper (the router's and experts' adapters) does not work with "
                             "lora_dropout != 0; use lora_dropout=0 or lora_targets='qv'")
-
-
-def _separate_head(family: Family) -> bool:
-    """Does the family's recipe give its output projection's weight on its own (`Recipe.lm_head_weight`), as
-    lit-gpt's chunked head needs?"""
-    from ..recipes.base import Recipe
-    from ..recipes.registry import RECIPES
-
-    return RECIPES[describe(family).recipe].lm_head_weight is not Recipe.lm_head_weight

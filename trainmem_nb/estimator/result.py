@@ -177,7 +177,6 @@ class MemoryEstimate:
             f"{_LOSS_NOTES[runs_loss(self.model, t).value].format(chunks=t.loss_chunks)}"
         )
 
-
     def summary(self) -> str:
         """A plain-text table for terminals."""
         lines = [

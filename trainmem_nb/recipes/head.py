@@ -393,7 +393,7 @@ def litgpt_head_chunks(g: Graph, ctx: ops.Ctx, h: T, w: T, hidden: int, vocab: i
     return out
 
 
-def litgpt_cut_last(g: Graph, logits: list[T], batch: int, seq: int, vocab: int) -> None:
+def litgpt_cut_last(g: Graph, logits: list[T], seq: int, vocab: int) -> None:
     """The loop's ``logits[-1] = logits[-1][..., :-1, :]`` (a view; its backward a full-size chunk gradient)."""
     last = logits[-1]
     logits[-1] = ops.slice_view(g, last, _litgpt_tokens(seq, cut=True)[-1] * vocab, "logits[-1][..., :-1, :]")
@@ -409,7 +409,7 @@ def fabric_convert_output(g: Graph, output: Sequence[T]) -> list[T]:
     return out
 
 
-def litgpt_chunked_cross_entropy(g: Graph, ctx: ops.Ctx, logits: Sequence[T], batch: int, seq: int, vocab: int) -> T:
+def litgpt_chunked_cross_entropy(g: Graph, ctx: ops.Ctx, logits: Sequence[T], batch: int, seq: int) -> T:
     """lit-gpt's ``chunked_cross_entropy(logits, targets[..., 1:])`` on the chunked head's list: each chunk
     ``reshape(-1, vocab)`` (the cut last one copied with several sequences), the targets split alike (copied
     with several sequences), ``cross_entropy(reduction="none")`` per chunk in the logits' dtype (fp32 after

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..engine.ops import Ctx
-from ..model.families import describe
+from ..model.families import Family, describe
 from ..model.spec import ModelSpec
 from ..spec.choices import LossImpl
 from ..spec.training import TrainingSpec
@@ -16,7 +16,7 @@ from .gpt_neox import GPTNeoXRecipe
 from .opt import OPTRecipe
 from .phi import PhiRecipe
 
-__all__ = ["RECIPES", "loss_gap", "recipe_for", "runs_loss"]
+__all__ = ["RECIPES", "loss_gap", "recipe_for", "runs_loss", "separate_head"]
 
 #: Recipes by the name a description gives (``Description.recipe``): the composed decoder, and the
 #: bespoke recipes of the families Hugging Face writes out on their own.
@@ -36,6 +36,12 @@ def recipe_for(m: ModelSpec, t: TrainingSpec, ctx: Ctx) -> Recipe:
     return RECIPES[describe(m.family).recipe](m, t, ctx)
 
 
+def separate_head(family: Family) -> bool:
+    """Does the family's recipe give its output projection's weight on its own (`Recipe.lm_head_weight`), as
+    lit-gpt's chunked head needs?"""
+    return RECIPES[describe(family).recipe].lm_head_weight is not Recipe.lm_head_weight
+
+
 def loss_gap(m: ModelSpec, t: TrainingSpec) -> str:
     """Why `t.loss_impl` is not modelled on `m`'s head ('' when it is): the memory-efficient losses replace a
     composed decoder's head (lit-gpt's chunked head any recipe's that gives its head's weight on its own,
@@ -47,8 +53,7 @@ def loss_gap(m: ModelSpec, t: TrainingSpec) -> str:
         return f"a sequence classifier (num_labels={m.num_labels}) has no language-model head"
     d = describe(m.family)
     litgpt = t.loss_impl is LossImpl.LITGPT
-    separate = RECIPES[d.recipe].lm_head_weight is not Recipe.lm_head_weight
-    if not (d.composed or (litgpt and separate)):
+    if not (d.composed or (litgpt and separate_head(m.family))):
         return "its head is bespoke"
     if m.final_softcap and not litgpt:  # lit-gpt's chunked head soft-caps each chunk (clamp_head)
         return "its final-logit soft-capping"

@@ -231,8 +231,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
             ops.end_autocast(g, ctx)
         if t.precision is not Precision.FP32:
             logits = fabric_convert_output(g, logits)
-        litgpt_cut_last(g, logits, t.micro_batch, t.seq_len, m.vocab)
-        loss = litgpt_chunked_cross_entropy(g, ctx, logits, t.micro_batch, t.seq_len, m.vocab)
+        litgpt_cut_last(g, logits, t.seq_len, m.vocab)
+        loss = litgpt_chunked_cross_entropy(g, ctx, logits, t.micro_batch, t.seq_len)
     else:
         if hooks.last_stage:
             loss, out = recipe.lm_head_loss(g, h, ids, other)
@@ -240,8 +240,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
         else:
             loss = _send_to_next_stage(g, h)
         g.drop(h)  # *ForCausalLM returns: the base output (holding h) goes
-    if ctx.autocast is not None:
-        ops.end_autocast(g, ctx)
+        if ctx.autocast is not None:
+            ops.end_autocast(g, ctx)
     # the caller keeps only `.loss` of the output; a loop that names the output keeps it until its next
     # forward returns (`loop_keeps_outputs`): this step's logits stay, the last step's go after the forward
     kept_logits = logits if t.loop_keeps_outputs else []
