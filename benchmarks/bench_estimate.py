@@ -57,6 +57,12 @@ def main() -> None:
     new_l = median_ms(lambda i: tm.estimate(m, micro_batch=1, seq_len=128 * (20 + next(fresh) % 40) + 5, **lit), 10)
     print(f"estimate() litgpt stack (chunked head), llama-3-8b LoRA: warm median {warm_l:.3f} ms, new shape in the "
           f"same 128-token band {band:.1f} ms, new band {new_l:.1f} ms")
+    # the torchtune stack's chunked loss: one program per residue of the tokens modulo its 8 chunks
+    tt = dict(method="lora", stack="torchtune")
+    tm.estimate(m, micro_batch=2, seq_len=2048, **tt)
+    new_t = median_ms(lambda i: tm.estimate(m, micro_batch=2, seq_len=4 * next(fresh), **tt), 20)
+    print(f"estimate() torchtune stack (chunked loss), llama-3-8b LoRA: new batch shape, same residue, median "
+          f"{new_t:.1f} ms")
 
     grid = list(itertools.product(range(1, 26), (128, 256, 512, 1024, 2048, 3072, 4096, 8192),
                                   ("bf16-mixed", "bf16-true"), ("none", "full"), ("adamw", "sgd"),

@@ -117,7 +117,8 @@ def _write_gemma_sliding(m: Any) -> dict[str, Any]:
 
 def _write_gpt_oss(m: Any) -> dict[str, Any]:
     types = list(m.layer_types) or ["full_attention"] * m.n_layers  # the spec's default kind (`_layer_kinds`)
-    return {**_write_decoder(m), "sliding_window": m.sliding_window or None, "layer_types": types, "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
+    return {**_write_decoder(m), "sliding_window": m.sliding_window or None, "layer_types": types,
+            "num_local_experts": m.n_experts, "num_experts_per_tok": m.experts_top_k}
 
 
 def _write_deepseek_v3(m: Any) -> dict[str, Any]:
