@@ -1,10 +1,10 @@
 """How fast is an estimate? Prints the median time of one `estimate()` (goal <= 0.2 ms) and of 10,000
 estimates in a sweep (goal <= 1 s), warm (the step program compiled once per model and options) and
 cold (compiling included), and what replaying the caching allocator costs for a batch shape not seen
-before (goal <= 0.5 ms: not met, ~30 ms for an 8B model on an idle 2-core machine) and in a sweep. fp8's
-eager casts give its step about three times the events of a bf16 step (the folded program merges its scalar
-temporaries; the replayed one keeps every malloc): a warm estimate ~0.19 ms and a new batch shape ~100 ms
-for an 8B model.
+before (goal <= 0.5 ms: not met, ~1.7 ms for an 8B model on an idle 2-core machine with the C replay, ~30 ms
+without it) and in a sweep. fp8's eager casts give its step about three times the events of a bf16 step (the
+folded program merges its scalar temporaries; the replayed one keeps every malloc): a warm estimate ~0.19 ms
+and a new batch shape ~5 ms for an 8B model.
 
 Run: python benchmarks/bench_estimate.py
 """
@@ -17,12 +17,14 @@ import time
 from _timing import median_ms
 
 import trainmem_nb as tm
+from trainmem_nb.engine.allocator.fast import NATIVE
 from trainmem_nb.model.presets import get_model, list_presets
 from trainmem_nb.model.spec import ModelSpec
 from trainmem_nb.step.compile import compile_step
 
 
 def main() -> None:
+    print(f"allocator replay in C: {'yes' if NATIVE else 'no (the Python model: about twenty times slower)'}")
     m = get_model("llama-3-8b")
     tm.estimate(m, micro_batch=2, seq_len=2048)  # compile once
     warm = median_ms(lambda i: tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048), 2000)
@@ -93,10 +95,11 @@ def main() -> None:
             took = time.perf_counter() - t0
             print(f"tm.sweep(replay=False), {name} ({label}): {len(df):,} rows in {took:.2f} s  "
                   "(goal <= 1 s for 10,000)")
+    tm.sweep(m, micro_batch=[1], seq_len=[512])  # pandas imported
     t0 = time.perf_counter()
     df = tm.sweep(m, micro_batch=list(range(1, 26)), seq_len=[512, 1024, 2048, 4096])
     took = time.perf_counter() - t0
-    print(f"tm.sweep with the allocator replayed, 100 rows: {took:.2f} s  ({1e3 * took / len(df):.0f} ms per row; "
+    print(f"tm.sweep with the allocator replayed, 100 rows: {took:.2f} s  ({1e3 * took / len(df):.1f} ms per row; "
           "goal <= 2 s for 10,000, not met)")
     for layout in (dict(gpus=8, engine="fsdp", zero=3), dict(gpus=8, zero=3), dict(gpus=16, tp=4, pp=4, nodes=2)):
         tm.estimate(m, micro_batch=1, seq_len=2048, **layout)

@@ -21,11 +21,12 @@ True
 
 from __future__ import annotations
 
+from array import array
 from collections import defaultdict
 
 from .program import CAT_INDEX, Program
 
-__all__ = ["allocator_trace", "step_starts", "trace_length"]
+__all__ = ["allocator_trace", "step_starts", "trace_arrays", "trace_length"]
 
 
 def _bytes(sz: object, b: int, s: int) -> int:
@@ -52,6 +53,16 @@ def allocator_trace(prog: Program, micro_batch: int, seq_len: int, steps: int = 
     return tuple(at[o] if o >= 0 else o for o in ops)
 
 
+def trace_arrays(prog: Program, micro_batch: int, seq_len: int, steps: int = 2,
+                 first_step: bool = False) -> tuple[array, array]:
+    """`allocator_trace` left as its template: ``(ops, sizes)``, both ``array('q')``, where an op ``o >= 0``
+    mallocs ``sizes[o]`` and ``o < 0`` frees allocation ``~o`` (what `trainmem_nb.engine.allocator.fast`
+    replays without building the trace in Python)."""
+    sizes, _ops, _starts = _template(prog, steps, first_step)
+    b, s = micro_batch, seq_len
+    return _OPS[(id(prog), steps, first_step)], array("q", [_bytes(sz, b, s) for sz in sizes])
+
+
 def trace_length(prog: Program, steps: int = 2) -> int:
     """About how many events `allocator_trace` gives for `prog`, folded or unrolled, without building it
     (what the state made again after a step adds is left out): to decide whether a replay is affordable.
@@ -74,6 +85,7 @@ def step_starts(prog: Program, steps: int = 2, first_step: bool = False) -> tupl
 
 
 _TEMPLATES: dict[tuple[int, int, bool], tuple[Program, list[object], tuple[int, ...], tuple[int, ...]]] = {}
+_OPS: dict[tuple[int, int, bool], array] = {}  # each template's ops as array('q'), beside _TEMPLATES
 _STATES = CAT_INDEX["optimizer_states"]
 
 
@@ -168,6 +180,8 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
             if a in freed:
                 persistent[j] = (i, new(i))
     if len(_TEMPLATES) >= 256:
+        _OPS.pop(next(iter(_TEMPLATES)), None)
         _TEMPLATES.pop(next(iter(_TEMPLATES)))
     _TEMPLATES[(id(prog), steps, first_step)] = (prog, sizes, tuple(ops), tuple(starts))
+    _OPS[(id(prog), steps, first_step)] = array("q", ops)
     return sizes, tuple(ops), tuple(starts)

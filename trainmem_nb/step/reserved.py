@@ -12,6 +12,7 @@ beyond the live ones: the highest point over the step of ``allocated + fraction 
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -126,19 +127,18 @@ def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: s
     if hit is not None and hit[0] is unrolled:
         _REPLAYS.move_to_end(key)
         return hit[1]
-    from ..engine.allocator import CachingAllocator, parse_alloc_conf
-    from ..engine.trace import allocator_trace, step_starts
+    from ..engine.allocator import parse_alloc_conf
+    from ..engine.allocator.fast import replay_trace
+    from ..engine.trace import step_starts, trace_arrays
 
-    events = _with_loading(load, allocator_trace(unrolled, micro_batch, seq_len, first_step=first_step))
+    ops, sizes = trace_arrays(unrolled, micro_batch, seq_len, first_step=first_step)
     second = len(load) + step_starts(unrolled, first_step=first_step)[-1]
     # the reserved peak lasts (reserved only falls when the cache is freed): its point is where most of it
     # is allocated, so fragmentation is what the step cannot use even at its fullest
-    run = CachingAllocator(parse_alloc_conf(alloc_conf or None)).replay(events, timeline=False, memo=False,
-                                                                      watch_from=second)
+    run = replay_trace(array("q", load), ops, sizes, parse_alloc_conf(alloc_conf or None), watch_from=second)
+    assert run is not None  # no capacity: a replay cannot run out of memory
     if run.watched is None:  # the second step allocates nothing: it holds what the first left
-        f = run.final
-        result = AllocatorReplay(f["reserved_bytes"], f["reserved_bytes"] - f["allocated_bytes"],
-                                 f["largest_free_block"], f["allocated_bytes"])
+        result = AllocatorReplay(run.reserved, run.reserved - run.allocated, run.largest_free_block, run.allocated)
     else:
         peak, allocated, largest, most = run.watched
         result = AllocatorReplay(peak, peak - allocated, largest, most)
@@ -190,15 +190,18 @@ def replay_on_card(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf
     step whose cache would outgrow the card may still run. None when it runs; else the out-of-memory
     report (``verdict`` says whether the tensors fit and no free block was large enough)."""
     from ..engine.allocator import CachingAllocator, parse_alloc_conf
-    from ..engine.trace import allocator_trace
+    from ..engine.allocator.fast import replay_trace
+    from ..engine.trace import allocator_trace, trace_arrays
 
     if capacity <= 0:
         return {"verdict": "no memory is left for the allocator after the CUDA context", "fragmentation": False,
                 "requested": 0, "largest_free_block": 0, "total_free": 0}
+    config = parse_alloc_conf(alloc_conf or None)
+    ops, sizes = trace_arrays(unrolled, micro_batch, seq_len, first_step=True)
+    if replay_trace(array("q", load), ops, sizes, config, capacity=capacity) is not None:
+        return None
     events = _with_loading(load, allocator_trace(unrolled, micro_batch, seq_len, first_step=True))
-    run = CachingAllocator(parse_alloc_conf(alloc_conf or None), capacity=capacity).replay(
-        events, timeline=False, memo=False)
-    return run.oom
+    return CachingAllocator(config, capacity=capacity).replay(events, timeline=False, memo=False).oom
 
 
 _SCREENING: ContextVar[bool] = ContextVar("trainmem_nb_screening", default=False)

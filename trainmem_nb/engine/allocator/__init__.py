@@ -1,4 +1,4 @@
-"""A pure-Python, standard-library-only model of PyTorch's CUDA caching allocator.
+"""A standard-library-only model of PyTorch's CUDA caching allocator (its default path also in C, `fast`).
 
 It replays a sequence of malloc/free events (sizes in bytes, optional stream ids) through the
 same decisions ``c10/cuda/CUDACachingAllocator.cpp`` makes and reports what ``torch.cuda``

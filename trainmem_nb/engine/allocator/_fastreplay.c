@@ -1,0 +1,403 @@
+/* The default path of the caching allocator's replay in C: the same decisions as `replay._replay_fast`
+ * (torch 2.13 c10/cuda/CUDACachingAllocator.cpp with no memory fraction, no expandable segments, no
+ * max_split_size, no roundup_power2_divisions and one stream), about fifty times faster. Optional: where
+ * this module is not built, `trainmem_nb.engine.allocator.fast` replays in Python, and the tests check
+ * that both give the same bytes on random traces and on the steps of every family.
+ *
+ * Rules (CCA = CUDACachingAllocator.cpp, line numbers as cited in caching.py):
+ *   round_size: < 512 B -> 512, else up to a multiple of 512                 CCA:2586-2594
+ *   pool: rounded size <= 1 MiB -> small pool, else large                    CCA:3080-3084
+ *   best fit: the smallest cached block >= the request, lowest address first CCA:3134 (BlockComparatorSize)
+ *   new segment: 2 MiB (small), large_segment_size under 10 MiB, else the
+ *     request rounded up to 2 MiB                                            CCA:3115-3123
+ *   split: small pool if >= 512 B remain, large pool if > 1 MiB remain       CCA:3095-3113
+ *   free: merge with free neighbours, back into the pool                     CCA:2949-3058
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define K_SMALL_SIZE 1048576LL      /* AC.h:21 kSmallSize */
+#define K_SMALL_BUFFER 2097152LL    /* AC.h:17 kSmallBuffer */
+#define K_MIN_LARGE_ALLOC 10485760LL /* AC.h:23 kMinLargeAlloc */
+#define K_ROUND_LARGE 2097152LL     /* AC.h:25 kRoundLarge */
+#define ADDR_ALIGN 2097152LL        /* spec/alloc_conf.py _ADDR_ALIGN */
+#define ADDR_BASE 0x7F0000000000LL  /* spec/alloc_conf.py _ADDR_BASE */
+#define ADDR_LIMIT (1LL << 56)      /* spec/alloc_conf.py _KEY_SHIFT: addresses stay below 2**56 */
+
+typedef struct {
+    int64_t size, addr;
+    int32_t prev, next;
+    int8_t state;  /* 0 free (cached), 1 allocated, -1 slot unused */
+    int8_t small;
+} Block;
+
+typedef struct {
+    int64_t size, addr;
+    int32_t blk;
+} Key;
+
+/* A pool: its keys sorted by (size, address), in chunks of at most CHUNK keys (a sorted list of sorted
+ * lists, as Python's sortedcontainers keeps them): a step leaves about a thousand blocks cached, and one
+ * flat array would move half of them on every insert. */
+#define CHUNK 32
+typedef struct {
+    Key k[CHUNK];
+    int n;
+} Chunk;
+
+typedef struct {
+    Chunk **c;
+    Key *last; /* each chunk's last key, side by side for the search */
+    Py_ssize_t nc, cap;
+} Pool;
+
+typedef struct {
+    Py_ssize_t c, i;
+} Pos;
+
+typedef struct {
+    Block *b;
+    int32_t n, cap;
+    int32_t *spare; /* slots of blocks merged away */
+    int32_t nspare, capspare;
+    Pool pool[2];   /* [0] large, [1] small */
+    int64_t next_addr, reserved, allocated, peak_reserved, peak_allocated;
+} State;
+
+static inline int key_less(int64_t s1, int64_t a1, int64_t s2, int64_t a2) {
+    return (s1 < s2) | ((s1 == s2) & (a1 < a2));
+}
+
+/* index of the first of keys[0..n) >= (size, addr), n when none; without branches on the data (a
+ * mispredicted branch per level cost more than the rest of the replay) */
+static Py_ssize_t search(const Key *keys, Py_ssize_t n, int64_t size, int64_t addr) {
+    if (n == 0) return 0;
+    const Key *base = keys;
+    while (n > 1) {
+        Py_ssize_t half = n >> 1;
+        const Key *m = base + half - 1;
+        base = key_less(m->size, m->addr, size, addr) ? base + half : base;
+        n -= half;
+    }
+    return (base - keys) + key_less(base->size, base->addr, size, addr);
+}
+
+/* the first key >= (size, addr): std::set::lower_bound; .c == nc when there is none */
+static Pos lower_bound(const Pool *p, int64_t size, int64_t addr) {
+    Pos pos = {search(p->last, p->nc, size, addr), 0};
+    if (pos.c < p->nc) pos.i = search(p->c[pos.c]->k, p->c[pos.c]->n, size, addr);
+    return pos;
+}
+
+static int add_chunk(Pool *p, Py_ssize_t at) {
+    if (p->nc == p->cap) {
+        Py_ssize_t cap = p->cap ? p->cap * 2 : 16;
+        Chunk **c = realloc(p->c, (size_t)cap * sizeof(Chunk *));
+        if (!c) return -1;
+        p->c = c;
+        Key *last = realloc(p->last, (size_t)cap * sizeof(Key));
+        if (!last) return -1;
+        p->last = last;
+        p->cap = cap;
+    }
+    Chunk *ch = malloc(sizeof(Chunk));
+    if (!ch) return -1;
+    ch->n = 0;
+    memmove(p->c + at + 1, p->c + at, (size_t)(p->nc - at) * sizeof(Chunk *));
+    memmove(p->last + at + 1, p->last + at, (size_t)(p->nc - at) * sizeof(Key));
+    p->c[at] = ch;
+    p->nc++;
+    return 0;
+}
+
+static int pool_insert(Pool *p, int64_t size, int64_t addr, int32_t blk) {
+    Pos pos = lower_bound(p, size, addr);
+    if (pos.c == p->nc) { /* after every key: the end of the last chunk */
+        if (p->nc == 0 || p->c[p->nc - 1]->n == CHUNK) {
+            if (add_chunk(p, p->nc) < 0) return -1;
+            pos.c = p->nc - 1;
+            pos.i = 0;
+        } else {
+            pos.c = p->nc - 1;
+            pos.i = p->c[pos.c]->n;
+        }
+    } else if (p->c[pos.c]->n == CHUNK) { /* full: its upper half to a new chunk after it */
+        if (add_chunk(p, pos.c + 1) < 0) return -1;
+        Chunk *a = p->c[pos.c], *b = p->c[pos.c + 1];
+        memcpy(b->k, a->k + CHUNK / 2, (CHUNK / 2) * sizeof(Key));
+        a->n = b->n = CHUNK / 2;
+        p->last[pos.c] = a->k[CHUNK / 2 - 1];
+        p->last[pos.c + 1] = b->k[CHUNK / 2 - 1];
+        if (pos.i > CHUNK / 2) {
+            pos.c++;
+            pos.i -= CHUNK / 2;
+        }
+    }
+    Chunk *ch = p->c[pos.c];
+    memmove(ch->k + pos.i + 1, ch->k + pos.i, (size_t)(ch->n - pos.i) * sizeof(Key));
+    ch->k[pos.i].size = size;
+    ch->k[pos.i].addr = addr;
+    ch->k[pos.i].blk = blk;
+    if (pos.i == ch->n) p->last[pos.c] = ch->k[pos.i];
+    ch->n++;
+    return 0;
+}
+
+static void pool_remove_at(Pool *p, Pos pos) {
+    Chunk *ch = p->c[pos.c];
+    memmove(ch->k + pos.i, ch->k + pos.i + 1, (size_t)(ch->n - pos.i - 1) * sizeof(Key));
+    if (--ch->n == 0) {
+        free(ch);
+        memmove(p->c + pos.c, p->c + pos.c + 1, (size_t)(p->nc - pos.c - 1) * sizeof(Chunk *));
+        memmove(p->last + pos.c, p->last + pos.c + 1, (size_t)(p->nc - pos.c - 1) * sizeof(Key));
+        p->nc--;
+    } else if (pos.i == ch->n) {
+        p->last[pos.c] = ch->k[ch->n - 1];
+    }
+}
+
+static void pool_remove(Pool *p, const Block *b) {
+    pool_remove_at(p, lower_bound(p, b->size, b->addr));
+}
+
+static const Key *pool_last(const Pool *p) {
+    return p->nc ? &p->last[p->nc - 1] : NULL;
+}
+
+static void pool_free(Pool *p) {
+    for (Py_ssize_t i = 0; i < p->nc; i++) free(p->c[i]);
+    free(p->c);
+    free(p->last);
+}
+
+static int32_t new_block(State *st) {
+    if (st->nspare) return st->spare[--st->nspare];
+    if (st->n == st->cap) {
+        int32_t cap = st->cap ? st->cap * 2 : 1024;
+        Block *b = realloc(st->b, (size_t)cap * sizeof(Block));
+        if (!b) return -1;
+        st->b = b;
+        st->cap = cap;
+    }
+    return st->n++;
+}
+
+static int drop_block(State *st, int32_t i) {
+    if (st->nspare == st->capspare) {
+        int32_t cap = st->capspare ? st->capspare * 2 : 256;
+        int32_t *s = realloc(st->spare, (size_t)cap * sizeof(int32_t));
+        if (!s) return -1;
+        st->spare = s;
+        st->capspare = cap;
+    }
+    st->b[i].state = -1;
+    st->spare[st->nspare++] = i;
+    return 0;
+}
+
+static int64_t largest_free(const State *st) {
+    int64_t m = 0;
+    for (int p = 0; p < 2; p++) {
+        const Key *last = pool_last(&st->pool[p]);
+        if (last && last->size > m) m = last->size;
+    }
+    return m;
+}
+
+static void state_free(State *st) {
+    free(st->b);
+    free(st->spare);
+    pool_free(&st->pool[0]);
+    pool_free(&st->pool[1]);
+}
+
+/* reads an int64 sequence given as a buffer of 'q' (array('q')) */
+static int get_buffer(PyObject *o, Py_buffer *view, const char *what) {
+    if (PyObject_GetBuffer(o, view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (view->itemsize != 8 || !view->format || (strcmp(view->format, "q") != 0 && strcmp(view->format, "l") != 0)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an array('q') of int64", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* replay(load, ops, sizes, watch_from, large_segment_size, capacity)
+ *
+ * The trace is `load` followed by `ops` expanded at `sizes`: an op o >= 0 mallocs sizes[o], o < 0 frees
+ * allocation ~o + shift (allocations are numbered in order over load and ops; `shift` is the number of
+ * mallocs in `load`, size 0 included). capacity < 0: unlimited.
+ * Returns None when the replay needs a rule this path does not have (a new segment beyond `capacity`:
+ * the out-of-memory retry; the synthetic address space exhausted), else
+ * (reserved, allocated, largest_free_block, peak_reserved, peak_allocated, watched) with watched None or
+ * (reserved, allocated, largest free block at the highest (reserved, allocated) point from watch_from on,
+ *  highest allocated from watch_from on), as `replay.replay(..., watch_from=...)` keeps it. */
+static PyObject *replay(PyObject *self, PyObject *args) {
+    (void)self;
+    PyObject *lo, *oo, *so;
+    long long watch_from, large_seg, capacity;
+    if (!PyArg_ParseTuple(args, "OOOLLL", &lo, &oo, &so, &watch_from, &large_seg, &capacity)) return NULL;
+    Py_buffer lv, ov, sv;
+    if (get_buffer(lo, &lv, "load") < 0) return NULL;
+    if (get_buffer(oo, &ov, "ops") < 0) { PyBuffer_Release(&lv); return NULL; }
+    if (get_buffer(so, &sv, "sizes") < 0) { PyBuffer_Release(&lv); PyBuffer_Release(&ov); return NULL; }
+    const int64_t *load = lv.buf, *ops = ov.buf, *sizes = sv.buf;
+    Py_ssize_t nload = lv.len / 8, nops = ov.len / 8, nsizes = sv.len / 8, nev = nload + nops;
+    if (watch_from < 0) watch_from = nev; /* nothing watched */
+    int64_t shift = 0;                    /* the ops' allocations are numbered after loading's */
+    for (Py_ssize_t k = 0; k < nload; k++) shift += load[k] >= 0;
+
+    State st;
+    memset(&st, 0, sizeof st);
+    st.next_addr = ADDR_BASE;
+    /* handles: block index per allocation (-1: a size-0 malloc); at most one per event */
+    int32_t *handles = malloc((size_t)(nev ? nev : 1) * sizeof(int32_t));
+    int64_t nh = 0;
+    int64_t w_res = -1, w_all = -1, w_big = 0, w_most = 0;
+    int fallback = 0;
+    const char *err = NULL;
+    if (!handles) { err = "out of memory"; goto done; }
+
+    for (Py_ssize_t k = 0; k < nev; k++) {
+        int64_t e;
+        if (k < nload) {
+            e = load[k];
+        } else {
+            int64_t o = ops[k - nload];
+            if (o >= 0) {
+                if (o >= nsizes) { err = "size index out of range"; goto done; }
+                e = sizes[o];
+                if (e < 0) { err = "negative size"; goto done; }
+            } else {
+                e = ~((~o) + shift);
+            }
+        }
+        if (e > 0) {
+            int64_t rs = e < 512 ? 512 : ((e + 511) & ~511LL);          /* CCA:2586-2594 */
+            int small = rs <= K_SMALL_SIZE;                              /* CCA:3080 */
+            Pool *pool = &st.pool[small];
+            Pos i = lower_bound(pool, rs, 0);                            /* CCA:3134 */
+            int32_t bi;
+            if (i.c < pool->nc) {
+                bi = pool->c[i.c]->k[i.i].blk;
+                pool_remove_at(pool, i);
+            } else {                                                     /* CCA:3115-3123, 3258-3344 */
+                int64_t as = small ? K_SMALL_BUFFER
+                             : rs < K_MIN_LARGE_ALLOC ? large_seg
+                             : K_ROUND_LARGE * ((rs + K_ROUND_LARGE - 1) / K_ROUND_LARGE);
+                if (capacity >= 0 && st.reserved + as > capacity) { fallback = 1; goto done; }
+                int64_t addr = st.next_addr;
+                st.next_addr = addr + ((as + ADDR_ALIGN - 1) / ADDR_ALIGN) * ADDR_ALIGN;
+                if (st.next_addr >= ADDR_LIMIT) { fallback = 1; goto done; }
+                bi = new_block(&st);
+                if (bi < 0) { err = "out of memory"; goto done; }
+                Block *nb = &st.b[bi];
+                nb->size = as; nb->addr = addr; nb->prev = nb->next = -1; nb->state = 1; nb->small = (int8_t)small;
+                st.reserved += as;
+                if (st.reserved > st.peak_reserved) st.peak_reserved = st.reserved;
+            }
+            int64_t remaining = st.b[bi].size - rs;
+            if (small ? remaining >= 512 : remaining > K_SMALL_SIZE) {   /* CCA:3107-3111, 1671-1700 */
+                int32_t ni = new_block(&st);
+                if (ni < 0) { err = "out of memory"; goto done; }
+                Block *b = &st.b[bi], *nb = &st.b[ni];
+                nb->size = rs; nb->addr = b->addr; nb->prev = b->prev; nb->next = bi;
+                nb->state = 1; nb->small = (int8_t)small;
+                if (b->prev >= 0) st.b[b->prev].next = ni;
+                b->prev = ni;
+                b->addr += rs;
+                b->size = remaining;
+                b->state = 0;
+                if (pool_insert(pool, b->size, b->addr, bi) < 0) { err = "out of memory"; goto done; }
+                bi = ni;
+            } else {
+                st.b[bi].state = 1;
+            }
+            st.allocated += st.b[bi].size;                               /* CCA:1727-1733 */
+            if (st.allocated > st.peak_allocated) st.peak_allocated = st.allocated;
+            handles[nh++] = bi;
+            if (k >= watch_from) {
+                if (st.reserved > w_res || (st.reserved == w_res && st.allocated > w_all)) {
+                    w_res = st.reserved;
+                    w_all = st.allocated;
+                    w_big = largest_free(&st);
+                }
+                if (st.allocated > w_most) w_most = st.allocated;
+            }
+        } else if (e == 0) {
+            handles[nh++] = -1;
+        } else {
+            int64_t id = ~e;
+            if (id >= nh) { err = "free of an allocation not made yet"; goto done; }
+            int32_t bi = handles[id];
+            if (bi == -1) continue;                                      /* a size-0 malloc */
+            if (bi < 0) { err = "free of a handle that is not allocated (double free?)"; goto done; }
+            Block *b = &st.b[bi];
+            if (b->state != 1) { err = "free of a handle that is not allocated (double free?)"; goto done; }
+            handles[id] = -2;
+            st.allocated -= b->size;                                     /* CCA:1993-1996 */
+            Pool *pool = &st.pool[b->small];
+            int32_t pi = b->prev;
+            if (pi >= 0 && st.b[pi].state == 0) {                        /* CCA:3028-3042 */
+                Block *p = &st.b[pi];
+                pool_remove(pool, p);
+                b->addr = p->addr;
+                b->prev = p->prev;
+                if (p->prev >= 0) st.b[p->prev].next = bi;
+                b->size += p->size;
+                if (drop_block(&st, pi) < 0) { err = "out of memory"; goto done; }
+                b = &st.b[bi];
+            }
+            int32_t xi = b->next;
+            if (xi >= 0 && st.b[xi].state == 0) {                        /* CCA:3043-3048 */
+                Block *x = &st.b[xi];
+                pool_remove(pool, x);
+                b->next = x->next;
+                if (x->next >= 0) st.b[x->next].prev = bi;
+                b->size += x->size;
+                if (drop_block(&st, xi) < 0) { err = "out of memory"; goto done; }
+                b = &st.b[bi];
+            }
+            b->state = 0;                                                /* CCA:2986 */
+            if (pool_insert(pool, b->size, b->addr, bi) < 0) { err = "out of memory"; goto done; }
+        }
+    }
+
+done:
+    free(handles);
+    PyBuffer_Release(&lv);
+    PyBuffer_Release(&ov);
+    PyBuffer_Release(&sv);
+    if (err) {
+        state_free(&st);
+        PyErr_SetString(PyExc_ValueError, err);
+        return NULL;
+    }
+    if (fallback) {
+        state_free(&st);
+        Py_RETURN_NONE;
+    }
+    int64_t big = largest_free(&st);
+    state_free(&st);
+    if (w_res < 0)
+        return Py_BuildValue("(LLLLLO)", (long long)st.reserved, (long long)st.allocated, (long long)big,
+                             (long long)st.peak_reserved, (long long)st.peak_allocated, Py_None);
+    return Py_BuildValue("(LLLLL(LLLL))", (long long)st.reserved, (long long)st.allocated, (long long)big,
+                         (long long)st.peak_reserved, (long long)st.peak_allocated, (long long)w_res,
+                         (long long)w_all, (long long)w_big, (long long)w_most);
+}
+
+static PyMethodDef methods[] = {
+    {"replay", replay, METH_VARARGS,
+     "replay(load, ops, sizes, watch_from, large_segment_size, capacity): the default allocator path."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_fastreplay",
+                                    "The caching allocator's default path in C (see fast.py).", -1, methods,
+                                    NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__fastreplay(void) { return PyModule_Create(&module); }

@@ -1,0 +1,68 @@
+"""One replay of a whole step's trace, as the estimator asks for it: in C (`_fastreplay.c`) where the
+extension is built and the configuration keeps to the default path, else through `CachingAllocator`.
+Both give the same bytes (tests/test_allocator_fast.py checks them against each other)."""
+
+from __future__ import annotations
+
+from array import array
+from types import ModuleType
+from typing import NamedTuple
+
+from ...spec.alloc_conf import SIZE_MAX, AllocatorConfig
+from .caching import CachingAllocator
+
+_native: ModuleType | None
+try:  # built by setup.py where a C compiler is found (optional); _fastreplay.pyi gives its types
+    from . import _fastreplay as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
+#: Whether the C replay is built here (the Python one gives the same bytes, about fifty times slower).
+NATIVE: bool = _native is not None
+
+
+class TraceReplay(NamedTuple):
+    """What one replay of a trace leaves: the final and highest reserved and allocated bytes, and with
+    ``watch_from`` the highest (reserved, allocated) point from that event on (`ReplayResult.watched`)."""
+
+    reserved: int
+    allocated: int
+    largest_free_block: int
+    peak_reserved: int
+    peak_allocated: int
+    #: (reserved, allocated, largest free block) at the highest (reserved, allocated) point from
+    #: `watch_from` on, and the highest allocated bytes from it on; None when no malloc came after it
+    watched: tuple[int, int, int, int] | None
+
+
+def default_path(config: AllocatorConfig) -> bool:
+    """Does `config` keep to the rules the C replay has (no memory fraction, expandable segments,
+    max_split_size or power-of-two rounding)?"""
+    return (config.per_process_memory_fraction >= 1.0 and not config.expandable_segments
+            and config.max_split_size == SIZE_MAX and not any(d > 1 for d in config.roundup_power2_divisions))
+
+
+def expand(load: array, ops: array, sizes: array, shift: int) -> tuple[int, ...]:
+    """The trace `replay_trace` replays, as `CachingAllocator.replay` takes it."""
+    return tuple(load) + tuple(sizes[o] if o >= 0 else ~(~o + shift) for o in ops)
+
+
+def replay_trace(load: array, ops: array, sizes: array, config: AllocatorConfig, watch_from: int = -1,
+                 capacity: int | None = None, native: bool = True) -> TraceReplay | None:
+    """Replay `load` and then `ops` at `sizes` (``o >= 0`` mallocs ``sizes[o]``, ``o < 0`` frees
+    allocation ``~o`` counted after `load`'s) on a fresh allocator; all three are ``array('q')``.
+    None when it runs out of `capacity` (ask `CachingAllocator` for the out-of-memory report)."""
+    if native and _native is not None and default_path(config):
+        got = _native.replay(load, ops, sizes, watch_from, config.large_segment_size,
+                             -1 if capacity is None else capacity)
+        if got is not None:
+            return TraceReplay(*got)
+        # past the capacity: the out-of-memory retry path is Python's
+    shift = sum(1 for e in load if e >= 0)
+    run = CachingAllocator(config, capacity=capacity).replay(expand(load, ops, sizes, shift), timeline=False,
+                                                            memo=False, watch_from=watch_from)
+    if run.oom is not None:
+        return None
+    f = run.final
+    return TraceReplay(f["reserved_bytes"], f["allocated_bytes"], f["largest_free_block"], f["peak_reserved"],
+                       f["peak_allocated"], run.watched)
