@@ -12,6 +12,12 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core >/dev/null) \
     || echo "[test] chromium could not be installed: browser tests will be skipped"
 fi
+# The allocator's replay in C (setup.py) is built by the install below; it needs a C compiler.
+if ! command -v cc >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  echo "[test] installing a C compiler (apt) for the allocator's C replay"
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null) \
+    || echo "[test] no C compiler: the allocator replays in Python and tests/test_allocator_fast.py says so"
+fi
 bash scripts/setup_env.sh notebook,app,test,browser,measure,hub,dev
 # shellcheck disable=SC1091
 . .venv/bin/activate
