@@ -1,6 +1,6 @@
-/* The default path of the caching allocator's replay in C: the same decisions as `replay._replay_fast`
- * (torch 2.13 c10/cuda/CUDACachingAllocator.cpp with no memory fraction, no expandable segments, no
- * max_split_size, no roundup_power2_divisions and one stream), about fifty times faster. Optional: where
+/* The caching allocator's replay in C: the same decisions as `caching.CachingAllocator` (torch 2.13
+ * c10/cuda/CUDACachingAllocator.cpp) with no memory fraction, no expandable segments, no
+ * roundup_power2_divisions and one stream, about twenty times faster. Optional: where
  * this module is not built, `trainmem_nb.engine.allocator.fast` replays in Python, and the tests check
  * that both give the same bytes on random traces and on the steps of every family.
  *
@@ -10,7 +10,10 @@
  *   best fit: the smallest cached block >= the request, lowest address first CCA:3134 (BlockComparatorSize)
  *   new segment: 2 MiB (small), large_segment_size under 10 MiB, else the
  *     request rounded up to 2 MiB                                            CCA:3115-3123
- *   split: small pool if >= 512 B remain, large pool if > 1 MiB remain       CCA:3095-3113
+ *   max_split_size: no cached block of max_split_size or more for a smaller
+ *     request; for a larger one, none max_non_split_rounding_size above it   CCA:3171-3179
+ *   split: small pool if >= 512 B remain, large pool if > 1 MiB remain and
+ *     the request is under max_split_size                                    CCA:3095-3113
  *   free: merge with free neighbours, back into the pool                     CCA:2949-3058
  */
 #define PY_SSIZE_T_CLEAN
@@ -225,7 +228,7 @@ static int get_buffer(PyObject *o, Py_buffer *view, const char *what) {
     return 0;
 }
 
-/* replay(load, ops, sizes, watch_from, large_segment_size, capacity)
+/* replay(load, ops, sizes, watch_from, large_segment_size, max_split_size, max_non_split_rounding_size, capacity)
  *
  * The trace is `load` followed by `ops` expanded at `sizes`: an op o >= 0 mallocs sizes[o], o < 0 frees
  * allocation ~o + shift (allocations are numbered in order over load and ops; `shift` is the number of
@@ -238,8 +241,9 @@ static int get_buffer(PyObject *o, Py_buffer *view, const char *what) {
 static PyObject *replay(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *lo, *oo, *so;
-    long long watch_from, large_seg, capacity;
-    if (!PyArg_ParseTuple(args, "OOOLLL", &lo, &oo, &so, &watch_from, &large_seg, &capacity)) return NULL;
+    long long watch_from, large_seg, max_split, max_nsr, capacity;
+    if (!PyArg_ParseTuple(args, "OOOLLLLL", &lo, &oo, &so, &watch_from, &large_seg, &max_split, &max_nsr, &capacity))
+        return NULL;
     Py_buffer lv, ov, sv;
     if (get_buffer(lo, &lv, "load") < 0) return NULL;
     if (get_buffer(oo, &ov, "ops") < 0) { PyBuffer_Release(&lv); return NULL; }
@@ -281,7 +285,13 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             Pool *pool = &st.pool[small];
             Pos i = lower_bound(pool, rs, 0);                            /* CCA:3134 */
             int32_t bi;
-            if (i.c < pool->nc) {
+            int found = i.c < pool->nc;
+            if (found) {
+                int64_t bs = pool->c[i.c]->k[i.i].size;
+                if (rs < max_split && bs >= max_split) found = 0;       /* CCA:3171-3174 no oversize block */
+                if (rs >= max_split && bs >= rs + max_nsr) found = 0;   /* CCA:3175-3179 oversize rounding */
+            }
+            if (found) {
                 bi = pool->c[i.c]->k[i.i].blk;
                 pool_remove_at(pool, i);
             } else {                                                     /* CCA:3115-3123, 3258-3344 */
@@ -300,7 +310,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 if (st.reserved > st.peak_reserved) st.peak_reserved = st.reserved;
             }
             int64_t remaining = st.b[bi].size - rs;
-            if (small ? remaining >= 512 : remaining > K_SMALL_SIZE) {   /* CCA:3107-3111, 1671-1700 */
+            if (small ? remaining >= 512 : rs < max_split && remaining > K_SMALL_SIZE) { /* CCA:3107-3111 */
                 int32_t ni = new_block(&st);
                 if (ni < 0) { err = "out of memory"; goto done; }
                 Block *b = &st.b[bi], *nb = &st.b[ni];
@@ -392,7 +402,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS,
-     "replay(load, ops, sizes, watch_from, large_segment_size, capacity): the default allocator path."},
+     "replay(load, ops, sizes, watch_from, large_segment_size, max_split_size, max_non_split_rounding_size, "
+     "capacity): the allocator without expandable segments, rounding divisions or a memory fraction."},
     {NULL, NULL, 0, NULL},
 };
 

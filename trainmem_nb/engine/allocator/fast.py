@@ -1,5 +1,6 @@
 """One replay of a whole step's trace, as the estimator asks for it: in C (`_fastreplay.c`) where the
-extension is built and the configuration keeps to the default path, else through `CachingAllocator`.
+extension is built and the configuration keeps to the rules it has (`default_path`), else through
+`CachingAllocator`.
 Both give the same bytes (tests/test_allocator_fast.py checks them against each other)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from array import array
 from types import ModuleType
 from typing import NamedTuple
 
-from ...spec.alloc_conf import SIZE_MAX, AllocatorConfig
+from ...spec.alloc_conf import AllocatorConfig
 from .caching import CachingAllocator
 
 _native: ModuleType | None
@@ -16,6 +17,8 @@ try:  # built by setup.py where a C compiler is found (optional); _fastreplay.py
     from . import _fastreplay as _native
 except ImportError:  # pragma: no cover - depends on the install
     _native = None
+
+_INT64_MAX = (1 << 63) - 1  # the C replay's sizes are int64: SIZE_MAX (no max_split_size) becomes this
 
 #: Whether the C replay is built here (the Python one gives the same bytes, about fifty times slower).
 NATIVE: bool = _native is not None
@@ -36,10 +39,10 @@ class TraceReplay(NamedTuple):
 
 
 def default_path(config: AllocatorConfig) -> bool:
-    """Does `config` keep to the rules the C replay has (no memory fraction, expandable segments,
-    max_split_size or power-of-two rounding)?"""
+    """Does `config` keep to the rules the C replay has (no memory fraction, expandable segments or
+    power-of-two rounding; `max_split_size_mb` it has)?"""
     return (config.per_process_memory_fraction >= 1.0 and not config.expandable_segments
-            and config.max_split_size == SIZE_MAX and not any(d > 1 for d in config.roundup_power2_divisions))
+            and not any(d > 1 for d in config.roundup_power2_divisions))
 
 
 def expand(load: array, ops: array, sizes: array, shift: int) -> tuple[int, ...]:
@@ -54,6 +57,7 @@ def replay_trace(load: array, ops: array, sizes: array, config: AllocatorConfig,
     None when it runs out of `capacity` (ask `CachingAllocator` for the out-of-memory report)."""
     if native and _native is not None and default_path(config):
         got = _native.replay(load, ops, sizes, watch_from, config.large_segment_size,
+                             min(config.max_split_size, _INT64_MAX), min(config.max_non_split_rounding_size, _INT64_MAX),
                              -1 if capacity is None else capacity)
         if got is not None:
             return TraceReplay(*got)
