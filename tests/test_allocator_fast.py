@@ -25,7 +25,7 @@ needs_native = pytest.mark.skipif(not NATIVE, reason="the C replay is not built 
 
 def test_the_test_command_builds_the_c_replay() -> None:
     """`pip install -e .` compiles it where a C compiler is found (setup.py); without it every replay
-    takes the Python path, about fifty times slower, so the test command must not lose it silently."""
+    takes the Python path, about twenty times slower, so the test command must not lose it silently."""
     assert NATIVE, "trainmem_nb/engine/allocator/_fastreplay.c was not built: install a C compiler, reinstall"
 
 
@@ -172,3 +172,13 @@ def test_without_the_c_replay_an_estimate_gives_the_same_bytes(monkeypatch: pyte
     with_c = estimate()
     monkeypatch.setattr(fast, "_native", None)
     assert estimate() == with_c
+
+
+@pytest.mark.parametrize("conf", ["", "max_split_size_mb:20", "expandable_segments:True"])
+def test_a_size_0_malloc_is_not_a_watched_point_on_any_path(conf: str) -> None:
+    """torch never calls the allocator for 0 bytes: after only such a malloc nothing is watched, whichever
+    path replays (the Python model's general path used to record it)."""
+    config = parse_alloc_conf(conf or None)
+    for native in (True, False):
+        got = replay_trace(array("q"), array("q", [0]), array("q", [0]), config, 0, native=native)
+        assert got.watched is None and got.reserved == 0

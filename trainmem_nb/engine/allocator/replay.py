@@ -138,7 +138,7 @@ def _replay_generic(a: CachingAllocator, ev, st, timeline, handles, res_t, all_t
         a._replay_pos = k
         if e >= 0:
             push(malloc(e, s))
-            if k >= w0:
+            if k >= w0 and e > 0:  # a size-0 malloc allocates nothing (as `_replay_fast` skips it)
                 _watch(a, watch, a.reserved_bytes, a.allocated_bytes)
         else:
             free(handles[~e])
