@@ -58,9 +58,9 @@ def trace_arrays(prog: Program, micro_batch: int, seq_len: int, steps: int = 2,
     """`allocator_trace` left as its template: ``(ops, sizes)``, both ``array('q')``, where an op ``o >= 0``
     mallocs ``sizes[o]`` and ``o < 0`` frees allocation ``~o`` (what `trainmem_nb.engine.allocator.fast`
     replays without building the trace in Python)."""
-    sizes, _ops, _starts = _template(prog, steps, first_step)
+    sizes, ops, _starts = _template(prog, steps, first_step)
     b, s = micro_batch, seq_len
-    return _OPS[(id(prog), steps, first_step)], array("q", [_bytes(sz, b, s) for sz in sizes])
+    return ops, array("q", [_bytes(sz, b, s) for sz in sizes])
 
 
 def trace_length(prog: Program, steps: int = 2) -> int:
@@ -84,12 +84,11 @@ def step_starts(prog: Program, steps: int = 2, first_step: bool = False) -> tupl
     return _template(prog, steps, first_step)[2]
 
 
-_TEMPLATES: dict[tuple[int, int, bool], tuple[Program, list[object], tuple[int, ...], tuple[int, ...]]] = {}
-_OPS: dict[tuple[int, int, bool], array] = {}  # each template's ops as array('q'), beside _TEMPLATES
+_TEMPLATES: dict[tuple[int, int, bool], tuple[Program, list[object], array, tuple[int, ...]]] = {}
 _STATES = CAT_INDEX["optimizer_states"]
 
 
-def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list[object], tuple[int, ...], tuple[int, ...]]:
+def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list[object], array, tuple[int, ...]]:
     """The trace with sizes left symbolic: distinct size expressions, and per event the index of its
     size (a malloc) or ``~allocation`` (a free); built once per program (the compile cache keeps the
     program alive, so its id is a stable key while it is held here)."""
@@ -180,8 +179,7 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
             if a in freed:
                 persistent[j] = (i, new(i))
     if len(_TEMPLATES) >= 256:
-        _OPS.pop(next(iter(_TEMPLATES)), None)
         _TEMPLATES.pop(next(iter(_TEMPLATES)))
-    _TEMPLATES[(id(prog), steps, first_step)] = (prog, sizes, tuple(ops), tuple(starts))
-    _OPS[(id(prog), steps, first_step)] = array("q", ops)
-    return sizes, tuple(ops), tuple(starts)
+    ops_q = array("q", ops)  # what the C replay reads (`trace_arrays`)
+    _TEMPLATES[(id(prog), steps, first_step)] = (prog, sizes, ops_q, tuple(starts))
+    return sizes, ops_q, tuple(starts)

@@ -104,14 +104,6 @@ class AllocatorReplay(NamedTuple):
 _REPLAYS: OrderedDict[tuple[int, int, int, str, bool], tuple[Program, AllocatorReplay]] = OrderedDict()
 
 
-def _with_loading(load: tuple[int, ...], step: tuple[int, ...]) -> tuple[int, ...]:
-    """`step`'s trace after the loading trace `load` (its allocations renumbered after loading's)."""
-    if not load:
-        return step
-    shift = sum(1 for e in load if e >= 0)
-    return load + tuple(e if e >= 0 else ~(~e + shift) for e in step)
-
-
 def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: str = "",
                 load: tuple[int, ...] = (), first_step: bool = True) -> AllocatorReplay:
     """Replay loading (`load`, `trainmem_nb.step.load.loading_events`) and then two steps of `unrolled`
@@ -136,7 +128,6 @@ def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: s
     # the reserved peak lasts (reserved only falls when the cache is freed): its point is where most of it
     # is allocated, so fragmentation is what the step cannot use even at its fullest
     run = replay_trace(array("q", load), ops, sizes, parse_alloc_conf(alloc_conf or None), watch_from=second)
-    assert run is not None  # no capacity: a replay cannot run out of memory
     if run.watched is None:  # the second step allocates nothing: it holds what the first left
         result = AllocatorReplay(run.reserved, run.reserved - run.allocated, run.largest_free_block, run.allocated)
     else:
@@ -154,12 +145,12 @@ def replay_segments(unrolled: Program, micro_batch: int, seq_len: int, alloc_con
     `trainmem_nb.engine.allocator.segments.segment_summary`: to compare with a GPU run's
     ``torch.cuda.memory._snapshot()`` taken after its measured step (``trainmem measure --device cuda``)."""
     from ..engine.allocator import CachingAllocator, parse_alloc_conf
+    from ..engine.allocator.fast import expand
     from ..engine.allocator.segments import segment_summary
-    from ..engine.trace import allocator_trace
+    from ..engine.trace import trace_arrays
 
     a = CachingAllocator(parse_alloc_conf(alloc_conf or None))
-    a.replay(_with_loading(load, allocator_trace(unrolled, micro_batch, seq_len, first_step=True)), timeline=False,
-             memo=False)
+    a.replay(expand(load, *trace_arrays(unrolled, micro_batch, seq_len, first_step=True)), timeline=False, memo=False)
     return segment_summary(a.snapshot())
 
 
@@ -189,19 +180,15 @@ def replay_on_card(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf
     short of memory it frees its cache and retries, as ``c10::cuda::CUDACachingAllocator`` does, so a
     step whose cache would outgrow the card may still run. None when it runs; else the out-of-memory
     report (``verdict`` says whether the tensors fit and no free block was large enough)."""
-    from ..engine.allocator import CachingAllocator, parse_alloc_conf
+    from ..engine.allocator import parse_alloc_conf
     from ..engine.allocator.fast import replay_trace
-    from ..engine.trace import allocator_trace, trace_arrays
+    from ..engine.trace import trace_arrays
 
     if capacity <= 0:
         return {"verdict": "no memory is left for the allocator after the CUDA context", "fragmentation": False,
                 "requested": 0, "largest_free_block": 0, "total_free": 0}
-    config = parse_alloc_conf(alloc_conf or None)
     ops, sizes = trace_arrays(unrolled, micro_batch, seq_len, first_step=True)
-    if replay_trace(array("q", load), ops, sizes, config, capacity=capacity) is not None:
-        return None
-    events = _with_loading(load, allocator_trace(unrolled, micro_batch, seq_len, first_step=True))
-    return CachingAllocator(config, capacity=capacity).replay(events, timeline=False, memo=False).oom
+    return replay_trace(array("q", load), ops, sizes, parse_alloc_conf(alloc_conf or None), capacity=capacity).oom
 
 
 _SCREENING: ContextVar[bool] = ContextVar("trainmem_nb_screening", default=False)

@@ -63,9 +63,9 @@ typedef struct {
 
 typedef struct {
     Block *b;
-    int32_t n, cap;
+    Py_ssize_t n, cap;
     int32_t *spare; /* slots of blocks merged away */
-    int32_t nspare, capspare;
+    Py_ssize_t nspare, capspare;
     Pool pool[2];   /* [0] large, [1] small */
     int64_t next_addr, reserved, allocated, peak_reserved, peak_allocated;
 } State;
@@ -176,26 +176,25 @@ static void pool_free(Pool *p) {
     free(p->last);
 }
 
+/* room for one more of the `n` items of `size` bytes at *items (capacity *cap, doubled when full) */
+static int reserve_one(void **items, Py_ssize_t *cap, Py_ssize_t n, size_t size) {
+    if (n < *cap) return 0;
+    Py_ssize_t c = *cap ? *cap * 2 : 256;
+    void *grown = realloc(*items, (size_t)c * size);
+    if (!grown) return -1;
+    *items = grown;
+    *cap = c;
+    return 0;
+}
+
 static int32_t new_block(State *st) {
     if (st->nspare) return st->spare[--st->nspare];
-    if (st->n == st->cap) {
-        int32_t cap = st->cap ? st->cap * 2 : 1024;
-        Block *b = realloc(st->b, (size_t)cap * sizeof(Block));
-        if (!b) return -1;
-        st->b = b;
-        st->cap = cap;
-    }
-    return st->n++;
+    if (reserve_one((void **)&st->b, &st->cap, st->n, sizeof(Block)) < 0) return -1;
+    return (int32_t)st->n++;
 }
 
 static int drop_block(State *st, int32_t i) {
-    if (st->nspare == st->capspare) {
-        int32_t cap = st->capspare ? st->capspare * 2 : 256;
-        int32_t *s = realloc(st->spare, (size_t)cap * sizeof(int32_t));
-        if (!s) return -1;
-        st->spare = s;
-        st->capspare = cap;
-    }
+    if (reserve_one((void **)&st->spare, &st->capspare, st->nspare, sizeof(int32_t)) < 0) return -1;
     st->b[i].state = -1;
     st->spare[st->nspare++] = i;
     return 0;

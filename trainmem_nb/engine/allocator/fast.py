@@ -6,6 +6,7 @@ Both give the same bytes (tests/test_allocator_fast.py checks them against each 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
 
@@ -20,7 +21,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 _INT64_MAX = (1 << 63) - 1  # the C replay's sizes are int64: SIZE_MAX (no max_split_size) becomes this
 
-#: Whether the C replay is built here (the Python one gives the same bytes, about fifty times slower).
+#: Whether the C replay is built here (the Python one gives the same bytes, about twenty times slower).
 NATIVE: bool = _native is not None
 
 
@@ -36,6 +37,8 @@ class TraceReplay(NamedTuple):
     #: (reserved, allocated, largest free block) at the highest (reserved, allocated) point from
     #: `watch_from` on, and the highest allocated bytes from it on; None when no malloc came after it
     watched: tuple[int, int, int, int] | None
+    #: with a `capacity`: the out-of-memory report where the trace does not fit (`ReplayResult.oom`), else None
+    oom: dict | None = None
 
 
 def default_path(config: AllocatorConfig) -> bool:
@@ -45,16 +48,18 @@ def default_path(config: AllocatorConfig) -> bool:
             and not any(d > 1 for d in config.roundup_power2_divisions))
 
 
-def expand(load: array, ops: array, sizes: array, shift: int) -> tuple[int, ...]:
-    """The trace `replay_trace` replays, as `CachingAllocator.replay` takes it."""
+def expand(load: Sequence[int], ops: array, sizes: array) -> tuple[int, ...]:
+    """The trace `replay_trace` replays, as `CachingAllocator.replay` takes it (the ops' allocations
+    numbered after loading's)."""
+    shift = sum(1 for e in load if e >= 0)
     return tuple(load) + tuple(sizes[o] if o >= 0 else ~(~o + shift) for o in ops)
 
 
 def replay_trace(load: array, ops: array, sizes: array, config: AllocatorConfig, watch_from: int = -1,
-                 capacity: int | None = None, native: bool = True) -> TraceReplay | None:
+                 capacity: int | None = None, native: bool = True) -> TraceReplay:
     """Replay `load` and then `ops` at `sizes` (``o >= 0`` mallocs ``sizes[o]``, ``o < 0`` frees
     allocation ``~o`` counted after `load`'s) on a fresh allocator; all three are ``array('q')``.
-    None when it runs out of `capacity` (ask `CachingAllocator` for the out-of-memory report)."""
+    With `capacity`, short of memory it frees its cache and retries; the result's `oom` says where it failed."""
     if native and _native is not None and default_path(config):
         got = _native.replay(load, ops, sizes, watch_from, config.large_segment_size,
                              min(config.max_split_size, _INT64_MAX), min(config.max_non_split_rounding_size, _INT64_MAX),
@@ -62,11 +67,8 @@ def replay_trace(load: array, ops: array, sizes: array, config: AllocatorConfig,
         if got is not None:
             return TraceReplay(*got)
         # past the capacity: the out-of-memory retry path is Python's
-    shift = sum(1 for e in load if e >= 0)
-    run = CachingAllocator(config, capacity=capacity).replay(expand(load, ops, sizes, shift), timeline=False,
-                                                            memo=False, watch_from=watch_from)
-    if run.oom is not None:
-        return None
+    run = CachingAllocator(config, capacity=capacity).replay(expand(load, ops, sizes), timeline=False, memo=False,
+                                                            watch_from=watch_from)
     f = run.final
     return TraceReplay(f["reserved_bytes"], f["allocated_bytes"], f["largest_free_block"], f["peak_reserved"],
-                       f["peak_allocated"], run.watched)
+                       f["peak_allocated"], run.watched, run.oom)
