@@ -88,6 +88,64 @@ def test_fsdp1_rank_is_byte_exact_against_a_measured_step(model: dict, opts: dic
     assert est.detail_bytes == {k: v for k, v in measured["detail"].items() if v}
 
 
+#: (model, options, gpus): FSDP1 wrapping a model held on the device, measured over the fake process group
+FSDP1_WRAP_CASES = [
+    (SMALL_LLAMA, dict(precision="bf16-true"), 2),
+    (SMALL_LLAMA, dict(precision="fp32", sync_module_states=True), 4),
+    (SMALL_LLAMA, dict(precision="bf16-true", sync_module_states=True, use_orig_params=False), 3),
+    (UNEVEN_LLAMA, dict(precision="bf16-true", method="lora", lora_dtype="base", sync_module_states=True), 3),
+]
+
+
+@pytest.mark.parametrize(("model", "opts", "gpus"), FSDP1_WRAP_CASES)
+def test_fsdp1_wrapping_allocates_and_frees_what_a_measured_wrap_does_in_order(model: dict, opts: dict, gpus: int) -> None:
+    """Loading under FSDP1 (issue 15): each unit's broadcast buckets, its unsharded FlatParameter, rank 0's shard
+    and the original parameters' frees, event for event as torch's FullyShardedDataParallel makes them."""
+    pytest.importorskip("torch")
+    from trainmem_nb.measure.fsdp import measure_fsdp1_wrap
+    from trainmem_nb.model.params import buffer_inventory, weight_tensors
+    from trainmem_nb.parallel.fsdp1 import flat_units, wrap_events
+
+    m = ModelSpec.model_validate(model)
+    t = TrainingSpec.model_validate({"micro_batch": 2, "seq_len": 64, "device": "cpu", "fsdp_version": 1, **opts})
+    held, measured = measure_fsdp1_wrap(m, t, ParallelSpec(gpus=gpus, engine="fsdp", zero=3))
+    weights = weight_tensors(m, t)
+    buffers = tuple(b for name, b, n in buffer_inventory(m) if not name.startswith("layers.") for _ in range(n))
+    ours = wrap_events(weights, m, flat_units(weights, m, gpus, t.use_orig_params), t.sync_module_states,
+                       t.use_orig_params, buffers, on_device=True)
+
+    def events(trace: tuple[int, ...], before: int) -> tuple[list[int], list[tuple[str, int]]]:
+        sizes: list[int] = []
+        after: list[tuple[str, int]] = []
+        for e in trace:
+            if e >= 0:
+                sizes.append(e)
+            if e < 0 or len(sizes) > before:
+                after.append(("+", e) if e >= 0 else ("-", sizes[~e]))
+        return sorted(sizes[:before]), after
+
+    ours_before, ours_after = events(ours, held - len(buffers))
+    measured_before, measured_after = events(measured, held)
+    assert measured_before == sorted([*ours_before, *buffers])  # the parameters (and buffers) it starts from
+    # the measurement ends with the model wrapped; the trace then frees the shards for the step to allocate
+    assert ours_after[:len(measured_after)] == measured_after
+    rest = ours_after[len(measured_after):]
+    assert len(rest) == m.n_layers + 1 and all(sign == "-" for sign, _size in rest)
+
+
+def test_fsdp1_loading_holds_a_whole_unit_and_its_flat_copy_where_fsdp2_loads_shards() -> None:
+    """The load peak of FSDP1 is the earlier units' shards plus the largest unit whole, its concatenation and its
+    shard (the root of Llama 3 8B: two 1 GB vocabulary matrices); FSDP2 loads shards only. sync_module_states
+    adds its broadcast buckets to the trace, not to that peak (a bucket is freed before the concatenation)."""
+    opts = dict(model="llama-3-8b", precision="bf16-true", micro_batch=1, seq_len=2048, gpus=8, engine="fsdp", zero=3)
+    one, two = tm.estimate(**opts, fsdp_version=1), tm.estimate(**opts)
+    vocab = 128256 * 4096 * 2
+    assert one.load_peak_bytes > two.load_peak_bytes + 4 * vocab
+    synced = tm.estimate(**opts, fsdp_version=1, sync_module_states=True)
+    assert synced.load_peak_bytes == one.load_peak_bytes and len(synced.load_trace) > len(one.load_trace)
+    assert max(p.total_bytes for p in one.timeline(load=True) if p.phase == "load") == one.load_peak_bytes
+
+
 def test_fsdp1_keeps_unsharded_gradients_of_frozen_and_trained_parameters_that_fsdp2_does_not() -> None:
     """Lit-gpt's LoRA on Fabric (issue 14): with use_orig_params=True a block's FlatParameter requires grad, so
     every parameter in it gets a gradient, and no_sync() keeps them unsharded between micro-steps: about two

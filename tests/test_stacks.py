@@ -48,7 +48,7 @@ def test_a_stack_version_is_its_key_librarys_and_older_components_switch_their_m
     assert old.components == {"torch": "1.13", "transformers": "4.38", "bitsandbytes": "0.43.1", "cuda": "11.6"}
     values = {k: a.value for k, a in old.options.items()}
     assert values == {"loop_keeps_outputs": False, "zero_grad_set_to_none": False, "cuda_lazy_loading": False,
-                      "bnb_saves_input": True, "causal_lm_loss": "model-upcast"}
+                      "bnb_saves_input": True, "causal_lm_loss": "model-upcast", "sync_module_states": True}
     assert {k: a.value for k, a in resolve_stack("hf-trainer@4.47").options.items()}["causal_lm_loss"] == "logits-shifted"
     assert {k: a.value for k, a in resolve_stack("hf-trainer@4.30").options.items()}["causal_lm_loss"] == "no-upcast"
     assert "causal_lm_loss" not in resolve_stack("hf-trainer@4.49").options  # today's loss from 4.49
@@ -201,7 +201,8 @@ def test_the_estimate_says_which_stack_and_versions_it_assumed_and_what_it_set()
     assert any("FSDP1" in n for n in d["not_modelled"])
     text = e.summary()
     assert "stack hf-trainer@4.38 (Hugging Face Trainer): torch 1.13, transformers 4.38" in text
-    assert "it sets loop_keeps_outputs=False, zero_grad_set_to_none=False, causal_lm_loss=model-upcast" in text
+    assert ("it sets loop_keeps_outputs=False, sync_module_states=True, zero_grad_set_to_none=False, "
+            "causal_lm_loss=model-upcast") in text
     assert "stack default (today's versions): torch 2.13" in tm.estimate("gpt2", seq_len=512).summary()
     mine = tm.estimate("llama-3-8b", stack="torchtune", loss_impl="standard", method="lora").to_dict()["stack"]
     assert mine["options"]["loss_impl"]["overridden"] is True

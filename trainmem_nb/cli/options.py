@@ -108,6 +108,8 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                    help="--engine fsdp: 2 fully_shard, 1 FullyShardedDataParallel (default: the stack's, else 2)")
     p.add_argument("--no-use-orig-params", action="store_true",
                    help="--fsdp-version 1: FullyShardedDataParallel(use_orig_params=False)")
+    p.add_argument("--sync-module-states", action="store_true",
+                   help="--fsdp-version 1: FullyShardedDataParallel(sync_module_states=True), as the HF Trainer sets it")
     f = parser.add_argument_group("fine-tuning")
     f.add_argument("--method", default="full", metavar="|".join(_choices(Method)))
     f.add_argument("--lora-rank", type=int, default=16)
@@ -161,6 +163,7 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         **({"lora_dtype": args.lora_dtype} if args.lora_dtype is not None else {}),
         **({"fsdp_version": args.fsdp_version} if getattr(args, "fsdp_version", None) is not None else {}),
         **({"use_orig_params": False} if getattr(args, "no_use_orig_params", False) else {}),
+        **({"sync_module_states": True} if getattr(args, "sync_module_states", False) else {}),
         **({"loss_impl": args.loss_impl} if args.loss_impl is not None else {}),
         **({"fp8": args.fp8} if args.fp8 is not None else {}),
         **({"fp8_all_gather": True} if getattr(args, "fp8_all_gather", False) else {}),

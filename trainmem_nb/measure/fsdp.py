@@ -29,7 +29,7 @@ from ..spec.training import TrainingSpec
 from .step import _categorize, _module_context, build, layer_module_names, make_optimizer
 from .tracker import StorageTracker
 
-__all__ = ["ResizeAwareTracker", "measure_fsdp_gloo", "run_fsdp_step", "spawn_ranks"]
+__all__ = ["ResizeAwareTracker", "measure_fsdp1_wrap", "measure_fsdp_gloo", "run_fsdp_step", "spawn_ranks"]
 
 
 class ResizeAwareTracker(StorageTracker):
@@ -195,12 +195,80 @@ def _shard_fsdp1(model: nn.Module, p: ParallelSpec, t: TrainingSpec) -> nn.Modul
     strategy = ShardingStrategy.FULL_SHARD if p.zero >= 3 else ShardingStrategy.SHARD_GRAD_OP
     wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
                                        sharding_strategy=strategy, use_orig_params=t.use_orig_params,
-                                       device_id=torch.device("cpu"), limit_all_gathers=True)
+                                       device_id=torch.device("cpu"), limit_all_gathers=True,
+                                       sync_module_states=t.sync_module_states)
     if checkpointed:  # lightning/fabric/strategies/fsdp.py, _setup_activation_checkpointing
         apply_activation_checkpointing(
             wrapped, checkpoint_wrapper_fn=lambda mod: checkpoint_wrapper(mod, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
             check_fn=lambda mod: isinstance(mod, layer_cls))
     return wrapped
+
+
+@contextlib.contextmanager
+def _sync_on_cpu() -> Iterator[None]:
+    """``sync_module_states`` refuses CPU states (it broadcasts over NCCL): the check is lifted while measuring,
+    so the broadcast's bucket copies run on the process group the measurement plays."""
+    from torch.distributed.fsdp import _init_utils
+
+    check = _init_utils._check_module_states_for_sync_module_states
+    _init_utils._check_module_states_for_sync_module_states = lambda *_a, **_k: None
+    try:
+        yield
+    finally:
+        _init_utils._check_module_states_for_sync_module_states = check
+
+
+def measure_fsdp1_wrap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0) -> tuple[int, tuple[int, ...]]:
+    """What wrapping a model held on the device in FSDP1 (`_shard_fsdp1`) allocates on rank `rank` of ``p.dp``,
+    played over PyTorch's fake process group with real CPU tensors, as a loading trace (``e >= 0`` mallocs ``e``
+    bytes, ``~i`` frees allocation ``i``) whose first allocations are the model's parameters and buffers
+    (their number is returned with it). ``FlatParamHandle.shard`` frees the unsharded FlatParameter by resizing
+    its storage, which no dispatch mode sees: the tracker is told right after the shard is cloned."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp._flat_param import FlatParamHandle
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.dp)
+    get_shard = FlatParamHandle._get_shard
+    try:
+        model, _inputs = build(m, t, "cpu")
+        tracker = ResizeAwareTracker()
+        tracker.adopt([*model.parameters(), *model.buffers()], "weights", param=True)
+        before = len(tracker.records)
+
+        def shard_then_free(tensor: torch.Tensor, r: int, world: int) -> tuple[torch.Tensor, int]:
+            out = get_shard(tensor, r, world)
+            tracker.resized(tensor, 0)  # shard(): ``flat_param._typed_storage()._resize_(0)``
+            return out
+
+        FlatParamHandle._get_shard = staticmethod(shard_then_free)  # type: ignore[method-assign,assignment]
+        with tracker, _follow_fsdp1_resizes(tracker), _sync_on_cpu():
+            model = _shard_fsdp1(model, p, t)
+        del model
+        return before, _device_trace(tracker)
+    finally:
+        FlatParamHandle._get_shard = staticmethod(get_shard)  # type: ignore[method-assign]
+        dist.destroy_process_group()
+
+
+def _device_trace(tracker: StorageTracker) -> tuple[int, ...]:
+    """The tracker's events as a loading trace, without what a GPU run would not allocate on the device: empty
+    storages (no block) and the 0-dim tensor ``_get_dtype_size`` makes to read a dtype's size
+    (``torch.empty((), dtype=dtype)``: the default device, the host)."""
+    number: dict[int, int] = {}
+    trace: list[int] = []
+    for i, sign in tracker.events:
+        r = tracker.records[i]
+        if r.nbytes == 0 or (r.op == "empty.memory_format" and r.shape == ()):
+            continue
+        if sign > 0:
+            number[i] = len(number)
+            trace.append(r.nbytes)
+        else:
+            trace.append(~number[i])
+    return tuple(trace)
 
 
 def _float8_gather_scales(model: nn.Module) -> list[torch.Tensor]:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, NamedTuple
 
 from ..engine.program import Segment
@@ -44,11 +45,16 @@ from ..step.compile import EngineHooks
 from ..step.optimizers import optimizer_program, state_bytes
 from .ranks import _held, _units, layer_units
 
-__all__ = ["FSDP1Hooks", "flat_units"]
+__all__ = ["PARAM_BROADCAST_BUCKET_BYTES", "FSDP1Hooks", "flat_units", "wrap_events", "wrapping_load"]
 
 #: FSDP1 aligns each parameter of a FlatParameter to 16 bytes with use_orig_params=True
 #: (torch/distributed/fsdp/_flat_param.py, ``_get_aligned_numel``: ``ALIGNMENT = 16``).
 FLAT_PARAM_ALIGNMENT = 16
+#: ``sync_module_states`` broadcasts a unit's states in buckets that close at this size
+#: (torch/distributed/fsdp/_init_utils.py:60 ``PARAM_BROADCAST_BUCKET_SIZE = 250 * 1024 * 1024``), each a flat
+#: copy, at most two in flight (torch/csrc/distributed/c10d/comm.cpp ``broadcast_coalesced``: ``max_in_flight = 2``)
+PARAM_BROADCAST_BUCKET_BYTES = 250 * 2**20
+_BROADCASTS_IN_FLIGHT = 2
 
 
 class _Flat(NamedTuple):
@@ -123,6 +129,83 @@ def flat_units(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, world
             flats = tuple(_flatten(g, world, False, bool(g[0][2])) for g in groups if g)
         out.append((unit, flats))
     return tuple(out)
+
+
+def wrap_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, units: tuple[tuple[str, tuple[_Flat, ...]], ...],
+                sync_module_states: bool, use_orig_params: bool, root_buffers: tuple[int, ...] = (),
+                on_device: bool = False) -> tuple[int, ...]:
+    """What rank 0's device sees while ``FullyShardedDataParallel`` wraps a model held on the host (or on the
+    meta device, materialised unit by unit), as a loading trace (`trainmem_nb.step.load.loading_events`' form).
+
+    Units are wrapped children first (``_post_order_apply``: every layer in order, then the root), each as
+    ``_init_param_handle_from_module`` does (torch 2.13 ``torch/distributed/fsdp/_init_utils.py``):
+    ``_move_module_to_device`` puts the unit's parameters on the device one by one; with `sync_module_states`
+    ``_sync_module_params_and_buffers`` broadcasts them (and the root's not-yet-synced buffers, a bucket of
+    their own dtype) in flat bucket copies (`PARAM_BROADCAST_BUCKET_BYTES`); ``FlatParamHandle`` concatenates
+    them into the unsharded FlatParameter (``flatten_tensors``: ``torch.cat``), ``shard()`` clones rank 0's
+    chunk and resizes the unsharded storage to 0, and the original parameters go: as ``_use_sharded_views``
+    repoints each (use_orig_params=True, in order) or when the caller's list of them is dropped (False,
+    last first). Measured on CPU (fake process group, tests/test_parallel.py): the same allocations in the
+    same order. `on_device`: the whole model is on the device before wrapping starts (``model.cuda()`` first),
+    its parameters allocated unit by unit up front. Every storage is freed at the end, as `loading_events`
+    leaves them for the step to allocate."""
+    by_unit = _units(weights, m)
+    flats = dict(units)
+    ev: list[int] = []
+    kept: list[int] = []
+    n = 0
+
+    def malloc(nbytes: int) -> int:
+        nonlocal n
+        ev.append(max(0, nbytes))
+        n += 1
+        return n - 1
+
+    order = [(unit, _flat_order(by_unit.get(unit, []))) for unit in (*layer_units(m), "root")]
+    held = [[malloc(round(p.numel * dt)) for p, dt, _train in params] for _unit, params in order] if on_device else []
+    for i, (unit, params) in enumerate(order):
+        if not params:
+            continue
+        moved = held[i] if on_device else [malloc(round(p.numel * dt)) for p, dt, _train in params]
+        if sync_module_states:  # compute_bucket_assignment_by_size: a bucket per dtype, ordered by first tensor
+            buffers = sum(root_buffers) if unit == "root" else 0
+            own = bool(buffers) and params[0][1] != 4  # fp32 buffers share the parameters' buckets in an fp32 model
+            buckets, bucket = ([buffers] if own else []), (0 if own else buffers)
+            for p, dt, _train in params:
+                bucket += round(p.numel * dt)
+                if bucket >= PARAM_BROADCAST_BUCKET_BYTES:
+                    buckets.append(bucket)
+                    bucket = 0
+            if bucket:
+                buckets.append(bucket)
+            flying: list[int] = []
+            for size in buckets:
+                if len(flying) >= _BROADCASTS_IN_FLIGHT:
+                    ev.append(~flying.pop(0))
+                flying.append(malloc(size))
+            ev += [~b for b in flying]
+        # use_orig_params pads the concatenation itself to a multiple of the world size (``flatten_tensors``);
+        # otherwise rank 0's chunk is the largest and no other rank's padding is on it
+        parts = [params] if use_orig_params else [g for g in ([w for w in params if not w[2]], [w for w in params if w[2]]) if g]
+        for f, group in zip(flats.get(unit, ()), parts, strict=True):
+            full = malloc((f.numel if use_orig_params else sum(p.numel for p, _dt, _train in group)) * f.dt)
+            kept.append(malloc(f.shard * f.dt))
+            ev.append(~full)
+        ev += [~a for a in (moved if use_orig_params else reversed(moved))]
+    ev += [~k for k in reversed(kept)]
+    return tuple(ev)
+
+
+@lru_cache(maxsize=256)
+def wrapping_load(m: ModelSpec, t: TrainingSpec, hooks: FSDP1Hooks) -> tuple[tuple[int, ...], int]:
+    """Rank 0's loading trace under FSDP1 (`wrap_events` for `t`'s weights, `hooks`' units) and its peak bytes;
+    memoised on the model, the step's key (`program_key`) and the hooks."""
+    from ..model.params import buffer_inventory, weight_tensors
+    from ..step.load import trace_peak
+
+    buffers = tuple(b for name, b, count in buffer_inventory(m) if not name.startswith("layers.") for _ in range(count))
+    trace = wrap_events(weight_tensors(m, t), m, hooks.units, t.sync_module_states, t.use_orig_params, buffers)
+    return trace, trace_peak(trace)
 
 
 @dataclass(frozen=True)

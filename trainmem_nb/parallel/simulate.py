@@ -27,6 +27,7 @@ from ..step.reserved import (
 )
 from .ddp import DDPHooks
 from .fsdp import FSDP2Hooks
+from .fsdp1 import FSDP1Hooks, wrapping_load
 from .layout import _hooks, _host_bytes, _sequence_parallel, _stages, _tp_model, rank_seq_len
 from .pipeline import _fsdp_pipeline_program, _in_flight, _with_micro_batches_in_flight
 from .ranks import RankMemory, _held, _row_shard, shard_world
@@ -109,8 +110,13 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         load_share = 1.0 / p.shard_degree if sharded else 1.0
         # a rank's routed experts (n_experts / ep of them) shard over the shard_degree / ep ranks holding them
         expert_share = 1.0 / max(1, p.shard_degree // p.ep) if sharded else 1.0
-        loads.append(load_peak_bytes(stage_model, t, load_share, expert_share))
-        load_traces.append(loading_events(stage_model, t, load_share, expert_share))
+        if isinstance(hooks, FSDP1Hooks):  # each unit whole on the device, then sharded
+            load_trace, load_peak = wrapping_load(stage_model, program_key(t, stage_model), hooks)
+        else:
+            load_trace = loading_events(stage_model, t, load_share, expert_share)
+            load_peak = load_peak_bytes(stage_model, t, load_share, expert_share)
+        loads.append(load_peak)
+        load_traces.append(load_trace)
         replay = None
         if t.device is Device.CUDA and calibration is None and replaying() and replayable(prog, peak):
             # the allocator's replay reads every layer's events in order: the unrolled program, adjusted
@@ -121,8 +127,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
                 unrolled = _with_micro_batches_in_flight(
                     prepare(compile_step(stage_model, program_key(t, stage_model), hooks, workspace, unrolled=True)),
                     _in_flight(p, stage, t.grad_accum) - 1)
-            replay = replay_step(unrolled, *shape, t.alloc_conf, loading_events(stage_model, t, load_share, expert_share),
-                                 first_step=False)
+            replay = replay_step(unrolled, *shape, t.alloc_conf, load_trace, first_step=False)
         if replay is None:  # a GPU run's measured cache fraction overrides the replay; a search screens without it
             high_water = (peak_with_churn(prog, *shape, churn_fraction(calibration))
                           if t.device is Device.CUDA else peak)  # CPU: nothing is cached

@@ -113,11 +113,16 @@ class TrainingSpec(SpecModel):
     use_orig_params: bool = Field(
         default=True, description="fsdp_version=1: FullyShardedDataParallel(use_orig_params=...); True puts a unit's "
         "frozen and trained parameters in one FlatParameter, which then gets a gradient for all of them")
+    sync_module_states: bool = Field(
+        default=False, description="fsdp_version=1: FullyShardedDataParallel(sync_module_states=...); True broadcasts "
+        "each unit's parameters from rank 0 while wrapping it (in buckets of up to 250 MiB, two in flight), which "
+        "loading's peak and cache show")
 
     #: The options a stack may set (`trainmem_nb.spec.stack`); the others are the user's alone.
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
-        "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params"})
+        "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params",
+        "sync_module_states"})
 
     @model_validator(mode="before")
     @classmethod

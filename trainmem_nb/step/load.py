@@ -10,9 +10,11 @@ is freed), after which the 16-bit copy is freed. Those freed 16-bit blocks stay 
 allocator's cache: the reserved residue loading leaves for the step (`loading_events`, replayed before
 the step by `trainmem_nb.step.reserved.replay_step`).
 
-Not modelled: FSDP's ``sync_module_states`` broadcast, the unit an engine holds unsharded while it shards
-it, and DeepSpeed's ``zero.Init`` (a rank is assumed to materialise only the share it keeps); the
-optimizer states are the first ``step()``'s (``TrainingSpec.first_step``), not loading's.
+A sharded rank materialises only the share it keeps (`shard`), as FSDP2 does when ``fully_shard`` runs on the
+meta device and each rank allocates its shards (torchtitan's init); FSDP1 wraps a unit at a time, whole on the
+device before it shards it (`trainmem_nb.parallel.fsdp1.wrap_events`, its ``sync_module_states`` broadcast
+included). Not modelled: DeepSpeed's ``zero.Init`` gathering. The optimizer states are the first ``step()``'s
+(``TrainingSpec.first_step``), not loading's.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.training import TrainingSpec
 
-__all__ = ["load_peak_bytes", "load_timeline", "loading_events"]
+__all__ = ["load_peak_bytes", "load_timeline", "loading_events", "trace_peak"]
 
 
 def _block(n: float) -> int:
@@ -90,9 +92,15 @@ def load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float = 1.0, expert_sh
 
 @lru_cache(maxsize=256)
 def _load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: float) -> int:
+    return trace_peak(loading_events(m, t, shard, expert_shard))
+
+
+def trace_peak(trace: tuple[int, ...]) -> int:
+    """The most bytes a loading trace (``e >= 0`` mallocs ``e`` bytes, ``~i`` frees allocation ``i``) holds
+    at once, each storage in 512-B blocks as the step's peak."""
     sizes: list[int] = []
     live = best = 0
-    for e in loading_events(m, t, shard, expert_shard):
+    for e in trace:
         if e >= 0:
             sizes.append(_block(e))
             live += sizes[-1]
@@ -104,8 +112,9 @@ def _load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: 
 
 def load_timeline(trace: tuple[int, ...], max_points: int = 120) -> list[TimelinePoint]:
     """Live bytes through loading (a `loading_events` trace) as timeline points of phase "load": the
-    weights that stay, and as "transient" what quantize-on-load frees again (QLoRA's 16-bit weight and
-    fp32 absmax); thinned to `max_points`, keeping each bucket's highest point and the last (all loaded)."""
+    weights that stay, and as "transient" what loading frees again (QLoRA's 16-bit weight and fp32 absmax
+    being quantized, FSDP1's whole unit before it is sharded); thinned to `max_points`, keeping each
+    bucket's highest point and the last (all loaded)."""
     from ..engine.breakdown import TOP_KEYS
 
     end = len(trace)
@@ -121,10 +130,10 @@ def load_timeline(trace: tuple[int, ...], max_points: int = 120) -> list[Timelin
             a = len(sizes)
             sizes.append(_block(e))
             cats[tr if a in freed else w] += sizes[a]
-            label = "a 16-bit weight to quantize" if a in freed else "a weight"
+            label = "a copy it frees again" if a in freed else "a weight"
         else:
             cats[tr] -= sizes[~e]
-            label = "the 16-bit weight freed"
+            label = "a copy freed"
         points.append(TimelinePoint(i + 1, "load", f"loading: {label}", sum(cats), tuple(cats)))
     if len(points) <= max_points:
         return points
