@@ -5,24 +5,133 @@ ZeRO-3's live parameters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from ..engine.program import Segment, _round, _segment
 from ..engine.tape import Graph, Sz, T, const
+from ..model.params import ParamTensor, weight_tensors
 from ..model.spec import ModelSpec
+from ..spec.choices import Method
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
+from ..step.layers import in_layer_of
 from .ranks import (
     _CAT,
     DS_ALLGATHER_BUCKET,
     DS_REDUCE_BUCKET,
     DS_STAGE3_MAX_LIVE,
     DS_STAGE3_PERSISTENCE,
+    _held,
     _partition,
     _trainable,
     nf4_parts,
     shard_world,
 )
+
+
+def _named_order(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec) -> list[tuple[ParamTensor, int, int]]:
+    """The base model's parameters one tensor per layer, in ``named_parameters()`` order, each with its bytes per
+    element and its layer's index (-1 for the root's): the root's before the layers (embeddings), each
+    layer's, the root's after them (final norm, head)."""
+    base = [w for w in weights if ".lora_" not in w[0].name]
+    first = next((i for i, w in enumerate(base) if w[0].in_layer), len(base))
+    order = [(p, dt, -1) for p, dt, _train in base[:first]]
+    for i, kind in enumerate(m.layer_kinds):
+        order += [(p, dt, i) for p, dt, _train in base if p.in_layer and in_layer_of(p, kind)]
+    return order + [(p, dt, -1) for p, dt, _train in base[first:] if not p.in_layer]
+
+
+def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, world: int,
+                         ep: int = 1) -> tuple[int, ...]:
+    """Rank 0's device while ``from_pretrained`` loads a model for ZeRO-3 (transformers 5.24 with DeepSpeed
+    0.19), as a loading trace (`trainmem_nb.step.load.loading_events`' form).
+
+    ``get_init_context`` builds the model inside ``deepspeed.zero.Init``: each parameter is made whole in the
+    model's dtype on the device, then partitioned (``partition_parameters.py``: a shard of
+    ``ceil(numel / world)`` elements, the whole freed). ``_load_state_dict_into_zero3_model`` then walks the
+    modules and gathers each one's own parameters (``GatheredParameters(..., modifier_rank=0)``: an
+    all-gather buffer of ``world`` shards each, freed as it re-partitions them) while rank 0 copies the
+    checkpoint in from host memory. LoRA adapters, made whole after loading, are partitioned the same way
+    when ``deepspeed.initialize`` converts them (not measured). Measured on CPU for the base model
+    (`trainmem_nb.measure.deepspeed.measure_zero3_load`): the same allocations in the same order. Every storage
+    is freed at the end, as `loading_events` leaves them for the step to allocate."""
+    ev: list[int] = []
+    kept: list[int] = []
+    n = 0
+
+    def malloc(nbytes: int) -> int:
+        nonlocal n
+        ev.append(max(0, nbytes))
+        n += 1
+        return n - 1
+
+    def shard(p: ParamTensor) -> tuple[int, int]:
+        ranks = shard_world(p, world, ep)
+        return -(-p.numel // ranks), ranks
+
+    def modules(params: list[tuple[ParamTensor, int, int]]) -> list[list[tuple[ParamTensor, int, int]]]:
+        """`params` in runs of one module's own parameters (a linear layer's weight and bias)."""
+        runs: list[list[tuple[ParamTensor, int, int]]] = []
+        for w in params:
+            if runs and (runs[-1][-1][2], runs[-1][-1][0].name.rsplit(".", 1)[0]) == (w[2], w[0].name.rsplit(".", 1)[0]):
+                runs[-1].append(w)
+            else:
+                runs.append([w])
+        return runs
+
+    def partition(params: list[tuple[ParamTensor, int, int]]) -> None:
+        # zero.Init's post-init hook partitions a module's parameters once its __init__ has made them all
+        for run in modules(params):
+            whole = [malloc(round(p.numel * dt)) for p, dt, _layer in run]
+            for (p, dt, _layer), w in zip(run, whole, strict=True):
+                kept.append(malloc(round(shard(p)[0] * dt)))
+                ev.append(~w)
+
+    order = _named_order(weights, m)
+    head = [(ParamTensor("lm_head.weight", (m.vocab, m.hidden), 1, True, False), order[0][1], -1)] if m.tie_embeddings else []
+    # a tied head is built as its own linear layer and partitioned before transformers ties it to the
+    # embedding; DeepSpeed keeps that shard (measured)
+    partition(order + head)
+    for run in modules(order):  # a module's parameters gathered together, released together
+        gathered = [malloc(round(shard(p)[0] * shard(p)[1] * dt)) for p, dt, _layer in run]
+        ev += [~g for g in gathered]
+    partition([(p, dt, -1) for p, dt, _train in weights if ".lora_" in p.name])
+    ev += [~k for k in reversed(kept)]
+    return tuple(ev)
+
+
+@lru_cache(maxsize=256)
+def zero3_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tuple[tuple[int, ...], int]:
+    """Rank 0's ZeRO-3 loading trace (`zero3_loading_events` of the weights its pipeline stage holds, in the
+    engine's dtype) and its peak bytes; memoised on the model, the step's key (`program_key`) and the hooks."""
+    from ..step.load import trace_peak
+
+    weights = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
+    trace = zero3_loading_events(weights, m, hooks.world, hooks.ep)
+    return trace, trace_peak(trace)
+
+
+@lru_cache(maxsize=256)
+def replicated_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tuple[tuple[int, ...], int]:
+    """Rank 0's loading trace below ZeRO-3 and its peak: ``deepspeed.initialize`` casts the host model to its
+    16-bit dtype (``DeepSpeedEngine._configure_distributed_model``: ``self.module.bfloat16()`` / ``.half()``)
+    and then moves it to the device, each parameter whole in the engine's dtype; its stage's parameters only
+    (QLoRA instead quantizes on the device as it loads: `loading_events`). Every storage is freed at the end,
+    as in `loading_events`."""
+    from ..step.load import trace_peak
+
+    held = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
+    adapters = [(p, dt) for p, dt, _train in held if ".lora_" in p.name for _ in range(p.count)]
+    sizes = [round(p.numel * dt) for p, dt, _layer in _named_order(held, m)] + [round(p.numel * dt) for p, dt in adapters]
+    trace = (*sizes, *(~i for i in reversed(range(len(sizes)))))
+    return trace, trace_peak(trace)
+
+
+def loads_with_zero_init(t: TrainingSpec, hooks: EngineHooks) -> bool:
+    """Does `t` load through ``deepspeed.zero.Init`` (ZeRO-3 without quantization: transformers builds a
+    quantized model on the meta device instead)?"""
+    return isinstance(hooks, DeepSpeedHooks) and hooks.zero >= 3 and t.method is not Method.QLORA
 
 
 @dataclass(frozen=True)

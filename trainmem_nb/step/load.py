@@ -11,10 +11,12 @@ allocator's cache: the reserved residue loading leaves for the step (`loading_ev
 the step by `trainmem_nb.step.reserved.replay_step`).
 
 A sharded rank materialises only the share it keeps (`shard`), as FSDP2 does when ``fully_shard`` runs on the
-meta device and each rank allocates its shards (torchtitan's init); FSDP1 wraps a unit at a time, whole on the
-device before it shards it (`trainmem_nb.parallel.fsdp1.wrap_events`, its ``sync_module_states`` broadcast
-included). Not modelled: DeepSpeed's ``zero.Init`` gathering. The optimizer states are the first ``step()``'s
-(``TrainingSpec.first_step``), not loading's.
+meta device and each rank allocates its shards (torchtitan's init). The engines that load otherwise have their
+own traces, measured on CPU: FSDP1 wraps a unit at a time, whole on the device before it shards it
+(`trainmem_nb.parallel.fsdp1.wrap_events`, its ``sync_module_states`` broadcast included); DeepSpeed ZeRO-3
+builds each parameter whole inside ``zero.Init`` and gathers each module to copy the checkpoint in
+(`trainmem_nb.parallel.deepspeed.zero3_loading_events`), and below ZeRO-3 moves its 16-bit model to the device.
+The optimizer states are the first ``step()``'s (``TrainingSpec.first_step``), not loading's.
 """
 
 from __future__ import annotations
