@@ -228,3 +228,12 @@ def test_measure_with_zero3_and_no_engine_says_it_is_modelled_only(capsys: pytes
     line = one_error_line(*run(capsys, "measure", "--model", "gpt2", "--gpus", "8", "--zero", "3",
                                "--device", "fake")[::2])
     assert "modelled by `trainmem estimate` only" in line and "--engine" in line
+
+
+def test_python_dash_m_runs_the_same_command_line() -> None:
+    """``python -m trainmem_nb`` is the ``trainmem`` command (audit 2026-12-01: it had no ``__main__``)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "trainmem_nb", "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "usage: trainmem" in out.stdout

@@ -122,6 +122,14 @@ def test_fewest_gpus_raises_for_an_invalid_layout_and_returns_none_only_when_not
     assert tm.fewest_gpus("llama-2-70b", "T4", seq_len=4096, max_gpus=2, engine="ddp") is None
 
 
+def test_a_layout_whose_model_parallelism_is_no_power_of_two_is_searched_on_its_multiples() -> None:
+    """tp=4 with pp=3 runs on 12 GPUs, which no power of two is a multiple of: plan and fewest_gpus find it
+    (they used to answer "fits none", audit 2026-12-01 D21)."""
+    rows = plan("gpt2", gpu="H100", seq_len=512, prices=False, tp=4, pp=3).rows
+    assert rows and min(r["n_gpus"] for r in rows) == 12 and all(r["n_gpus"] % 12 == 0 for r in rows)
+    assert tm.fewest_gpus("gpt2", "H100", seq_len=512, tp=4, pp=3).gpus == 12
+
+
 @pytest.mark.parametrize("max_gpus", [-1, 0, NAN, "8"])
 def test_fewest_gpus_max_gpus_must_be_positive(max_gpus: object) -> None:
     with pytest.raises(SpecError, match=r"^max_gpus=\S+ must be an integer from 1"):

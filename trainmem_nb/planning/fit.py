@@ -279,7 +279,7 @@ def fewest_gpus(model: Any, gpu: str | GPU, headroom: float = DEFAULT_HEADROOM, 
     limit = g.memory_bytes * (1.0 - headroom)
     reasons: list[str] = []
     tried = 0
-    for n in _gpu_counts(g, max_gpus):
+    for n in _gpu_counts(g, max_gpus, model_parallel(layout)):
         try:
             p = _layout(m, g, n, layout)
         except SpecError as exc:
@@ -380,8 +380,10 @@ class _Evaluator:
         return lo
 
 
-def _gpu_counts(g: GPU, max_gpus: int) -> list[int]:
-    """1, 2, 4, ... up to a node, then whole nodes doubling: the counts the planner tries."""
+def _gpu_counts(g: GPU, max_gpus: int, step: int = 1) -> list[int]:
+    """The counts the planner tries: 1, 2, 4, ... up to a node, then whole nodes doubling; those a layout's
+    model parallelism (`step` = tp * pp * cp) divides, and `step` doubling besides (tp=4 with pp=3 runs on
+    12, 24, ... GPUs, which no power of two is a multiple of)."""
     counts, n = [], 1
     while n < g.gpus_per_node and n <= max_gpus:
         counts.append(n)
@@ -390,7 +392,11 @@ def _gpu_counts(g: GPU, max_gpus: int) -> list[int]:
     while n <= max_gpus:
         counts.append(n)
         n *= 2
-    return counts
+    n = step
+    while n <= max_gpus:
+        counts.append(n)
+        n *= 2
+    return sorted({c for c in counts if c % step == 0})
 
 
 def model_parallel(layout: Mapping[str, Any]) -> int:

@@ -242,7 +242,7 @@ def plan(
     # of ms per step; `tm.estimate` of a chosen row replays it)
     with screening():
         for g in gpu_types:
-            counts = [int(fixed["gpus"])] if "gpus" in fixed else [n for n in _gpu_counts(g, a.max_gpus) if n % step == 0]
+            counts = [int(fixed["gpus"])] if "gpus" in fixed else _gpu_counts(g, a.max_gpus, step)
             _search_gpu(ctx, g, counts, a.scale_out, rows, rejected)
     if not rows and rejected and all("headroom_fraction" not in r for r in rejected):
         # every option failed for a layout reason, none for memory: that reason is the answer, not "fits none"
