@@ -44,6 +44,12 @@ def main() -> None:
     fresh = iter(range(9, 10_000))
     ms = median_ms(lambda i: tm.estimate(m, micro_batch=1, seq_len=next(fresh) * 8), 40)
     print(f"estimate() new batch shape, llama-3-8b (allocator replayed): median {ms:.1f} ms   (goal <= 0.5 ms)")
+    # the explorer's expandable-segments toggle: the same replay with segments that grow in place
+    es = dict(alloc_conf="expandable_segments:True")
+    for name in ("llama-3-8b", "deepseek-v3"):
+        tm.estimate(name, micro_batch=1, seq_len=1024, **es)
+        ms = median_ms(lambda i, n=name: tm.estimate(n, micro_batch=1, seq_len=next(fresh) * 8, **es), 10)
+        print(f"estimate() new batch shape, {name}, expandable_segments:True: median {ms:.1f} ms")
     # fp8 (torchao's eager casts: ~5x the events of a bf16 step, so its replay takes ~5x as long)
     tm.estimate(m, micro_batch=2, seq_len=2048, precision="fp8")
     warm8 = median_ms(lambda i: tm.estimate(m, micro_batch=1 + i % 8, seq_len=2048, precision="fp8"), 1000)

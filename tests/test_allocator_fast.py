@@ -62,7 +62,9 @@ def _traces(draw: st.DrawFn) -> tuple[array, array, array, int]:
 @needs_native
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_traces(), st.sampled_from(["", "garbage_collection_threshold:0.6", "max_split_size_mb:20",
-                                   "max_split_size_mb:40,max_non_split_rounding_mb:64"]))
+                                   "max_split_size_mb:40,max_non_split_rounding_mb:64", "expandable_segments:True",
+                                   "expandable_segments:True,max_split_size_mb:20",
+                                   "expandable_segments:True,large_segment_size_mb:32"]))
 def test_the_c_replay_gives_the_python_allocators_bytes_on_random_traces(trace: tuple, conf: str) -> None:
     load, ops, sizes, watch = trace
     config = parse_alloc_conf(conf or None)
@@ -73,7 +75,7 @@ def test_the_c_replay_gives_the_python_allocators_bytes_on_random_traces(trace: 
 
 @needs_native
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_traces(), st.integers(0, 200 * MiB), st.sampled_from(["", "max_split_size_mb:20"]))
+@given(_traces(), st.integers(0, 200 * MiB), st.sampled_from(["", "max_split_size_mb:20", "expandable_segments:True"]))
 def test_past_the_capacity_the_python_allocator_decides(trace: tuple, capacity: int, conf: str) -> None:
     """A new segment beyond the card's memory takes the out-of-memory retry path (free the cache, try
     again), which only the Python allocator has: the C replay hands over and the bytes are the same."""
@@ -101,7 +103,7 @@ def test_the_c_replay_gives_the_python_allocators_bytes_on_real_steps(name: str,
     for b, s in ((1, 128), (2, 256), (3, 1000)):
         ops, sizes = trace_arrays(unrolled, b, s, first_step=True)
         second = len(load) + step_starts(unrolled, first_step=True)[-1]
-        for conf in ("", "max_split_size_mb:24"):
+        for conf in ("", "max_split_size_mb:24", "expandable_segments:True"):
             config = parse_alloc_conf(conf or None)
             fast = replay_trace(load, ops, sizes, config, second)
             assert fast is not None and fast.watched is not None
@@ -117,8 +119,8 @@ def test_a_double_free_is_refused_on_both_paths(native: bool) -> None:
                      native=native)
 
 
-@pytest.mark.parametrize("conf", ["expandable_segments:True", "roundup_power2_divisions:4",
-                                  "per_process_memory_fraction:0.5"])
+@pytest.mark.parametrize("conf", ["roundup_power2_divisions:4", "per_process_memory_fraction:0.5",
+                                  "expandable_segments:True,roundup_power2_divisions:4"])
 def test_a_setting_the_c_replay_does_not_have_goes_to_the_python_allocator(conf: str) -> None:
     assert not default_path(parse_alloc_conf(conf))
 
@@ -152,7 +154,7 @@ def test_the_c_replay_gives_the_python_allocators_bytes_with_thousands_of_cached
             ops.append(rng.randrange(len(sizes)))
             live.append(made)
             made += 1
-    for conf in ("", "max_split_size_mb:24"):
+    for conf in ("", "max_split_size_mb:24", "expandable_segments:True"):
         config = parse_alloc_conf(conf or None)
         fast = replay_trace(array("q"), ops, sizes, config, 5_000)
         assert fast == replay_trace(array("q"), ops, sizes, config, 5_000, native=False)

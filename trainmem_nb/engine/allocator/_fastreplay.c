@@ -1,6 +1,6 @@
 /* The caching allocator's replay in C: the same decisions as `caching.CachingAllocator` (torch 2.13
- * c10/cuda/CUDACachingAllocator.cpp) with no memory fraction, no expandable segments, no
- * roundup_power2_divisions and one stream, about twenty times faster. Optional: where
+ * c10/cuda/CUDACachingAllocator.cpp) with no memory fraction, no roundup_power2_divisions and one
+ * stream, with or without expandable segments, about twenty times faster. Optional: where
  * this module is not built, `trainmem_nb.engine.allocator.fast` replays in Python, and the tests check
  * that both give the same bytes on random traces and on the steps of every family.
  *
@@ -15,6 +15,13 @@
  *   split: small pool if >= 512 B remain, large pool if > 1 MiB remain and
  *     the request is under max_split_size                                    CCA:3095-3113
  *   free: merge with free neighbours, back into the pool                     CCA:2949-3058
+ * With expandable_segments:True (expandable.py) every segment is one virtual range per pool, mapped a page
+ * at a time (2 MiB small, large_segment_size large):
+ *   best fit by the size a block could grow to (its unmapped successor too)    CCA:3139-3154
+ *   a new block: the lowest-address unmapped range (with the free block before
+ *     it) that holds the request, else a new range; pages mapped as needed    CCA:2799-2946
+ *   map: whole pages, merged with mapped free neighbours                       CCA:2846-2913
+ *   split: whenever 512 B or more remain, in either pool                       CCA:3107-3108
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -30,12 +37,22 @@
 #define ADDR_BASE 0x7F0000000000LL  /* spec/alloc_conf.py _ADDR_BASE */
 #define ADDR_LIMIT (1LL << 56)      /* spec/alloc_conf.py _KEY_SHIFT: addresses stay below 2**56 */
 
+#define ST_FREE 0     /* cached (mapped) */
+#define ST_ALLOC 1
+#define ST_UNMAPPED 2 /* an expandable segment's range with no pages behind it */
+
 typedef struct {
     int64_t size, addr;
     int32_t prev, next;
-    int8_t state;  /* 0 free (cached), 1 allocated, -1 slot unused */
+    int32_t seg;   /* its expandable segment (State.es), -1 for a plain cudaMalloc segment */
+    int8_t state;  /* ST_FREE, ST_ALLOC, ST_UNMAPPED; -1 slot unused */
     int8_t small;
 } Block;
+
+/* ExpandableSegment (CCA:368-780): its virtual range starts at base; pages of `page` bytes */
+typedef struct {
+    int64_t base, page;
+} ExpSeg;
 
 typedef struct {
     int64_t size, addr;
@@ -67,6 +84,9 @@ typedef struct {
     int32_t *spare; /* slots of blocks merged away */
     Py_ssize_t nspare, capspare;
     Pool pool[2];   /* [0] large, [1] small */
+    Pool upool[2];  /* unmapped blocks by address (BlockComparatorAddress, CCA:876-881): key (addr, 0) */
+    ExpSeg *es;
+    Py_ssize_t nes, capes;
     int64_t next_addr, reserved, allocated, peak_reserved, peak_allocated;
 } State;
 
@@ -212,8 +232,138 @@ static int64_t largest_free(const State *st) {
 static void state_free(State *st) {
     free(st->b);
     free(st->spare);
-    pool_free(&st->pool[0]);
-    pool_free(&st->pool[1]);
+    free(st->es);
+    for (int p = 0; p < 2; p++) {
+        pool_free(&st->pool[p]);
+        pool_free(&st->upool[p]);
+    }
+}
+
+/* ---------------------------------------------------------------- expandable segments (expandable.py) */
+#define FALLBACK (-2) /* a rule this path does not have: the caller replays in Python */
+
+static int upool_insert(State *st, int32_t bi) {
+    Block *b = &st->b[bi];
+    b->state = ST_UNMAPPED;
+    return pool_insert(&st->upool[b->small], b->addr, 0, bi);
+}
+
+static void upool_remove(State *st, const Block *b) {
+    pool_remove_at(&st->upool[b->small], lower_bound(&st->upool[b->small], b->addr, 0));
+}
+
+/* CCA:3027-3058 try_merge_blocks on the map path: src into dst when both are mapped and free, or both unmapped */
+static int try_merge(State *st, int32_t di, int32_t si) {
+    if (si < 0) return 0;
+    Block *src = &st->b[si], *dst = &st->b[di];
+    if (src->state == ST_ALLOC) return 0;
+    if ((src->state == ST_UNMAPPED) != (dst->state == ST_UNMAPPED)) return 0;
+    if (src->state == ST_UNMAPPED) upool_remove(st, src);
+    else pool_remove(&st->pool[src->small], src);
+    if (dst->prev == si) {
+        dst->addr = src->addr;
+        dst->prev = src->prev;
+        if (dst->prev >= 0) st->b[dst->prev].next = di;
+    } else {
+        dst->next = src->next;
+        if (dst->next >= 0) st->b[dst->next].prev = di;
+    }
+    dst->size += src->size;
+    return drop_block(st, si);
+}
+
+/* CCA:2846-2913 map_block: the pages under [b, b + size) mapped; 1 done, FALLBACK past `capacity`, -1 error */
+static int map_block(State *st, int32_t bi, int64_t size, int64_t capacity) {
+    Block *b = &st->b[bi];
+    const ExpSeg *es = &st->es[b->seg];
+    int64_t begin = (b->addr - es->base) / es->page;                  /* CCA:400 segmentLeft */
+    int64_t end = (b->addr + size - es->base + es->page - 1) / es->page; /* CCA:401 segmentRight */
+    if (begin == end) return FALLBACK;
+    int64_t nbytes = (end - begin) * es->page;
+    if (capacity >= 0 && st->reserved + nbytes > capacity) return FALLBACK; /* CCA:466-475 */
+    upool_remove(st, b);                                              /* CCA:2863-2864 */
+    b->state = ST_FREE;
+    if (nbytes < b->size) {                                           /* CCA:2867-2879 unmapped remainder */
+        int32_t ri = new_block(st);
+        if (ri < 0) return -1;
+        b = &st->b[bi];
+        Block *r = &st->b[ri];
+        r->size = b->size - nbytes; r->addr = b->addr + nbytes; r->prev = bi; r->next = b->next;
+        r->seg = b->seg; r->small = b->small;
+        if (b->next >= 0) st->b[b->next].prev = ri;
+        b->next = ri;
+        b->size = nbytes;
+        if (upool_insert(st, ri) < 0) return -1;
+    }
+    if (try_merge(st, bi, st->b[bi].prev) < 0) return -1;            /* CCA:2882-2883 */
+    if (try_merge(st, bi, st->b[bi].next) < 0) return -1;
+    b = &st->b[bi];
+    if (pool_insert(&st->pool[b->small], b->size, b->addr, bi) < 0) return -1; /* CCA:2885 */
+    st->reserved += nbytes;                                           /* CCA:2888-2892 */
+    if (st->reserved > st->peak_reserved) st->peak_reserved = st->reserved;
+    return 1;
+}
+
+static int allocatable(const State *st, int32_t i) {
+    return i >= 0 && (st->b[i].state == ST_FREE || st->b[i].state == ST_UNMAPPED);
+}
+
+/* CCA:2799-2844 find_expandable_block: the lowest-address unmapped range (with a free block right before it)
+ * with room for `size`, else a new segment's whole range; a block index, FALLBACK or -1 */
+static int32_t find_expandable_block(State *st, int small, int64_t size, int64_t large_seg, int64_t total) {
+    const Pool *u = &st->upool[small];
+    for (Py_ssize_t c = 0; c < u->nc; c++) {                          /* CCA:2819-2831 */
+        for (int i = 0; i < u->c[c]->n; i++) {
+            int32_t ci = u->c[c]->k[i].blk;
+            if (allocatable(st, st->b[ci].prev)) ci = st->b[ci].prev;  /* CCA:2825-2827 */
+            int64_t got = 0;
+            for (int32_t x = ci; got < size && allocatable(st, x); x = st->b[x].next) got += st->b[x].size;
+            if (got >= size) return ci;
+        }
+    }
+    int64_t page = small ? K_SMALL_BUFFER : large_seg;                /* CCA:2832-2834 */
+    int64_t handles = (total + total / 8 + page - 1) / page;         /* CCA:385 max_handles_ */
+    int64_t va = handles * page;
+    int64_t base = st->next_addr;
+    st->next_addr = base + ((va + ADDR_ALIGN - 1) / ADDR_ALIGN) * ADDR_ALIGN;
+    if (st->next_addr >= ADDR_LIMIT) return FALLBACK;
+    if (reserve_one((void **)&st->es, &st->capes, st->nes, sizeof(ExpSeg)) < 0) return -1;
+    st->es[st->nes].base = base;
+    st->es[st->nes].page = page;
+    int32_t bi = new_block(st);
+    if (bi < 0) return -1;
+    Block *b = &st->b[bi];
+    b->size = va; b->addr = base; b->prev = b->next = -1; b->seg = (int32_t)st->nes++; b->small = (int8_t)small;
+    if (upool_insert(st, bi) < 0) return -1;                          /* CCA:2838-2843 */
+    return bi;
+}
+
+/* CCA:2915-2946 try_allocate_expandable_block: a free block of at least `size`, out of its pool */
+static int32_t try_allocate_expandable(State *st, int small, int64_t size, int64_t large_seg, int64_t capacity) {
+    int64_t total = capacity >= 0 ? capacity : (1LL << 40);           /* spec/alloc_conf.py _DEFAULT_TOTAL */
+    int32_t c = find_expandable_block(st, small, size, large_seg, total);
+    if (c < 0) return c;
+    if (st->b[c].state == ST_UNMAPPED) {                              /* CCA:2927-2930 */
+        int64_t want = st->b[c].size < size ? st->b[c].size : size;
+        int r = map_block(st, c, want, capacity);
+        if (r != 1) return r;
+    }
+    while (st->b[c].size < size) {                                    /* CCA:2933-2943 */
+        int64_t remaining = size - st->b[c].size;
+        int32_t nc = st->b[c].next;
+        int64_t want = remaining < st->b[nc].size ? remaining : st->b[nc].size;
+        int r = map_block(st, nc, want, capacity);
+        if (r != 1) return r;
+        c = nc;
+    }
+    pool_remove(&st->pool[small], &st->b[c]);                         /* CCA:2944 */
+    return c;
+}
+
+/* the size a cached block could reach: itself and the unmapped range after it (CCA:3141-3146) */
+static int64_t expandable_size(const State *st, int32_t bi) {
+    const Block *b = &st->b[bi];
+    return b->size + (b->next >= 0 && st->b[b->next].state == ST_UNMAPPED ? st->b[b->next].size : 0);
 }
 
 /* reads an int64 sequence given as a buffer of 'q' (array('q')) */
@@ -227,7 +377,8 @@ static int get_buffer(PyObject *o, Py_buffer *view, const char *what) {
     return 0;
 }
 
-/* replay(load, ops, sizes, watch_from, large_segment_size, max_split_size, max_non_split_rounding_size, capacity)
+/* replay(load, ops, sizes, watch_from, large_segment_size, max_split_size, max_non_split_rounding_size, capacity,
+ *        expandable=False)
  *
  * The trace is `load` followed by `ops` expanded at `sizes`: an op o >= 0 mallocs sizes[o], o < 0 frees
  * allocation ~o + shift (allocations are numbered in order over load and ops; `shift` is the number of
@@ -241,7 +392,9 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     (void)self;
     PyObject *lo, *oo, *so;
     long long watch_from, large_seg, max_split, max_nsr, capacity;
-    if (!PyArg_ParseTuple(args, "OOOLLLLL", &lo, &oo, &so, &watch_from, &large_seg, &max_split, &max_nsr, &capacity))
+    int expandable = 0;
+    if (!PyArg_ParseTuple(args, "OOOLLLLL|p", &lo, &oo, &so, &watch_from, &large_seg, &max_split, &max_nsr, &capacity,
+                          &expandable))
         return NULL;
     Py_buffer lv, ov, sv;
     if (get_buffer(lo, &lv, "load") < 0) return NULL;
@@ -285,6 +438,17 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             Pos i = lower_bound(pool, rs, 0);                            /* CCA:3134 */
             int32_t bi;
             int found = i.c < pool->nc;
+            if (found && expandable) {              /* CCA:3139-3154: every segment is expandable here */
+                int64_t esz = expandable_size(&st, pool->c[i.c]->k[i.i].blk);
+                for (Pos j = i;;) {
+                    if (++j.i == pool->c[j.c]->n) { j.c++; j.i = 0; }
+                    if (j.c == pool->nc) break;
+                    int64_t csz = expandable_size(&st, pool->c[j.c]->k[j.i].blk);
+                    if (!(csz < esz)) break;
+                    i = j;
+                    esz = csz;
+                }
+            }
             if (found) {
                 int64_t bs = pool->c[i.c]->k[i.i].size;
                 if (rs < max_split && bs >= max_split) found = 0;       /* CCA:3171-3174 no oversize block */
@@ -293,6 +457,10 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             if (found) {
                 bi = pool->c[i.c]->k[i.i].blk;
                 pool_remove_at(pool, i);
+            } else if (expandable) {                                     /* CCA:3284-3298 */
+                bi = try_allocate_expandable(&st, small, rs, large_seg, capacity);
+                if (bi == FALLBACK) { fallback = 1; goto done; }
+                if (bi < 0) { err = "out of memory"; goto done; }
             } else {                                                     /* CCA:3115-3123, 3258-3344 */
                 int64_t as = small ? K_SMALL_BUFFER
                              : rs < K_MIN_LARGE_ALLOC ? large_seg
@@ -304,26 +472,27 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 bi = new_block(&st);
                 if (bi < 0) { err = "out of memory"; goto done; }
                 Block *nb = &st.b[bi];
-                nb->size = as; nb->addr = addr; nb->prev = nb->next = -1; nb->state = 1; nb->small = (int8_t)small;
+                nb->size = as; nb->addr = addr; nb->prev = nb->next = -1; nb->seg = -1; nb->state = ST_ALLOC;
+                nb->small = (int8_t)small;
                 st.reserved += as;
                 if (st.reserved > st.peak_reserved) st.peak_reserved = st.reserved;
             }
             int64_t remaining = st.b[bi].size - rs;
-            if (small ? remaining >= 512 : rs < max_split && remaining > K_SMALL_SIZE) { /* CCA:3107-3111 */
+            if (small || expandable ? remaining >= 512 : rs < max_split && remaining > K_SMALL_SIZE) { /* CCA:3107-3111 */
                 int32_t ni = new_block(&st);
                 if (ni < 0) { err = "out of memory"; goto done; }
                 Block *b = &st.b[bi], *nb = &st.b[ni];
-                nb->size = rs; nb->addr = b->addr; nb->prev = b->prev; nb->next = bi;
-                nb->state = 1; nb->small = (int8_t)small;
+                nb->size = rs; nb->addr = b->addr; nb->prev = b->prev; nb->next = bi; nb->seg = b->seg;
+                nb->state = ST_ALLOC; nb->small = (int8_t)small;
                 if (b->prev >= 0) st.b[b->prev].next = ni;
                 b->prev = ni;
                 b->addr += rs;
                 b->size = remaining;
-                b->state = 0;
+                b->state = ST_FREE;
                 if (pool_insert(pool, b->size, b->addr, bi) < 0) { err = "out of memory"; goto done; }
                 bi = ni;
             } else {
-                st.b[bi].state = 1;
+                st.b[bi].state = ST_ALLOC;
             }
             st.allocated += st.b[bi].size;                               /* CCA:1727-1733 */
             if (st.allocated > st.peak_allocated) st.peak_allocated = st.allocated;
@@ -345,12 +514,12 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             if (bi == -1) continue;                                      /* a size-0 malloc */
             if (bi < 0) { err = "free of a handle that is not allocated (double free?)"; goto done; }
             Block *b = &st.b[bi];
-            if (b->state != 1) { err = "free of a handle that is not allocated (double free?)"; goto done; }
+            if (b->state != ST_ALLOC) { err = "free of a handle that is not allocated (double free?)"; goto done; }
             handles[id] = -2;
             st.allocated -= b->size;                                     /* CCA:1993-1996 */
             Pool *pool = &st.pool[b->small];
             int32_t pi = b->prev;
-            if (pi >= 0 && st.b[pi].state == 0) {                        /* CCA:3028-3042 */
+            if (pi >= 0 && st.b[pi].state == ST_FREE) {                  /* CCA:3028-3042 */
                 Block *p = &st.b[pi];
                 pool_remove(pool, p);
                 b->addr = p->addr;
@@ -361,7 +530,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 b = &st.b[bi];
             }
             int32_t xi = b->next;
-            if (xi >= 0 && st.b[xi].state == 0) {                        /* CCA:3043-3048 */
+            if (xi >= 0 && st.b[xi].state == ST_FREE) {                  /* CCA:3043-3048 */
                 Block *x = &st.b[xi];
                 pool_remove(pool, x);
                 b->next = x->next;
@@ -370,7 +539,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 if (drop_block(&st, xi) < 0) { err = "out of memory"; goto done; }
                 b = &st.b[bi];
             }
-            b->state = 0;                                                /* CCA:2986 */
+            b->state = ST_FREE;                                          /* CCA:2986 */
             if (pool_insert(pool, b->size, b->addr, bi) < 0) { err = "out of memory"; goto done; }
         }
     }
@@ -402,7 +571,7 @@ done:
 static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS,
      "replay(load, ops, sizes, watch_from, large_segment_size, max_split_size, max_non_split_rounding_size, "
-     "capacity): the allocator without expandable segments, rounding divisions or a memory fraction."},
+     "capacity, expandable=False): the allocator without rounding divisions or a memory fraction."},
     {NULL, NULL, 0, NULL},
 };
 

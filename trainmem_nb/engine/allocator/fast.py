@@ -42,10 +42,9 @@ class TraceReplay(NamedTuple):
 
 
 def default_path(config: AllocatorConfig) -> bool:
-    """Does `config` keep to the rules the C replay has (no memory fraction, expandable segments or
-    power-of-two rounding; `max_split_size_mb` it has)?"""
-    return (config.per_process_memory_fraction >= 1.0 and not config.expandable_segments
-            and not any(d > 1 for d in config.roundup_power2_divisions))
+    """Does `config` keep to the rules the C replay has (no memory fraction or power-of-two rounding;
+    `max_split_size_mb` and `expandable_segments` it has)?"""
+    return config.per_process_memory_fraction >= 1.0 and not any(d > 1 for d in config.roundup_power2_divisions)
 
 
 def expand(load: Sequence[int], ops: array, sizes: array) -> tuple[int, ...]:
@@ -63,7 +62,7 @@ def replay_trace(load: array, ops: array, sizes: array, config: AllocatorConfig,
     if native and _native is not None and default_path(config):
         got = _native.replay(load, ops, sizes, watch_from, config.large_segment_size,
                              min(config.max_split_size, _INT64_MAX), min(config.max_non_split_rounding_size, _INT64_MAX),
-                             -1 if capacity is None else capacity)
+                             -1 if capacity is None else capacity, bool(config.expandable_segments))
         if got is not None:
             return TraceReplay(*got)
         # past the capacity: the out-of-memory retry path is Python's
