@@ -207,6 +207,9 @@ def test_deepspeed_loads_zero3_shards_plus_one_whole_parameter_and_lower_stages_
     shards = three.detail_bytes["weights/params"]
     assert 0.99 * (shards + head) <= three.load_peak_bytes <= shards + head * 1.2  # the step's shards are flat
     assert two.load_peak_bytes == two.detail_bytes["weights/params"] < 8.1e9 * 2
+    # ZeRO-Offload of the parameters keeps the shards on the host: the device holds one whole parameter at a time
+    offloaded = tm.estimate(**opts, zero=3, offload="optimizer+params")
+    assert offloaded.load_peak_bytes == -(-head // 512) * 512
 
 
 def test_fsdp1_keeps_unsharded_gradients_of_frozen_and_trained_parameters_that_fsdp2_does_not() -> None:

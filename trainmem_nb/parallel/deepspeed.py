@@ -43,7 +43,7 @@ def _named_order(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec) -> 
 
 
 def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, world: int,
-                         ep: int = 1) -> tuple[int, ...]:
+                         ep: int = 1, shards_on_host: bool = False) -> tuple[int, ...]:
     """Rank 0's device while ``from_pretrained`` loads a model for ZeRO-3 (transformers 5.24 with DeepSpeed
     0.19), as a loading trace (`trainmem_nb.step.load.loading_events`' form).
 
@@ -53,7 +53,9 @@ def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelS
     modules and gathers each one's own parameters (``GatheredParameters(..., modifier_rank=0)``: an
     all-gather buffer of ``world`` shards each, freed as it re-partitions them) while rank 0 copies the
     checkpoint in from host memory. LoRA adapters, made whole after loading, are partitioned the same way
-    when ``deepspeed.initialize`` converts them (not measured). Measured on CPU for the base model
+    when ``deepspeed.initialize`` converts them (not measured). `shards_on_host`: ZeRO-Offload of the parameters
+    (``offload_param``) keeps each shard on the host (``remote_device``), so the device holds only the whole
+    parameters in passing (not measured). Measured on CPU for the base model
     (`trainmem_nb.measure.deepspeed.measure_zero3_load`): the same allocations in the same order. Every storage
     is freed at the end, as `loading_events` leaves them for the step to allocate."""
     ev: list[int] = []
@@ -85,7 +87,8 @@ def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelS
         for run in modules(params):
             whole = [malloc(round(p.numel * dt)) for p, dt, _layer in run]
             for (p, dt, _layer), w in zip(run, whole, strict=True):
-                kept.append(malloc(round(shard(p)[0] * dt)))
+                if not shards_on_host:
+                    kept.append(malloc(round(shard(p)[0] * dt)))
                 ev.append(~w)
 
     order = _named_order(weights, m)
@@ -108,7 +111,7 @@ def zero3_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tuple[tu
     from ..step.load import trace_peak
 
     weights = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
-    trace = zero3_loading_events(weights, m, hooks.world, hooks.ep)
+    trace = zero3_loading_events(weights, m, hooks.world, hooks.ep, shards_on_host=hooks.offload == "optimizer+params")
     return trace, trace_peak(trace)
 
 
