@@ -154,6 +154,15 @@ def test_fsdp1_wrapping_allocates_and_frees_what_a_measured_wrap_does_in_order(m
     assert rest and all(sign == "-" for sign, _size in rest)
 
 
+@pytest.mark.parametrize("opts", [dict(use_orig_params=False), dict(sync_module_states=True)])
+def test_an_fsdp1_option_given_where_the_step_is_not_fsdp1_is_refused(opts: dict) -> None:
+    for layout in (dict(gpus=2, engine="fsdp", zero=3), dict(gpus=2, zero=3), {}):
+        with pytest.raises(SpecError, match="is an option of FullyShardedDataParallel: add engine='fsdp' and fsdp_version=1"):
+            tm.estimate("gpt2", seq_len=512, **layout, **opts)
+    tm.estimate("gpt2", seq_len=512, gpus=2, engine="fsdp", zero=3, fsdp_version=1, precision="bf16-true", **opts)
+    tm.estimate("gpt2", seq_len=512, stack="hf-trainer")  # a stack's setting where it does not apply is fine
+
+
 def test_fsdp1_loading_holds_a_whole_unit_and_its_flat_copy_where_fsdp2_loads_shards() -> None:
     """The load peak of FSDP1 is the earlier units' shards plus the largest unit whole, its concatenation and its
     shard (the root of Llama 3 8B: two 1 GB vocabulary matrices); FSDP2 loads shards only. sync_module_states

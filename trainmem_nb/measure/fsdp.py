@@ -218,6 +218,29 @@ def _sync_on_cpu() -> Iterator[None]:
         _init_utils._check_module_states_for_sync_module_states = check
 
 
+@contextlib.contextmanager
+def _buckets_seen_go() -> Iterator[None]:
+    """The broadcast's flat buckets live in C++ (``broadcast_coalesced`` frees them before it returns); the tracker
+    sees one go when Python drops the wrapper the dispatch mode made for it, which a reference cycle can delay
+    past the next allocations. Collecting right after the broadcast puts each free back where the allocator has it."""
+    import gc
+
+    from torch.distributed.fsdp import _init_utils
+
+    sync = _init_utils._sync_params_and_buffers
+
+    def synced(*args: Any, **kwargs: Any) -> Any:
+        out = sync(*args, **kwargs)
+        gc.collect()
+        return out
+
+    _init_utils._sync_params_and_buffers = synced
+    try:
+        yield
+    finally:
+        _init_utils._sync_params_and_buffers = sync
+
+
 def measure_fsdp1_wrap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0) -> tuple[int, tuple[int, ...]]:
     """What wrapping a model held on the device in FSDP1 (`_shard_fsdp1`) allocates on rank `rank` of ``p.dp``,
     played over PyTorch's fake process group with real CPU tensors, as a loading trace (``e >= 0`` mallocs ``e``
@@ -244,7 +267,7 @@ def measure_fsdp1_wrap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int
             return out
 
         FlatParamHandle._get_shard = staticmethod(shard_then_free)  # type: ignore[method-assign,assignment]
-        with tracker, _follow_fsdp1_resizes(tracker), _sync_on_cpu():
+        with tracker, _follow_fsdp1_resizes(tracker), _sync_on_cpu(), _buckets_seen_go():
             model = _shard_fsdp1(model, p, t)
         del model
         return before, _device_trace(tracker)

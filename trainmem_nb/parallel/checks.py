@@ -156,7 +156,12 @@ def runs_fsdp1(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> bool:
 
 def _check_fsdp1(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> None:
     """An FSDP1 the user asked for (``fsdp_version=1`` given, not a stack's) that is not modelled is refused,
-    saying why and what works."""
+    saying why and what works; so is an FSDP1 option the user set where the step is not FSDP1's."""
+    asked = [f"{k}={getattr(t, k)}" for k, default in (("use_orig_params", True), ("sync_module_states", False))
+             if k in t.model_fields_set and getattr(t, k) != default]
+    if asked and not (p.engine is Engine.FSDP and t.fsdp_version == 1):
+        raise SpecError(f"{', '.join(asked)} is an option of FullyShardedDataParallel: add engine='fsdp' and "
+                        "fsdp_version=1 (with gpus), or leave it out")
     if "fsdp_version" not in t.model_fields_set or t.fsdp_version != 1:
         return
     if p.engine is not Engine.FSDP:
