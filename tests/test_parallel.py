@@ -207,6 +207,23 @@ def test_zero3_loading_allocates_and_frees_what_a_measured_from_pretrained_does_
     assert len(ours) > len(measured) and all(sign == "-" for sign, _size in ours[len(measured):])
 
 
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_deepspeed_step_is_within_one_percent_of_a_measured_one_whose_buckets_dominate(zero: int) -> None:
+    """DeepSpeed 0.19 runs a ZeRO step on its CPU accelerator over the fake process group: the engine model (the
+    ZeRO paper's accounting, not byte-exact) against it. On a model this small the 1 GB reduce bucket is most of
+    the step, so the total agrees within 1 %; the rest reads 1 % (ZeRO-1) to 19 % (ZeRO-3) under the measured
+    bytes (validation/README.md, "DeepSpeed"), a known gap this test keeps from growing."""
+    pytest.importorskip("deepspeed")
+    from trainmem_nb.measure.deepspeed import measure_deepspeed_step
+
+    m = ModelSpec.model_validate(SMALL_LLAMA)
+    t = TrainingSpec(micro_batch=2, seq_len=64, device="cpu", precision="bf16-mixed")
+    p = ParallelSpec(gpus=2, zero=zero, engine="deepspeed")
+    measured = measure_deepspeed_step(m, t, p)
+    est = simulate(m, t, None, p, backend="nccl")
+    assert abs(est.peak_allocated_bytes / measured["peak"] - 1) < 0.01
+
+
 def test_deepspeed_loads_zero3_shards_plus_one_whole_parameter_and_lower_stages_in_its_16_bit_dtype() -> None:
     """ZeRO-3's load peak is the shards plus the largest parameter whole (Llama 3 8B's head); below ZeRO-3 the
     engine casts the host model to bf16 before moving it, so loading holds the 16-bit weights, not fp32 ones."""

@@ -1,4 +1,4 @@
-"""Measure what loading a model for DeepSpeed ZeRO-3 allocates on one rank, in a single process.
+"""Measure what DeepSpeed allocates on one rank, in a single process: loading a model for ZeRO-3, and a ZeRO step.
 
 ``from_pretrained`` under ZeRO-3 (transformers' ``HfDeepSpeedConfig`` switches it on) builds the model inside
 ``deepspeed.zero.Init`` and gathers each module's parameters to copy the checkpoint in. DeepSpeed runs here on
@@ -22,7 +22,7 @@ from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec
 from .tracker import StorageTracker
 
-__all__ = ["measure_zero3_load"]
+__all__ = ["measure_deepspeed_step", "measure_zero3_load"]
 
 
 @contextlib.contextmanager
@@ -119,3 +119,92 @@ def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[
             unset_hf_deepspeed_config()
             gc.collect()
             dist.destroy_process_group()
+
+
+def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> dict:
+    """Rank 0 of ``p.shard_degree`` running two DeepSpeed ZeRO-``p.zero`` training steps of `m` (DeepSpeed 0.19 on
+    its CPU accelerator over the fake process group; torch's AdamW, bf16/fp16 as `t` says, the model built on
+    the host and handed to ``deepspeed.initialize``). Every storage counts from the model's parameters on, in
+    the CUDA allocator's 512-B blocks. Keys: ``init_peak`` (what ``deepspeed.initialize`` allocates at most),
+    ``peak`` (the second step's), ``phase_peaks`` (the second step's forward, backward and ``step()``) and
+    ``live_at_start`` (before the second step)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from .step import build
+    from .tracker import cuda_round
+
+    world = p.shard_degree
+    ds = {"zero_optimization": {"stage": p.zero}, "train_micro_batch_size_per_gpu": t.micro_batch,
+          "gradient_accumulation_steps": t.grad_accum, "bf16": {"enabled": t.precision.value.startswith("bf16")},
+          "fp16": {"enabled": t.precision.value.startswith("fp16")},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    with _environment(world), _torch_functions_kept(), warnings.catch_warnings():
+        # DeepSpeed 0.19's own use of APIs torch 2.13 deprecates (torch.jit.script_method, all_gather_into_tensor)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        import deepspeed
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        try:
+            deepspeed.init_distributed(dist_backend="gloo")
+            model, inputs = build(m, t.model_copy(update={"precision": t.precision.__class__("fp32")}), "cpu")
+            tracker = StorageTracker()
+            tracker.adopt(list(model.parameters()), "weights", param=True)
+            marks: dict[str, int] = {}
+            with tracker:
+                engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+                marks["init"] = len(tracker.events)
+                for step in range(2):
+                    for micro in range(t.grad_accum):
+                        if step == 1 and micro == 0:
+                            marks["start"] = len(tracker.events)
+                        loss = engine(**inputs).loss
+                        if step == 1 and micro == t.grad_accum - 1:
+                            marks["forward"] = len(tracker.events)
+                        engine.backward(loss)
+                        if step == 1 and micro == t.grad_accum - 1:
+                            marks["backward"] = len(tracker.events)
+                        engine.step()
+                        del loss
+                marks["end"] = len(tracker.events)
+            del engine, model
+        finally:
+            gc.collect()
+            dist.destroy_process_group()
+            _forget_groups()
+    live, best, out = 0, 0, {"phase_peaks": {}}
+    order = [("init", "init_peak"), ("start", None), ("forward", "forward"), ("backward", "backward"), ("end", "optimizer")]
+    k = 0
+    for i, (idx, sign) in enumerate(tracker.events):
+        while k < len(order) and i >= marks[order[k][0]]:
+            name, key = order[k]
+            if name == "init":
+                out["init_peak"] = best
+            elif name == "start":
+                out["live_at_start"] = live
+            else:
+                out["phase_peaks"][key] = best
+            best, k = live, k + 1
+        live += sign * cuda_round(tracker.records[idx].nbytes)
+        best = max(best, live)
+    out["phase_peaks"]["optimizer"] = best
+    out["peak"] = max(out["phase_peaks"].values())
+    return out
+
+
+def _forget_groups() -> None:
+    """DeepSpeed keeps the process groups it made (``deepspeed.utils.groups``) and its communication backend
+    (``deepspeed.comm.comm.cdb``) in module globals; the next measurement's process group is a new one."""
+    from deepspeed.comm import comm
+    from deepspeed.utils import groups
+
+    comm.cdb = None
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.isupper() and not name.startswith("__"):
+            if isinstance(value, dict):
+                value.clear()
+            elif not callable(value) and not isinstance(value, (int, str, float, bool)):
+                setattr(groups, name, None)
