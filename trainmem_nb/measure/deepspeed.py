@@ -15,6 +15,7 @@ import os
 import tempfile
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 from ..model.hf_writers import to_hf_config
 from ..model.spec import ModelSpec
@@ -121,7 +122,7 @@ def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[
             dist.destroy_process_group()
 
 
-def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> dict:
+def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> dict[str, Any]:
     """Rank 0 of ``p.shard_degree`` running two DeepSpeed ZeRO-``p.zero`` training steps of `m` (DeepSpeed 0.19 on
     its CPU accelerator over the fake process group; torch's AdamW, bf16/fp16 as `t` says, the model built on
     the host and handed to ``deepspeed.initialize``). Every storage counts from the model's parameters on, in
@@ -175,7 +176,9 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> di
             gc.collect()
             dist.destroy_process_group()
             _forget_groups()
-    live, best, out = 0, 0, {"phase_peaks": {}}
+    live, best = 0, 0
+    phase_peaks: dict[str, int] = {}
+    out: dict[str, Any] = {"phase_peaks": phase_peaks}
     order = [("init", "init_peak"), ("start", None), ("forward", "forward"), ("backward", "backward"), ("end", "optimizer")]
     k = 0
     for i, (idx, sign) in enumerate(tracker.events):
@@ -186,12 +189,12 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> di
             elif name == "start":
                 out["live_at_start"] = live
             else:
-                out["phase_peaks"][key] = best
+                phase_peaks[str(key)] = best
             best, k = live, k + 1
         live += sign * cuda_round(tracker.records[idx].nbytes)
         best = max(best, live)
-    out["phase_peaks"]["optimizer"] = best
-    out["peak"] = max(out["phase_peaks"].values())
+    phase_peaks["optimizer"] = best
+    out["peak"] = max(phase_peaks.values())
     return out
 
 
