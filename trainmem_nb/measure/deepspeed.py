@@ -60,22 +60,10 @@ def _torch_functions_kept() -> Iterator[None]:
             setattr(torch, name, fn)
 
 
-def _device_trace(tracker: StorageTracker) -> tuple[int, ...]:
-    """The tracker's events as a loading trace (``e >= 0`` mallocs ``e`` bytes, ``~i`` frees allocation ``i``),
-    without what a GPU run would not allocate on the device: empty storages, and the checkpoint's tensors,
-    which rank 0 reads into host memory (``map_location="cpu"``; safetensors hands them over with ``set_``)."""
-    number: dict[int, int] = {}
-    trace: list[int] = []
-    for i, sign in tracker.events:
-        r = tracker.records[i]
-        if r.nbytes == 0 or r.op.startswith("set_."):
-            continue
-        if sign > 0:
-            number[i] = len(number)
-            trace.append(r.nbytes)
-        else:
-            trace.append(~number[i])
-    return tuple(trace)
+def _on_host(r: Any) -> bool:
+    """The checkpoint's tensors, which rank 0 reads into host memory (``map_location="cpu"``; safetensors hands
+    them over with ``set_``)."""
+    return bool(r.op.startswith("set_."))
 
 
 def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[int, ...]:
@@ -114,7 +102,7 @@ def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[
                 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
                 model = cls.from_pretrained(path, dtype=dtype)
             del model
-            return _device_trace(tracker)
+            return tracker.loading_trace(_on_host)
         finally:
             # transformers keeps ZeRO-3 on while the config lives: every later model would be built in zero.Init
             unset_hf_deepspeed_config()

@@ -270,28 +270,16 @@ def measure_fsdp1_wrap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int
         with tracker, _follow_fsdp1_resizes(tracker), _sync_on_cpu(), _buckets_seen_go():
             model = _shard_fsdp1(model, p, t)
         del model
-        return before, _device_trace(tracker)
+        return before, tracker.loading_trace(_on_host)
     finally:
         FlatParamHandle._get_shard = staticmethod(get_shard)  # type: ignore[method-assign]
         dist.destroy_process_group()
 
 
-def _device_trace(tracker: StorageTracker) -> tuple[int, ...]:
-    """The tracker's events as a loading trace, without what a GPU run would not allocate on the device: empty
-    storages (no block) and the 0-dim tensor ``_get_dtype_size`` makes to read a dtype's size
-    (``torch.empty((), dtype=dtype)``: the default device, the host)."""
-    number: dict[int, int] = {}
-    trace: list[int] = []
-    for i, sign in tracker.events:
-        r = tracker.records[i]
-        if r.nbytes == 0 or (r.op == "empty.memory_format" and r.shape == ()):
-            continue
-        if sign > 0:
-            number[i] = len(number)
-            trace.append(r.nbytes)
-        else:
-            trace.append(~number[i])
-    return tuple(trace)
+def _on_host(r: Any) -> bool:
+    """The 0-dim tensor ``_get_dtype_size`` makes to read a dtype's size (``torch.empty((), dtype=dtype)``: on
+    the default device, the host)."""
+    return bool(r.op == "empty.memory_format" and r.shape == ())
 
 
 def _float8_gather_scales(model: nn.Module) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ copies a subclass makes inside an op (a ``contiguous()`` of its fp8 data before 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,6 +197,23 @@ class StorageTracker(TorchDispatchMode):
             if live > peak:
                 peak, at = live, i
         return max(peak, 0), at, curve
+
+    def loading_trace(self, on_host: Callable[[Record], bool]) -> tuple[int, ...]:
+        """The events as a loading trace (``e >= 0`` mallocs ``e`` bytes, ``~i`` frees allocation ``i``, as
+        `trainmem_nb.step.load.loading_events` writes them), leaving out empty storages (no block) and the
+        records `on_host` says a GPU run would keep in host memory."""
+        number: dict[int, int] = {}
+        trace: list[int] = []
+        for i, sign in self.events:
+            r = self.records[i]
+            if r.nbytes == 0 or on_host(r):
+                continue
+            if sign > 0:
+                number[i] = len(number)
+                trace.append(r.nbytes)
+            else:
+                trace.append(~number[i])
+        return tuple(trace)
 
     def alive_at(self, event_index: int) -> list[int]:
         """Record indices alive just after event `event_index`."""

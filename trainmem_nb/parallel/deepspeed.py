@@ -58,15 +58,10 @@ def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelS
     parameters in passing (not measured). Measured on CPU for the base model
     (`trainmem_nb.measure.deepspeed.measure_zero3_load`): the same allocations in the same order. Every storage
     is freed at the end, as `loading_events` leaves them for the step to allocate."""
-    ev: list[int] = []
-    kept: list[int] = []
-    n = 0
+    from ..step.load import LoadTrace
 
-    def malloc(nbytes: int) -> int:
-        nonlocal n
-        ev.append(max(0, nbytes))
-        n += 1
-        return n - 1
+    trace = LoadTrace()
+    malloc = trace.malloc
 
     def shard(p: ParamTensor) -> tuple[int, int]:
         ranks = shard_world(p, world, ep)
@@ -88,8 +83,8 @@ def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelS
             whole = [malloc(round(p.numel * dt)) for p, dt, _layer in run]
             for (p, dt, _layer), w in zip(run, whole, strict=True):
                 if not shards_on_host:
-                    kept.append(malloc(round(shard(p)[0] * dt)))
-                ev.append(~w)
+                    malloc(round(shard(p)[0] * dt), keep=True)
+                trace.free(w)
 
     order = _named_order(weights, m)
     head = [(ParamTensor("lm_head.weight", (m.vocab, m.hidden), 1, True, False), order[0][1], -1)] if m.tie_embeddings else []
@@ -97,11 +92,9 @@ def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelS
     # embedding; DeepSpeed keeps that shard (measured)
     partition(order + head)
     for run in modules(order):  # a module's parameters gathered together, released together
-        gathered = [malloc(round(shard(p)[0] * shard(p)[1] * dt)) for p, dt, _layer in run]
-        ev += [~g for g in gathered]
+        trace.free(*[malloc(round(shard(p)[0] * shard(p)[1] * dt)) for p, dt, _layer in run])
     partition([(p, dt, -1) for p, dt, _train in weights if ".lora_" in p.name])
-    ev += [~k for k in reversed(kept)]
-    return tuple(ev)
+    return trace.done()
 
 
 @lru_cache(maxsize=256)

@@ -149,18 +149,12 @@ def wrap_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, unit
     same order. `on_device`: the whole model is on the device before wrapping starts (``model.cuda()`` first),
     its parameters allocated unit by unit up front. Every storage is freed at the end, as `loading_events`
     leaves them for the step to allocate."""
+    from ..step.load import LoadTrace
+
     by_unit = _units(weights, m)
     flats = dict(units)
-    ev: list[int] = []
-    kept: list[int] = []
-    n = 0
-
-    def malloc(nbytes: int) -> int:
-        nonlocal n
-        ev.append(max(0, nbytes))
-        n += 1
-        return n - 1
-
+    trace = LoadTrace()
+    malloc = trace.malloc
     order = [(unit, _flat_order(by_unit.get(unit, []))) for unit in (*layer_units(m), "root")]
     held = [[malloc(round(p.numel * dt)) for p, dt, _train in params] for _unit, params in order] if on_device else []
     for i, (unit, params) in enumerate(order):
@@ -181,19 +175,18 @@ def wrap_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, unit
             flying: list[int] = []
             for size in buckets:
                 if len(flying) >= _BROADCASTS_IN_FLIGHT:
-                    ev.append(~flying.pop(0))
+                    trace.free(flying.pop(0))
                 flying.append(malloc(size))
-            ev += [~b for b in flying]
+            trace.free(*flying)
         # use_orig_params pads the concatenation itself to a multiple of the world size (``flatten_tensors``);
         # otherwise rank 0's chunk is the largest and no other rank's padding is on it
         parts = [params] if use_orig_params else [g for g in ([w for w in params if not w[2]], [w for w in params if w[2]]) if g]
         for f, group in zip(flats.get(unit, ()), parts, strict=True):
             full = malloc((f.numel if use_orig_params else sum(p.numel for p, _dt, _train in group)) * f.dt)
-            kept.append(malloc(f.shard * f.dt))
-            ev.append(~full)
-        ev += [~a for a in (moved if use_orig_params else reversed(moved))]
-    ev += [~k for k in reversed(kept)]
-    return tuple(ev)
+            malloc(f.shard * f.dt, keep=True)
+            trace.free(full)
+        trace.free(*(moved if use_orig_params else reversed(moved)))
+    return trace.done()
 
 
 @lru_cache(maxsize=256)

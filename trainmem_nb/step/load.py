@@ -29,13 +29,38 @@ from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.training import TrainingSpec
 
-__all__ = ["load_peak_bytes", "load_timeline", "loading_events", "trace_peak"]
+__all__ = ["LoadTrace", "load_peak_bytes", "load_timeline", "loading_events", "trace_peak"]
 
 
 def _block(n: float) -> int:
     """Bytes the allocator accounts for a request of `n` (512-B blocks, as the step's sizes)."""
     n = int(n)
     return -(-n // 512) * 512 if n > 0 else 0
+
+
+class LoadTrace:
+    """A loading trace as it is written: `malloc` numbers each allocation (`keep`: one loading leaves to the
+    step), `free` frees allocations by number, `done` frees what is kept, last first, and gives the trace."""
+
+    def __init__(self) -> None:
+        self.events: list[int] = []
+        self.kept: list[int] = []
+        self._n = 0
+
+    def malloc(self, nbytes: float, keep: bool = False) -> int:
+        self.events.append(max(0, int(nbytes)))
+        self._n += 1
+        if keep:
+            self.kept.append(self._n - 1)
+        return self._n - 1
+
+    def free(self, *allocations: int) -> None:
+        self.events.extend(~a for a in allocations)
+
+    def done(self) -> tuple[int, ...]:
+        self.free(*reversed(self.kept))
+        self.kept = []
+        return tuple(self.events)
 
 
 def loading_events(m: ModelSpec, t: TrainingSpec, shard: float = 1.0, expert_shard: float | None = None) -> tuple[int, ...]:
@@ -52,16 +77,8 @@ def loading_events(m: ModelSpec, t: TrainingSpec, shard: float = 1.0, expert_sha
 
 @lru_cache(maxsize=256)
 def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: float) -> tuple[int, ...]:
-    ev: list[int] = []
-    n = 0
-    kept: list[int] = []
-
-    def malloc(nbytes: float) -> int:
-        nonlocal n
-        ev.append(max(0, int(nbytes)))
-        n += 1
-        return n - 1
-
+    trace = LoadTrace()
+    malloc = trace.malloc
     qlora = t.method is Method.QLORA
     for p, pdt, _trainable in weight_tensors(m, t):
         for _ in range(p.count):
@@ -69,19 +86,16 @@ def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: f
             if qlora and quantized(p):
                 w16 = malloc(numel * 2)  # the checkpoint's 16-bit weight, moved to the GPU
                 blocks = -(-numel // NF4_BLOCK)
-                kept.append(malloc(-(-numel // 2)))  # packed 4-bit values
-                absmax = malloc(blocks * 4)  # fp32 absmax per 64-value block
+                malloc(-(-numel // 2), keep=True)  # packed 4-bit values
+                absmax = malloc(blocks * 4, keep=not t.qlora_double_quant)  # fp32 absmax per 64-value block
                 if t.qlora_double_quant:
-                    kept += [malloc(blocks), malloc(-(-blocks // NF4_NESTED_BLOCK) * 4), malloc(NF4_NESTED_CODE_BYTES),
-                             malloc(4)]
-                    ev.append(~absmax)
-                else:
-                    kept.append(absmax)
-                ev.append(~w16)
+                    for nbytes in (blocks, -(-blocks // NF4_NESTED_BLOCK) * 4, NF4_NESTED_CODE_BYTES, 4):
+                        malloc(nbytes, keep=True)
+                    trace.free(absmax)
+                trace.free(w16)
             else:
-                kept.append(malloc(numel * pdt))
-    ev += [~k for k in reversed(kept)]
-    return tuple(ev)
+                malloc(numel * pdt, keep=True)
+    return trace.done()
 
 
 def load_peak_bytes(m: ModelSpec, t: TrainingSpec, shard: float = 1.0, expert_shard: float | None = None) -> int:
