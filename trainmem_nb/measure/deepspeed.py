@@ -14,8 +14,8 @@ import gc
 import os
 import tempfile
 import warnings
-from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 from ..model.hf_writers import to_hf_config
 from ..model.spec import ModelSpec
@@ -26,38 +26,23 @@ from .tracker import StorageTracker
 __all__ = ["measure_deepspeed_step", "measure_zero3_load"]
 
 
-@contextlib.contextmanager
-def _environment(world: int) -> Iterator[None]:
+def _environment(world: int) -> Any:
     """What DeepSpeed reads from a launcher's environment, for rank 0 of `world` on its CPU accelerator."""
-    values = {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": str(world),
-              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return mock.patch.dict(os.environ, {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0",
+                                        "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"})
 
 
-@contextlib.contextmanager
-def _torch_functions_kept() -> Iterator[None]:
+def _torch_functions_kept() -> contextlib.ExitStack:
     """``zero.Init`` swaps ``torch.nn.functional.linear`` for its own (``zero3_linear_wrap``) and, as transformers
-    enters it, leaves it swapped: every later step in this process would run DeepSpeed's linear. Put back here."""
+    enters it, leaves it swapped: every later step in this process would run DeepSpeed's linear. Put back on exit,
+    with the tensor constructors it patches while it is active."""
     import torch
 
-    saved = {name: getattr(torch.nn.functional, name) for name in ("linear",)}
-    saved_torch = {name: getattr(torch, name) for name in ("empty", "zeros", "ones", "full", "tensor", "arange")}
-    try:
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.nn.functional, name, fn)
-        for name, fn in saved_torch.items():
-            setattr(torch, name, fn)
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(torch.nn.functional, "linear", torch.nn.functional.linear))
+    for name in ("empty", "zeros", "ones", "full", "tensor", "arange"):
+        stack.enter_context(mock.patch.object(torch, name, getattr(torch, name)))
+    return stack
 
 
 def _on_host(r: Any) -> bool:

@@ -204,57 +204,24 @@ def _shard_fsdp1(model: nn.Module, p: ParallelSpec, t: TrainingSpec) -> nn.Modul
     return wrapped
 
 
-@contextlib.contextmanager
-def _sync_on_cpu() -> Iterator[None]:
-    """``sync_module_states`` refuses CPU states (it broadcasts over NCCL): the check is lifted while measuring,
-    so the broadcast's bucket copies run on the process group the measurement plays."""
-    from torch.distributed.fsdp import _init_utils
-
-    check = _init_utils._check_module_states_for_sync_module_states
-    _init_utils._check_module_states_for_sync_module_states = lambda *_a, **_k: None
-    try:
-        yield
-    finally:
-        _init_utils._check_module_states_for_sync_module_states = check
-
-
-@contextlib.contextmanager
-def _buckets_seen_go() -> Iterator[None]:
-    """The broadcast's flat buckets live in C++ (``broadcast_coalesced`` frees them before it returns); the tracker
-    sees one go when Python drops the wrapper the dispatch mode made for it, which a reference cycle can delay
-    past the next allocations. Collecting right after the broadcast puts each free back where the allocator has it."""
-    import gc
-
-    from torch.distributed.fsdp import _init_utils
-
-    sync = _init_utils._sync_params_and_buffers
-
-    def synced(*args: Any, **kwargs: Any) -> Any:
-        out = sync(*args, **kwargs)
-        gc.collect()
-        return out
-
-    _init_utils._sync_params_and_buffers = synced
-    try:
-        yield
-    finally:
-        _init_utils._sync_params_and_buffers = sync
-
-
 def measure_fsdp1_wrap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int = 0) -> tuple[int, tuple[int, ...]]:
     """What wrapping a model held on the device in FSDP1 (`_shard_fsdp1`) allocates on rank `rank` of ``p.dp``,
     played over PyTorch's fake process group with real CPU tensors, as a loading trace (``e >= 0`` mallocs ``e``
     bytes, ``~i`` frees allocation ``i``) whose first allocations are the model's parameters and buffers
     (their number is returned with it). ``FlatParamHandle.shard`` frees the unsharded FlatParameter by resizing
     its storage, which no dispatch mode sees: the tracker is told right after the shard is cloned."""
+    import gc
+    from unittest import mock
+
     import torch.distributed as dist
+    from torch.distributed.fsdp import _init_utils
     from torch.distributed.fsdp._flat_param import FlatParamHandle
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
         dist.destroy_process_group()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.dp)
-    get_shard = FlatParamHandle._get_shard
+    get_shard, sync = FlatParamHandle._get_shard, _init_utils._sync_params_and_buffers
     try:
         model, _inputs = build(m, t, "cpu")
         tracker = ResizeAwareTracker()
@@ -266,13 +233,24 @@ def measure_fsdp1_wrap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int
             tracker.resized(tensor, 0)  # shard(): ``flat_param._typed_storage()._resize_(0)``
             return out
 
-        FlatParamHandle._get_shard = staticmethod(shard_then_free)  # type: ignore[method-assign,assignment]
-        with tracker, _follow_fsdp1_resizes(tracker), _sync_on_cpu(), _buckets_seen_go():
+        def synced(*args: Any, **kwargs: Any) -> Any:
+            # the broadcast's flat buckets live in C++ (broadcast_coalesced frees them before it returns); the
+            # tracker sees one go when Python drops the wrapper the dispatch mode made for it, which a reference
+            # cycle can delay past the next allocations: collecting here puts each free where the allocator has it
+            out = sync(*args, **kwargs)
+            gc.collect()
+            return out
+
+        with (mock.patch.object(FlatParamHandle, "_get_shard", staticmethod(shard_then_free)),
+              mock.patch.object(_init_utils, "_sync_params_and_buffers", synced),
+              # sync_module_states refuses CPU states (it broadcasts over NCCL): lifted, so the broadcast's
+              # bucket copies run on the process group the measurement plays
+              mock.patch.object(_init_utils, "_check_module_states_for_sync_module_states", lambda *_a, **_k: None),
+              tracker, _follow_fsdp1_resizes(tracker)):
             model = _shard_fsdp1(model, p, t)
         del model
         return before, tracker.loading_trace(_on_host)
     finally:
-        FlatParamHandle._get_shard = staticmethod(get_shard)  # type: ignore[method-assign]
         dist.destroy_process_group()
 
 

@@ -97,39 +97,6 @@ def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelS
     return trace.done()
 
 
-@lru_cache(maxsize=256)
-def zero3_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tuple[tuple[int, ...], int]:
-    """Rank 0's ZeRO-3 loading trace (`zero3_loading_events` of the weights its pipeline stage holds, in the
-    engine's dtype) and its peak bytes; memoised on the model, the step's key (`program_key`) and the hooks."""
-    from ..step.load import trace_peak
-
-    weights = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
-    trace = zero3_loading_events(weights, m, hooks.world, hooks.ep, shards_on_host=hooks.offload == "optimizer+params")
-    return trace, trace_peak(trace)
-
-
-@lru_cache(maxsize=256)
-def replicated_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tuple[tuple[int, ...], int]:
-    """Rank 0's loading trace below ZeRO-3 and its peak: ``deepspeed.initialize`` casts the host model to its
-    16-bit dtype (``DeepSpeedEngine._configure_distributed_model``: ``self.module.bfloat16()`` / ``.half()``)
-    and then moves it to the device, each parameter whole in the engine's dtype; its stage's parameters only
-    (QLoRA instead quantizes on the device as it loads: `loading_events`). Every storage is freed at the end,
-    as in `loading_events`."""
-    from ..step.load import trace_peak
-
-    held = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
-    adapters = [(p, dt) for p, dt, _train in held if ".lora_" in p.name for _ in range(p.count)]
-    sizes = [round(p.numel * dt) for p, dt, _layer in _named_order(held, m)] + [round(p.numel * dt) for p, dt in adapters]
-    trace = (*sizes, *(~i for i in reversed(range(len(sizes)))))
-    return trace, trace_peak(trace)
-
-
-def loads_with_zero_init(t: TrainingSpec, hooks: EngineHooks) -> bool:
-    """Does `t` load through ``deepspeed.zero.Init`` (ZeRO-3 without quantization: transformers builds a
-    quantized model on the meta device instead)?"""
-    return isinstance(hooks, DeepSpeedHooks) and hooks.zero >= 3 and t.method is not Method.QLORA
-
-
 @dataclass(frozen=True)
 class DeepSpeedHooks(EngineHooks):
     """DeepSpeed ZeRO stages 0-3 with its 16-bit optimizer (fp32 master + moments: 12 B/param)."""
@@ -148,6 +115,14 @@ class DeepSpeedHooks(EngineHooks):
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         return self.model_dt
+
+    def loading(self, m: ModelSpec, t: TrainingSpec) -> tuple[tuple[int, ...], int] | None:
+        """ZeRO-3: ``zero.Init`` makes each parameter whole, then partitions it, and each module is gathered to
+        load it (`zero3_loading_events`); below ZeRO-3 the host model, cast to the engine's dtype, moves to the
+        device. QLoRA (no ``zero.Init``: the quantized model is built on the meta device) quantizes on load."""
+        if t.method is Method.QLORA:
+            return None
+        return _zero3_load(m, t, self) if self.zero >= 3 else _replicated_load(m, t, self)
 
     def unit_forward_begin(self, g: Graph, unit: str) -> None:
         if self.zero >= 3 and unit != "root":
@@ -234,3 +209,32 @@ class DeepSpeedHooks(EngineHooks):
             grads = sum(_round(p.numel * self.model_dt) * p.count for p, _dt in _trainable(self, m, t))
             segs.append(_segment("zero", "zero_grad", 1, ((_CAT["gradients"], -1, const(grads), "zero_grad"),)))
         return segs
+
+
+@lru_cache(maxsize=256)
+def _zero3_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tuple[tuple[int, ...], int]:
+    """Rank 0's ZeRO-3 loading trace (`zero3_loading_events` of the weights its pipeline stage holds, in the
+    engine's dtype) and its peak bytes; memoised on the model, the step's key (`program_key`) and the hooks."""
+    from ..step.load import trace_peak
+
+    weights = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
+    trace = zero3_loading_events(weights, m, hooks.world, hooks.ep, shards_on_host=hooks.offload == "optimizer+params")
+    return trace, trace_peak(trace)
+
+
+@lru_cache(maxsize=256)
+def _replicated_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tuple[tuple[int, ...], int]:
+    """Rank 0's loading trace below ZeRO-3 and its peak: ``deepspeed.initialize`` casts the host model to its
+    16-bit dtype (``DeepSpeedEngine._configure_distributed_model``: ``self.module.bfloat16()`` / ``.half()``)
+    and then moves it to the device, each parameter whole in the engine's dtype; its stage's parameters only
+    (QLoRA instead quantizes on the device as it loads: `loading_events`). Every storage is freed at the end,
+    as in `loading_events`."""
+    from ..step.load import LoadTrace, trace_peak
+
+    held = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
+    adapters = [(p, dt) for p, dt, _train in held if ".lora_" in p.name for _ in range(p.count)]
+    trace = LoadTrace()
+    for p, dt in [(p, dt) for p, dt, _layer in _named_order(held, m)] + adapters:
+        trace.malloc(round(p.numel * dt), keep=True)
+    done = trace.done()
+    return done, trace_peak(done)

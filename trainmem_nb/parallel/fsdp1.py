@@ -45,7 +45,7 @@ from ..step.compile import EngineHooks
 from ..step.optimizers import optimizer_program, state_bytes
 from .ranks import _held, _units, layer_units
 
-__all__ = ["PARAM_BROADCAST_BUCKET_BYTES", "FSDP1Hooks", "flat_units", "wrap_events", "wrapping_load"]
+__all__ = ["PARAM_BROADCAST_BUCKET_BYTES", "FSDP1Hooks", "flat_units", "wrap_events"]
 
 #: FSDP1 aligns each parameter of a FlatParameter to 16 bytes with use_orig_params=True
 #: (torch/distributed/fsdp/_flat_param.py, ``_get_aligned_numel``: ``ALIGNMENT = 16``).
@@ -189,18 +189,6 @@ def wrap_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, unit
     return trace.done()
 
 
-@lru_cache(maxsize=256)
-def wrapping_load(m: ModelSpec, t: TrainingSpec, hooks: FSDP1Hooks) -> tuple[tuple[int, ...], int]:
-    """Rank 0's loading trace under FSDP1 (`wrap_events` for `t`'s weights, `hooks`' units) and its peak bytes;
-    memoised on the model, the step's key (`program_key`) and the hooks."""
-    from ..model.params import buffer_inventory, weight_tensors
-    from ..step.load import trace_peak
-
-    buffers = tuple(b for name, b, count in buffer_inventory(m) if not name.startswith("layers.") for _ in range(count))
-    trace = wrap_events(weight_tensors(m, t), m, hooks.units, t.sync_module_states, t.use_orig_params, buffers)
-    return trace, trace_peak(trace)
-
-
 @dataclass(frozen=True)
 class FSDP1Hooks(EngineHooks):
     """torch FSDP1 (``FullyShardedDataParallel``) wrapping every transformer layer and the root, without
@@ -219,6 +207,10 @@ class FSDP1Hooks(EngineHooks):
     first_stage: bool = True
     last_stage: bool = True
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    def loading(self, m: ModelSpec, t: TrainingSpec) -> tuple[tuple[int, ...], int] | None:
+        """Each unit whole on the device, then sharded (`wrap_events`)."""
+        return _wrapping_load(m, t, self)
 
     def _flats(self, unit: str) -> tuple[_Flat, ...]:
         units = dict(self.units)
@@ -315,3 +307,15 @@ class FSDP1Hooks(EngineHooks):
         # use_orig_params: the optimizer steps on each parameter's part of the chunk; zero_grad(set_to_none)
         # leaves the sharded FlatParameter gradients to the next forward's _reset_flat_param_grad_info_if_needed
         return optimizer_program(m, t, self._shard_of(m), self._grads(m))
+
+
+@lru_cache(maxsize=256)
+def _wrapping_load(m: ModelSpec, t: TrainingSpec, hooks: FSDP1Hooks) -> tuple[tuple[int, ...], int]:
+    """Rank 0's loading trace under FSDP1 (`wrap_events` for `t`'s weights, `hooks`' units) and its peak bytes;
+    memoised on the model, the step's key (`program_key`) and the hooks."""
+    from ..model.params import buffer_inventory, weight_tensors
+    from ..step.load import trace_peak
+
+    buffers = tuple(b for name, b, count in buffer_inventory(m) if not name.startswith("layers.") for _ in range(count))
+    trace = wrap_events(weight_tensors(m, t), m, hooks.units, t.sync_module_states, t.use_orig_params, buffers)
+    return trace, trace_peak(trace)

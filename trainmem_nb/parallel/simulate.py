@@ -9,7 +9,7 @@ from ..engine.program import Program, evaluate, peak_with_churn
 from ..model.params import ParamTensor, trainable_tensors, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.calibration import Calibration
-from ..spec.choices import Device, Method
+from ..spec.choices import Device
 from ..spec.parallel import Engine, Offload, ParallelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks, compile_step, program_key
@@ -26,9 +26,7 @@ from ..step.reserved import (
     reserved_and_total_over_step,
 )
 from .ddp import DDPHooks
-from .deepspeed import DeepSpeedHooks, loads_with_zero_init, replicated_load, zero3_load
 from .fsdp import FSDP2Hooks
-from .fsdp1 import FSDP1Hooks, wrapping_load
 from .layout import _hooks, _host_bytes, _sequence_parallel, _stages, _tp_model, rank_seq_len
 from .pipeline import _fsdp_pipeline_program, _in_flight, _with_micro_batches_in_flight
 from .ranks import RankMemory, _held, _row_shard, shard_world
@@ -111,13 +109,9 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         load_share = 1.0 / p.shard_degree if sharded else 1.0
         # a rank's routed experts (n_experts / ep of them) shard over the shard_degree / ep ranks holding them
         expert_share = 1.0 / max(1, p.shard_degree // p.ep) if sharded else 1.0
-        if isinstance(hooks, FSDP1Hooks):  # each unit whole on the device, then sharded
-            load_trace, load_peak = wrapping_load(stage_model, program_key(t, stage_model), hooks)
-        elif loads_with_zero_init(t, hooks):  # each parameter whole, then partitioned; each module gathered
-            load_trace, load_peak = zero3_load(stage_model, program_key(t, stage_model), hooks)
-        elif isinstance(hooks, DeepSpeedHooks) and not sharded and t.method is not Method.QLORA:
-            # the host model cast to the engine's dtype, then moved to the device
-            load_trace, load_peak = replicated_load(stage_model, program_key(t, stage_model), hooks)
+        own = hooks.loading(stage_model, program_key(t, stage_model))  # FSDP1's wrapping, DeepSpeed's
+        if own is not None:
+            load_trace, load_peak = own
         else:
             load_trace = loading_events(stage_model, t, load_share, expert_share)
             load_peak = load_peak_bytes(stage_model, t, load_share, expert_share)

@@ -86,6 +86,12 @@ class EngineHooks:
         """Replace what is alive before the step for weights, states and gradients (None: unchanged)."""
         return None
 
+    def loading(self, m: ModelSpec, t: TrainingSpec) -> tuple[tuple[int, ...], int] | None:
+        """How the engine loads the model where it differs from a rank loading its share of it
+        (`trainmem_nb.step.load.loading_events`): the loading trace and its peak bytes, for the step's key
+        `t` (`program_key`); None: its share."""
+        return None
+
     def unit_forward_begin(self, g: Graph, unit: str) -> None: ...
     def unit_forward_end(self, g: Graph, unit: str) -> None: ...
     def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None: ...
