@@ -1,8 +1,8 @@
 """How fast is an estimate? Prints the median time of one `estimate()` (goal <= 0.2 ms) and of 10,000
 estimates in a sweep (goal <= 1 s), warm (the step program compiled once per model and options) and
 cold (compiling included), and what replaying the caching allocator costs for a batch shape not seen
-before (goal <= 0.5 ms: not met, ~1.7 ms for an 8B model on an idle 2-core machine with the C replay, ~30 ms
-without it) and in a sweep. fp8's eager casts give its step about three times the events of a bf16 step (the
+before (goal <= 0.5 ms: not met, ~1.1 ms for an 8B model on an idle 2-core machine with the C replay, of
+which the replay ~0.8 ms; ~30 ms without it) and in a sweep. fp8's eager casts give its step about three times the events of a bf16 step (the
 folded program merges its scalar temporaries; the replayed one keeps every malloc): a warm estimate ~0.19 ms
 and a new batch shape ~5 ms for an 8B model.
 

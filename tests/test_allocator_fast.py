@@ -138,14 +138,19 @@ def test_a_small_model_replays_the_same_on_both_paths_with_any_setting() -> None
 
 @needs_native
 @pytest.mark.parametrize("seed", range(4))
-def test_the_c_replay_gives_the_python_allocators_bytes_with_thousands_of_cached_blocks(seed: int) -> None:
-    """Long traces that leave thousands of free blocks cached (its pools keep them in chunks, split and
-    dropped as they fill and empty)."""
+@pytest.mark.parametrize("kinds", [64, 3])
+def test_the_c_replay_gives_the_python_allocators_bytes_with_thousands_of_cached_blocks(seed: int, kinds: int) -> None:
+    """Long traces that leave thousands of free blocks cached: of many distinct sizes (64 request sizes and
+    their merges: more sizes than the C pools count through, so they search), or of a few sizes with
+    hundreds of blocks each (3 sizes, 2 MiB multiples that never split: deep buckets searched by address)."""
     import random
 
     rng = random.Random(seed)
-    sizes = array("q", [rng.choice([rng.randint(1, MiB), rng.randint(MiB, 12 * MiB), rng.randint(12 * MiB, 64 * MiB)])
-                        for _ in range(64)])
+    if kinds == 3:
+        sizes = array("q", [rng.randint(6, 32) * 2 * MiB for _ in range(kinds)])
+    else:
+        sizes = array("q", [rng.choice([rng.randint(1, MiB), rng.randint(MiB, 12 * MiB),
+                                        rng.randint(12 * MiB, 64 * MiB)]) for _ in range(kinds)])
     ops, live, made = array("q"), [], 0
     for _ in range(20_000):
         if live and rng.random() < 0.45:
