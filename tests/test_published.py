@@ -474,7 +474,7 @@ HF = [
 
 def _hf_row(id: str, quote: str, mib: int, xfail: str | None = None, **options: Any) -> Published:
     """One more row of the same page, machine and method: fp16 is the Trainer's AMP (fp32 master weights and
-    GradScaler); ``optim="adafactor"`` is transformers' Adafactor then, modelled as ``adafactor``; the
+    GradScaler); ``optim="adafactor"`` is transformers' Adafactor (the stack's ``adafactor='transformers'``); the
     8-bit rows build ``bnb.optim.Adam8bit`` by hand (``optimizers=(adam_bnb_optim, None)``)."""
     cfg = {**_HF_CFG, **options}
     if cfg["optimizer"] != "adamw":
@@ -497,10 +497,6 @@ HF += [
     _hf_row("hf-bert-large-b1-ga4-gc-fp16-adafactor-v100", "per_device_train_batch_size=1, "
             "gradient_accumulation_steps=4, gradient_checkpointing=True, fp16=True, optim=\"adafactor\" ... Time: "
             "56.54 Samples/second: 9.06 GPU memory occupied: 4847 MB.", 4847,
-            xfail="+24 %: the estimate peaks in the optimizer step, whose temporaries are torch.optim.Adafactor's "
-                  "(the modelled one); the page ran transformers.optimization.Adafactor of 2022 (scale_parameter="
-                  "False, relative_step=False, no first moment), whose update temporaries are not modelled. The "
-                  "batch-4 fp32 row with the same optimizer, which peaks in backward, matches (+0.6 %)",
             micro_batch=1, grad_accum=4, checkpointing="full", precision="fp16-mixed", optimizer="adafactor"),
     _hf_row("hf-bert-large-b4-adam8bit-v100", "adam_bnb_optim = bnb.optim.Adam8bit(...) ... Trainer(..., "
             "optimizers=(adam_bnb_optim, None)) ... Time: 55.95 Samples/second: 9.15 GPU memory occupied: 13085 MB.",

@@ -48,7 +48,8 @@ def test_a_stack_version_is_its_key_librarys_and_older_components_switch_their_m
     assert old.components == {"torch": "1.13", "transformers": "4.38", "bitsandbytes": "0.43.1", "cuda": "11.6"}
     values = {k: a.value for k, a in old.options.items()}
     assert values == {"loop_keeps_outputs": False, "zero_grad_set_to_none": False, "cuda_lazy_loading": False,
-                      "bnb_saves_input": True, "causal_lm_loss": "model-upcast", "sync_module_states": True}
+                      "bnb_saves_input": True, "causal_lm_loss": "model-upcast", "sync_module_states": True,
+                      "adafactor": "transformers"}
     assert {k: a.value for k, a in resolve_stack("hf-trainer@4.47").options.items()}["causal_lm_loss"] == "logits-shifted"
     assert {k: a.value for k, a in resolve_stack("hf-trainer@4.30").options.items()}["causal_lm_loss"] == "no-upcast"
     assert "causal_lm_loss" not in resolve_stack("hf-trainer@4.49").options  # today's loss from 4.49
@@ -201,8 +202,8 @@ def test_the_estimate_says_which_stack_and_versions_it_assumed_and_what_it_set()
     assert any("FSDP1" in n for n in d["not_modelled"])
     text = e.summary()
     assert "stack hf-trainer@4.38 (Hugging Face Trainer): torch 1.13, transformers 4.38" in text
-    assert ("it sets loop_keeps_outputs=False, sync_module_states=True, zero_grad_set_to_none=False, "
-            "causal_lm_loss=model-upcast") in text
+    assert ("it sets loop_keeps_outputs=False, sync_module_states=True, adafactor=transformers, "
+            "zero_grad_set_to_none=False, causal_lm_loss=model-upcast") in text
     assert "stack default (today's versions): torch 2.13" in tm.estimate("gpt2", seq_len=512).summary()
     mine = tm.estimate("llama-3-8b", stack="torchtune", loss_impl="standard", method="lora").to_dict()["stack"]
     assert mine["options"]["loss_impl"]["overridden"] is True
@@ -390,3 +391,33 @@ def test_torchtune_builds_its_adapters_in_the_recipes_dtype_unless_told_otherwis
     peft = tm.estimate("llama-3.2-1b", stack="torchtune", loss_impl="standard", lora_dtype="fp32", **opts)
     assert tune.peak_allocated_bytes < peft.peak_allocated_bytes  # 16-bit adapters and no fp32 input copies
     assert tune.to_dict()["stack"]["options"]["lora_dtype"]["value"] == "base"
+
+
+def test_the_hf_trainer_steps_transformers_adafactor_whose_fp32_copies_set_a_16bit_models_peak() -> None:
+    """``optim="adafactor"`` in the HF Trainer is transformers' Adafactor: a loop that copies each 16-bit gradient
+    and parameter to fp32 and builds its update next to the previous one's, where torch's for-loop Adafactor
+    works in the parameter's dtype (the measured steps of `hf_adafactor_cases` pin both to the byte)."""
+    opts = dict(micro_batch=1, seq_len=64, precision="bf16-true", optimizer="adafactor", device="cpu")
+    trainer = tm.estimate("gpt2", stack="hf-trainer", **opts)
+    assert trainer.training.adafactor.value == "transformers"
+    assert trainer.to_dict()["stack"]["options"]["adafactor"]["value"] == "transformers"
+    assert tm.estimate("gpt2", adafactor="transformers", **opts).peak_allocated_bytes == trainer.peak_allocated_bytes
+    torch_loop = tm.estimate("gpt2", optimizer_impl="for-loop", **opts)
+    assert trainer.peak_phase == "optimizer" and torch_loop.peak_phase == "backward"
+    assert trainer.peak_allocated_bytes > torch_loop.peak_allocated_bytes
+    # the same state (row and column second moments) plus one 0-dim RMS tensor per parameter
+    from trainmem_nb.model.params import trainable_tensors
+
+    n_tensors = sum(p.count for p, _ in trainable_tensors(trainer.model, trainer.training))
+    gap = trainer.breakdown_bytes["optimizer_states"] - torch_loop.breakdown_bytes["optimizer_states"]
+    assert gap >= n_tensors * 512  # bf16 state becomes fp32 too
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (dict(optimizer="adamw", adafactor="transformers"), r"adafactor='transformers' says which Adafactor"),
+    (dict(optimizer="adafactor", adafactor="transformers", optimizer_impl="foreach"), r"one implementation"),
+])
+def test_transformers_adafactor_is_refused_where_it_means_nothing(options: dict, message: str) -> None:
+    with pytest.raises(tm.SpecError, match=message):
+        tm.estimate("gpt2", seq_len=64, **options)
+    assert tm.estimate("gpt2", seq_len=64, stack="hf-trainer").training.optimizer.value == "adamw"  # set by the stack

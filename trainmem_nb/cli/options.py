@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..spec.choices import (
+    AdafactorImpl,
     Attention,
     Checkpointing,
     Fp8Recipe,
@@ -70,6 +71,9 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     g.add_argument("--optimizer", default="adamw", metavar="|".join(_choices(OptimizerName)))
     g.add_argument("--optimizer-impl", default=None, metavar="|".join(_choices(OptimizerImpl)),
                    help="default: the device's PyTorch default (cuda: foreach, cpu: for-loop)")
+    g.add_argument("--adafactor", default=None, metavar="|".join(_choices(AdafactorImpl)),
+                   help="--optimizer adafactor: torch.optim's or transformers' (what the HF Trainer's "
+                        "optim='adafactor' builds); default: the stack's, else torch")
     g.add_argument("--checkpointing", default="none", metavar="|".join(_choices(Checkpointing)))
     g.add_argument("--attention", default="sdpa", metavar="|".join(_choices(Attention)))
     g.add_argument("--loss-impl", default=None, metavar="|".join(_choices(LossImpl)),
@@ -165,6 +169,7 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         **({"use_orig_params": False} if getattr(args, "no_use_orig_params", False) else {}),
         **({"sync_module_states": True} if getattr(args, "sync_module_states", False) else {}),
         **({"loss_impl": args.loss_impl} if args.loss_impl is not None else {}),
+        **({"adafactor": args.adafactor} if getattr(args, "adafactor", None) is not None else {}),
         **({"fp8": args.fp8} if args.fp8 is not None else {}),
         **({"fp8_all_gather": True} if getattr(args, "fp8_all_gather", False) else {}),
         **({"loss_chunks": args.loss_chunks} if args.loss_chunks is not None else {}),

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..model.spec import ModelSpec
+from ..spec.choices import AdafactorImpl, OptimizerName
 from ..spec.training import TrainingSpec
 from .paths import CASES_FILE, HARNESS_FILE, VALIDATION_DIR
 from .result import Measurement
@@ -236,14 +237,16 @@ def _t(**kw: Any) -> TrainingSpec:
     base: dict[str, Any] = {"device": "cpu", "dropout": 0.0, "precision": "fp32", "optimizer": "adamw",
                             "optimizer_impl": "foreach"}
     base.update(kw)
-    if base["optimizer"] == "none":
+    if base["optimizer"] == "none" or base.get("adafactor") == "transformers":  # one implementation only
         base["optimizer_impl"] = None
     return TrainingSpec.model_validate(base)
 
 
 def _case_id(group: str, m: ModelSpec, t: TrainingSpec, mode: str) -> str:
     parts = [t.precision.value] + ([f"fp8-{t.fp8.value}"] if t.fp8.value != "none" else []) + [t.optimizer.value]
-    if t.optimizer.value != "none":
+    if t.optimizer is OptimizerName.ADAFACTOR and t.adafactor is AdafactorImpl.TRANSFORMERS:
+        parts.append("transformers")
+    elif t.optimizer.value != "none":
         parts.append(t.resolved_optimizer_impl.value)
     if t.checkpointing.value != "none":
         parts.append(f"ckpt-{t.checkpointing.value}")
@@ -370,6 +373,7 @@ def full_matrix() -> list[CaseSpec]:
     cases += _cases("cpu-real", [small[0], small[13], small[19]], [_t(micro_batch=2, seq_len=64)], mode="cpu")
     cases += moe_family_cases()
     cases += fp8_cases()
+    cases += hf_adafactor_cases()
     cases += harness_matrix()
     ids = [c.id for c in cases]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
@@ -456,6 +460,24 @@ def fp8_cases() -> list[CaseSpec]:
         _t(micro_batch=2, seq_len=64, fp8="tensorwise", **fp8),
         _t(micro_batch=2, seq_len=64, fp8="rowwise", optimizer="sgd", checkpointing="full", **fp8),
     ], mode="cpu")
+    return cases
+
+
+def hf_adafactor_cases() -> list[CaseSpec]:
+    """transformers' Adafactor as the HF Trainer builds it (its decay groups; fp32 copies of 16-bit gradients and
+    parameters): families whose largest tensor comes first (the embedding) or last (an untied head after the last
+    layer's down projection, which the Trainer's groups put right before it), each precision, LoRA, and options."""
+    hf: dict[str, Any] = {"optimizer": "adafactor", "adafactor": "transformers"}
+    b: dict[str, Any] = {"micro_batch": 2, "seq_len": 128, **hf}
+    trainings = [_t(**b), _t(**{**b, "precision": "bf16-true"}), _t(**{**b, "precision": "bf16-mixed"}),
+                 _t(**{**b, "precision": "fp16-mixed", "checkpointing": "full"}),
+                 _t(**{**b, "precision": "bf16-true", "method": "lora", "lora_rank": 8, "lora_alpha": 16,
+                       "lora_targets": "all-linear"}),
+                 _t(**{**b, "precision": "bf16-mixed", "grad_accum": 2, "attention": "eager"})]
+    models = [_preset(name, **kw) for fam, (name, kw) in _SWEEP_MODELS.items()
+              if fam in ("llama", "gpt2", "bert", "mixtral", "qwen3")]
+    cases = _cases("hf-adafactor", models, trainings)
+    cases += _cases("hf-adafactor", [_small_shapes()[0]], [_t(micro_batch=2, seq_len=64, **hf)], mode="cpu")
     return cases
 
 

@@ -42,7 +42,7 @@ from ..model.families import describe
 from ..model.hf_config import to_hf_config
 from ..model.spec import ModelSpec
 from ..recipes.base import FP8_SKIPPED
-from ..spec.choices import Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
+from ..spec.choices import AdafactorImpl, Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
 from ..spec.training import TrainingSpec
 from .losses import step_loss
 from .models import hf_config_object, instantiate
@@ -234,8 +234,9 @@ def _op_policy() -> Any:
     return context_fn
 
 
-def make_optimizer(t: TrainingSpec, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
-    """The ``torch.optim`` optimizer of `t` over `params` (None for ``optimizer='none'``)."""
+def make_optimizer(t: TrainingSpec, params: list[nn.Parameter], model: nn.Module | None = None) -> torch.optim.Optimizer | None:
+    """The ``torch.optim`` optimizer of `t` over `params` (None for ``optimizer='none'``); transformers' Adafactor
+    as the HF Trainer builds it over `model`'s trained parameters."""
     impl = t.resolved_optimizer_impl
     flags: dict[str, Any] = {}
     if impl is OptimizerImpl.FOREACH:
@@ -255,9 +256,27 @@ def make_optimizer(t: TrainingSpec, params: list[nn.Parameter]) -> torch.optim.O
         return torch.optim.SGD(params, lr=1e-3, **flags)
     if name is OptimizerName.SGD_MOMENTUM:
         return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **flags)
+    if name is OptimizerName.ADAFACTOR and t.adafactor is AdafactorImpl.TRANSFORMERS:
+        return _trainer_adafactor(params, model)
     if name is OptimizerName.ADAFACTOR:
         return torch.optim.Adafactor(params, lr=1e-2, foreach=flags.get("foreach"))
     raise RuntimeError(f"optimizer={name.value!r} cannot be measured here")
+
+
+def _trainer_adafactor(params: list[nn.Parameter], model: nn.Module | None) -> torch.optim.Optimizer:
+    """What ``Trainer(args=TrainingArguments(optim="adafactor"))`` builds: the installed transformers' own decay
+    groups (``Trainer.create_optimizer``) and Adafactor's arguments (``get_optimizer_cls_and_kwargs``)."""
+    from transformers import Trainer
+    from transformers.optimization import Adafactor
+
+    if model is None:
+        raise RuntimeError("adafactor='transformers' is measured over a whole model: the Trainer groups its parameters")
+    decay = set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]  # its self is unused
+    wanted = {id(p) for p in params}
+    named = [(n, p) for n, p in model.named_parameters() if id(p) in wanted]
+    groups = [{"params": [p for n, p in named if n in decay], "weight_decay": 0.0},
+              {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+    return Adafactor(groups, lr=1e-2, scale_parameter=False, relative_step=False)
 
 
 def _prime(opt: torch.optim.Optimizer, trainable: list[nn.Parameter]) -> None:
@@ -372,7 +391,7 @@ class _Setup:
         self.t = t
         self.model, self.inputs = build(m, t, device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = make_optimizer(t, self.trainable)
+        self.opt = make_optimizer(t, self.trainable, self.model)
         self.scaler: Any = None
         kernels = "cuda" if device == "cuda" else "cpu"
         if t.precision is Precision.FP16_MIXED:

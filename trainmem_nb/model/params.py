@@ -40,6 +40,8 @@ class ParamTensor(NamedTuple):
     kind: str = ""
     #: kept in fp32 whatever the model's dtype (deepseek_v3's router: ``_keep_in_fp32_modules_strict``)
     fp32: bool = False
+    #: a norm's weight or bias (``nn.LayerNorm`` where ``ModelSpec.norm == "layernorm"``, else an RMSNorm)
+    norm: bool = False
 
     @property
     def numel(self) -> int:
@@ -65,9 +67,9 @@ def _linear(prefix: str, out_f: int, in_f: int, bias: bool, count: int, in_layer
 
 
 def _norm(prefix: str, dim: int, bias: bool, count: int, in_layer: bool = True) -> list[ParamTensor]:
-    items = [ParamTensor(f"{prefix}.weight", (dim,), count, False, in_layer)]
+    items = [ParamTensor(f"{prefix}.weight", (dim,), count, False, in_layer, norm=True)]
     if bias:
-        items.append(ParamTensor(f"{prefix}.bias", (dim,), count, False, in_layer))
+        items.append(ParamTensor(f"{prefix}.bias", (dim,), count, False, in_layer, norm=True))
     return items
 
 

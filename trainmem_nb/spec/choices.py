@@ -33,6 +33,16 @@ class OptimizerName(_Choice):
     NONE = "none"  #: forward and backward only (no optimizer step)
 
 
+class AdafactorImpl(_Choice):
+    """Which Adafactor ``optimizer='adafactor'`` is: its state is the same, its step's temporaries are not
+    (`trainmem_nb.step.optimizers`)."""
+
+    TORCH = "torch"  #: torch.optim.Adafactor (foreach or a for-loop)
+    #: transformers.optimization.Adafactor(scale_parameter=False, relative_step=False): what the HF Trainer's
+    #: ``optim="adafactor"`` builds; a loop over parameters in fp32, with an RMS tensor per parameter
+    TRANSFORMERS = "transformers"
+
+
 class OptimizerImpl(_Choice):
     """PyTorch optimizer implementations; they differ in their step temporaries."""
 

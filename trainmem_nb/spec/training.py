@@ -13,6 +13,7 @@ from pydantic import Field, TypeAdapter, ValidationError, model_validator
 from ..errors import SpecError, did_you_mean
 from .base import _FROZEN, SpecModel, _validate
 from .choices import (
+    AdafactorImpl,
     AdapterDtype,
     Attention,
     CausalLMLoss,
@@ -56,6 +57,9 @@ class TrainingSpec(SpecModel):
     optimizer_impl: OptimizerImpl | None = Field(
         default=None, description="None: the device's PyTorch default (cuda: foreach, cpu: for-loop)"
     )
+    adafactor: AdafactorImpl = Field(
+        default=AdafactorImpl.TORCH, description="optimizer='adafactor': 'torch' (torch.optim.Adafactor) or "
+        "'transformers' (transformers.optimization.Adafactor, what the HF Trainer's optim='adafactor' builds)")
     checkpointing: Checkpointing = Checkpointing.NONE
     attention: Attention = Attention.SDPA
     dropout: float | None = Field(default=None, ge=0.0, lt=1.0, description="None: the model config's rates")
@@ -122,7 +126,7 @@ class TrainingSpec(SpecModel):
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
         "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params",
-        "sync_module_states"})
+        "sync_module_states", "adafactor"})
 
     @model_validator(mode="before")
     @classmethod
@@ -150,7 +154,7 @@ class TrainingSpec(SpecModel):
         for key, enum in (
             ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
             ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
-            ("loss_impl", LossImpl), ("causal_lm_loss", CausalLMLoss), ("fp8", Fp8Recipe),
+            ("loss_impl", LossImpl), ("causal_lm_loss", CausalLMLoss), ("fp8", Fp8Recipe), ("adafactor", AdafactorImpl),
         ):
             if key in data and data[key] is not None:
                 data[key] = enum.parse(data[key], key)
@@ -247,6 +251,15 @@ class TrainingSpec(SpecModel):
                 f"optimizer_impl='fused' exists only for adam, adamw, sgd and sgd-momentum in PyTorch "
                 f"(got optimizer={self.optimizer.value!r}); use 'foreach' or 'for-loop'"
             )
+        if self.adafactor is AdafactorImpl.TRANSFORMERS and self.optimizer is OptimizerName.ADAFACTOR \
+                and self.optimizer_impl is not None:
+            raise SpecError(f"optimizer_impl={self.optimizer_impl.value!r} with adafactor='transformers': "
+                            "transformers' Adafactor has one implementation, a loop over the parameters; drop "
+                            "optimizer_impl, or use adafactor='torch' (torch.optim.Adafactor)")
+        if "adafactor" in self.model_fields_set and self.adafactor is not AdafactorImpl.TORCH \
+                and self.optimizer is not OptimizerName.ADAFACTOR:
+            raise SpecError(f"adafactor={self.adafactor.value!r} says which Adafactor optimizer='adafactor' is (got "
+                            f"optimizer={self.optimizer.value!r}); drop adafactor or set optimizer='adafactor'")
         return self
 
     def _check_fp8(self) -> None:

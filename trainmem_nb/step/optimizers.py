@@ -4,11 +4,13 @@ State follows each optimizer's ``state`` dict after its first step (steady state
 the PyTorch 2.x implementations in ``torch/optim/adam.py`` / ``adamw.py`` / ``sgd.py`` /
 ``_adafactor.py``: ``foreach`` runs multi-tensor ops over all parameters at once (its temporaries
 exist for every parameter together), ``for-loop`` one parameter at a time (the largest ones count),
-``fused`` one kernel with no temporaries.
+``fused`` one kernel with no temporaries. ``adafactor='transformers'`` is transformers.optimization.Adafactor,
+the HF Trainer's ``optim="adafactor"``: a loop over the Trainer's parameter groups in fp32.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -17,7 +19,7 @@ from ..engine.breakdown import DETAIL_KEYS
 from ..engine.tape import Sz, const
 from ..model.params import ParamTensor, trainable_tensors
 from ..model.spec import ModelSpec
-from ..spec.choices import Device, OptimizerImpl, OptimizerName
+from ..spec.choices import AdafactorImpl, Device, OptimizerImpl, OptimizerName
 from ..spec.training import TrainingSpec
 
 if TYPE_CHECKING:
@@ -103,6 +105,12 @@ def state_bytes(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None) -> li
                 out.append((const(_round(p.numel)), 2 * p.count))
                 out.append((const(_round(-(-p.numel // BNB_BLOCK) * 4)), 2 * p.count))
             continue
+        if opt is OptimizerName.ADAFACTOR and t.adafactor is AdafactorImpl.TRANSFORMERS:
+            # its state in the fp32 gradient's dtype (``torch.zeros(...).to(grad)`` after ``grad.float()``), and
+            # ``state["RMS"] = self._rms(p_data_fp32)``: a 0-dim fp32 tensor kept per parameter
+            for nbytes in (*_adafactor_state(p, 4), 4):
+                out.append((const(_round(nbytes)), p.count))
+            continue
         if opt is OptimizerName.ADAFACTOR:
             for nbytes in _adafactor_state(p, pdt):
                 out.append((const(_round(nbytes)), p.count))
@@ -142,20 +150,65 @@ def _adafactor_temporaries(params: list[tuple[ParamTensor, int]], foreach: bool)
 
 
 def _model_order(params: list[tuple[ParamTensor, int]]) -> list[int]:
-    """Rounded bytes of every parameter tensor in ``model.parameters()`` order: the inventory lists a
-    layer's tensors once (with a count); the model repeats the whole layer block layer by layer."""
-    before: list[int] = []
-    block: list[tuple[int, int]] = []
-    after: list[int] = []
+    """Rounded bytes of every parameter tensor in ``model.parameters()`` order."""
+    return [_round(p.numel * pdt) for p, pdt in _in_model_order(params)]
+
+
+def _in_model_order(params: list[tuple[ParamTensor, int]]) -> list[tuple[ParamTensor, int]]:
+    """Every parameter tensor in ``model.parameters()`` order: the inventory lists a layer's tensors once
+    (with a count); the model repeats the whole layer block layer by layer."""
+    before: list[tuple[ParamTensor, int]] = []
+    block: list[tuple[ParamTensor, int]] = []
+    after: list[tuple[ParamTensor, int]] = []
     for p, pdt in params:
-        size = _round(p.numel * pdt)
         if p.in_layer:
-            block.append((size, p.count))
+            block.append((p, pdt))
         else:
-            (after if block else before).extend([size] * p.count)
-    layers = max((c for _, c in block), default=0)
-    middle = [size for i in range(layers) for size, c in block if i < c]
+            (after if block else before).extend([(p, pdt)] * p.count)
+    layers = max((p.count for p, _ in block), default=0)
+    middle = [(p, pdt) for i in range(layers) for p, pdt in block if i < p.count]
     return before + middle + after
+
+
+#: The names the HF Trainer leaves out of weight decay, searched in the lower-cased parameter name
+#: (transformers 5.24 trainer.py ``Trainer.get_decay_parameter_names``: ``forbidden_name_patterns``), besides
+#: every parameter of an ``nn.LayerNorm`` module (``get_parameter_names(model, [nn.LayerNorm], ...)``).
+_NO_DECAY = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
+
+
+def _trainer_order(m: ModelSpec, params: list[tuple[ParamTensor, int]]) -> list[tuple[ParamTensor, int]]:
+    """The order the HF Trainer's optimizer visits the parameters: its two groups (``Trainer.create_optimizer``),
+    the weight-decayed ones in model order, then the others."""
+    def decayed(p: ParamTensor) -> bool:
+        return not (_NO_DECAY.search(p.name.lower()) or (p.norm and m.norm == "layernorm"))
+
+    order = _in_model_order(params)
+    return [x for x in order if decayed(x[0])] + [x for x in order if not decayed(x[0])]
+
+
+def _hf_adafactor_window(m: ModelSpec, params: list[tuple[ParamTensor, int]]) -> list[tuple[int, int]]:
+    """The temporaries of transformers.optimization.Adafactor's ``step()`` (transformers 5.24 optimization.py) around
+    the parameter where they peak, as ``(+1 or -1, bytes)`` in order. Per parameter, in the Trainer's order: a
+    16-bit gradient and parameter copied to fp32 (``grad.float()``, ``p.float()``: bound until the next
+    parameter's); ``update = (grad**2) + eps`` (two full-size tensors while the previous parameter's ``update``
+    is still bound); for a matrix ``_approx_sq_grad``'s row and column factors and their product, the new
+    ``update``; for a vector ``exp_avg_sq.rsqrt()``; then ``p_data_fp32.add_(-update)`` (one more)."""
+    best: tuple[int, list[tuple[int, int]]] = (-1, [])
+    prev = 0
+    for p, pdt in _trainer_order(m, params):
+        f = _round(p.numel * 4)
+        copies = [f, f] if pdt != 4 else []  # grad.float(), p.float()
+        # a matrix's row and column factors (``_approx_sq_grad``); a vector has none
+        factors = [_round(p.numel // p.shape[-1] * 4), _round(p.numel // p.shape[-2] * 4)] if len(p.shape) >= 2 else []
+        peak = sum(copies) + max(prev + 2 * f, 2 * f + sum(factors))
+        if peak > best[0]:
+            ev = [(1, prev)] if prev else []
+            ev += [(1, n) for n in copies] + [(1, f), (1, f), (-1, f)] + ([(-1, prev)] if prev else [])
+            ev += [(1, n) for n in factors] + [(1, f)] + [(-1, n) for n in factors] + [(-1, f)]
+            ev += [(1, f), (-1, f), (-1, f)] + [(-1, n) for n in copies]
+            best = (peak, ev)
+        prev = f
+    return best[1]
 
 
 def _adafactor_state(p: ParamTensor, pdt: int) -> list[int]:
@@ -203,6 +256,9 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
     elif opt is OptimizerName.LION and params:
         largest = max(_round(p.numel * pdt) for p, pdt in params)
         events += [(temp, 1, const(largest), "lion update"), (temp, -1, const(largest), "lion update freed")]
+    elif opt is OptimizerName.ADAFACTOR and params and t.adafactor is AdafactorImpl.TRANSFORMERS:
+        events += [(temp, sign, const(n), "transformers Adafactor update" if sign > 0 else "freed")
+                   for sign, n in _hf_adafactor_window(m, params)]
     elif opt is OptimizerName.ADAFACTOR and params:
         worst = _adafactor_temporaries(params, impl is OptimizerImpl.FOREACH)
         events += [(temp, 1, const(worst), "adafactor variance estimates"), (temp, -1, const(worst), "adafactor freed")]
