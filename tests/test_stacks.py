@@ -421,3 +421,26 @@ def test_transformers_adafactor_is_refused_where_it_means_nothing(options: dict,
     with pytest.raises(tm.SpecError, match=message):
         tm.estimate("gpt2", seq_len=64, **options)
     assert tm.estimate("gpt2", seq_len=64, stack="hf-trainer").training.optimizer.value == "adamw"  # set by the stack
+
+
+def test_torch_before_1_11_keeps_each_softmaxs_input_for_backward() -> None:
+    """torch 1.10's softmax and log_softmax save their input besides their result (pytorch/pytorch#64000): eager
+    attention keeps every layer's fp32 scores (batch x heads x seq x seq) until its backward, and the loss its logits."""
+    from trainmem_nb.device import round_block
+    from trainmem_nb.engine.breakdown import TOP_KEYS
+
+    m = tm.ModelSpec.model_validate({**tm.get_model("bert-base").model_dump(), "num_labels": 2})
+    opts = dict(micro_batch=2, seq_len=128, precision="fp32", attention="eager", dropout=0.0, device="cpu",
+                optimizer="sgd")
+    today, kept = tm.estimate(m, **opts), tm.estimate(m, softmax_saves_input=True, **opts)
+    assert resolve_stack("", "torch=1.10").options["softmax_saves_input"].value is True
+    assert "softmax_saves_input" not in resolve_stack("", "torch=1.11").options
+    act = TOP_KEYS.index("activations")
+
+    def most(e: tm.MemoryEstimate) -> int:
+        return max(p.by_category[act] for p in e.timeline(max_points=10**7))
+
+    scores = m.n_layers * round_block(2 * m.n_heads * 128 * 128 * 4)
+    logits = round_block(2 * 2 * 4)
+    assert most(kept) - most(today) == scores + logits
+    assert kept.peak_allocated_bytes >= today.peak_allocated_bytes

@@ -170,6 +170,9 @@ class Graph:
         #: inputs so kept, alive until the graph goes (the driver releases them at the end of backward)
         self.bnb_saves_input = False
         self.bnb_kept: list[T] = []
+        #: torch < 1.11: ``softmax`` and ``log_softmax`` keep their input for backward as well as their result
+        #: (their derivatives passed ``self`` to ``_softmax_backward_data``: pytorch/pytorch#64000)
+        self.softmax_saves_input = False
         #: each FSDP unit's parameters, in the order of the model's weights (engines that gather per unit)
         self.unit_params: dict[str, list[T]] = {}
         #: a run of same-size scalar temporaries may be one event of their blocks (the folded program, whose

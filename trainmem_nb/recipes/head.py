@@ -86,7 +86,7 @@ def masked_lm_loss(g: Graph, ctx: ops.Ctx, scores: T, labels: T) -> T:
     def ls_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         return [g.alloc(src.n, src.dt, "log_softmax backward")]
 
-    g.record("log_softmax", [src], [ls], [ls], ls_bwd)
+    g.record("log_softmax", [src], [ls], [ls, src] if g.softmax_saves_input else [ls], ls_bwd)
     if ctx.cuda:
         g.drop(src)
     loss = g.alloc(const(1), src.dt, "loss")
@@ -169,7 +169,7 @@ def _cross_entropy(g: Graph, lf: T, target: T, prefix: str = "", loss_n: Sz | No
     def ls_bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         return [g.alloc(n, dt, f"{prefix}log_softmax backward")]
 
-    g.record(f"{prefix}log_softmax", [lf], [ls], [ls], ls_bwd)
+    g.record(f"{prefix}log_softmax", [lf], [ls], [ls, lf] if g.softmax_saves_input else [ls], ls_bwd)
     loss = g.alloc(const(1) if loss_n is None else loss_n, dt, f"{prefix}loss")
     total_weight = g.alloc(const(1), dt, f"{prefix}nll total_weight")
 

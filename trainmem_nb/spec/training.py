@@ -99,6 +99,9 @@ class TrainingSpec(SpecModel):
         "them between steps (torch < 2.0's default)")
     bnb_saves_input: bool = Field(
         default=False, description="QLoRA: bitsandbytes' MatMul4Bit saves its input for backward (bitsandbytes < 0.43.2)")
+    softmax_saves_input: bool = Field(
+        default=False, description="softmax and log_softmax keep their input for backward besides their result "
+        "(torch < 1.11)")
     causal_lm_loss: CausalLMLoss = Field(
         default=CausalLMLoss.LABELS_SHIFTED,
         description="the standard loss as the transformers version computes it: 'labels-shifted' (4.49+), "
@@ -126,7 +129,7 @@ class TrainingSpec(SpecModel):
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
         "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params",
-        "sync_module_states", "adafactor"})
+        "sync_module_states", "adafactor", "softmax_saves_input"})
 
     @model_validator(mode="before")
     @classmethod

@@ -27,7 +27,7 @@ from ..recipes.head import (
     torchtune_rows_symbolic,
 )
 from ..recipes.registry import recipe_for, runs_loss
-from ..spec.choices import Checkpointing, Device, Fp8Recipe, LossImpl, Method, OptimizerName, Precision
+from ..spec.choices import AdafactorImpl, Checkpointing, Device, Fp8Recipe, LossImpl, Method, OptimizerName, Precision
 from ..spec.training import TrainingSpec
 from .checkpoint import _checkpointed_layer, _Frame
 from .layers import in_layer_of, layer_plan
@@ -128,6 +128,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     g = Graph()
     g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
     g.bnb_saves_input = t.bnb_saves_input
+    g.softmax_saves_input = t.softmax_saves_input
     all_weights = weight_tensors(m, t)
     weights = [w for w in all_weights if on_stage(w[0], m, hooks.first_stage, hooks.last_stage)]
     held = {id(w[0]) for w in weights}
@@ -468,6 +469,8 @@ def program_key(t: TrainingSpec, m: ModelSpec | None = None) -> TrainingSpec:
     # the stack shapes the program only through the options it sets; the CUDA context is not in it
     update = {**shape, "grad_accum": min(t.grad_accum, 2), "alloc_conf": "", "stack": "", "versions": "",
               "cuda_lazy_loading": True}
+    if t.optimizer is not OptimizerName.ADAFACTOR:  # which Adafactor it would be: no part of another optimizer's step
+        update["adafactor"] = AdafactorImpl.TORCH
     # one key object per distinct key: a new spec of a new batch shape finds it without copying the spec
     # (every estimate builds its own spec), and the program cache then matches it by identity (a spec's
     # __dict__ holds its fields alone, in their order)

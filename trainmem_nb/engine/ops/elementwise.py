@@ -150,14 +150,15 @@ def rsqrt(g: Graph, x: T, label: str = "rsqrt") -> T:
 
 def softmax(g: Graph, x: T, dt: int | None = None, label: str = "softmax") -> T:
     """``softmax(x, dim=-1, dtype=dt)``: an input in another dtype is first cast (a temporary);
-    saves its output; backward allocates one gradient (then casts it back if the input was cast)."""
+    saves its output (and its input where `Graph.softmax_saves_input`); backward allocates one gradient
+    (then casts it back if the input was cast)."""
     src = cast(g, x, dt, f"{label} input cast") if dt is not None else g.hold(x)
     out = g.alloc(src.n, src.dt, label)
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         return [g.alloc(src.n, src.dt, f"{label} backward")]
 
-    g.record(label, [src], [out], [out], bwd)
+    g.record(label, [src], [out], [out, src] if g.softmax_saves_input else [out], bwd)
     g.drop(src)
     return out
 
