@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from trainmem_nb.measure.models import hf_param_shapes
-from trainmem_nb.model.params import param_inventory
+from trainmem_nb.model.params import count_params
 from trainmem_nb.model.presets import get_model, list_presets
 
 DATA = Path(__file__).resolve().parents[1] / "trainmem_nb" / "data" / "presets.json"
@@ -28,7 +28,7 @@ def main() -> int:
     for entry, preset in zip(doc["presets"], list_presets(), strict=True):
         shapes = hf_param_shapes(preset.config)
         hf_total = sum(_numel(s) for s in shapes.values())
-        ours = sum(p.numel * p.count for p in param_inventory(get_model(preset.name)))
+        ours = count_params(get_model(preset.name))  # a multimodal checkpoint's vision tower too
         status = "ok" if ours == hf_total else f"MISMATCH ours={ours}"
         if entry.get("n_params") not in (None, hf_total) and args.check:
             status += f" recorded={entry['n_params']}"

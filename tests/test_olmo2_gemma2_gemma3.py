@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import trainmem_nb as tm
+from trainmem_nb.device import round_block
 from trainmem_nb.errors import SpecError
 from trainmem_nb.model.hf_config import to_hf_config
 from trainmem_nb.model.layers import compress
@@ -32,6 +33,14 @@ SPECS: dict[str, dict[str, Any]] = {
     "gemma3-final-cap": dict(family="gemma3", n_layers=2, hidden=128, n_heads=2, n_kv_heads=1, head_dim=64, ffn=256,
                              vocab=500, sliding_window=16, final_softcap=30.0,
                              layer_types=("full_attention", "sliding_attention")),
+    # a multimodal config: Gemma3ForConditionalGeneration, its SigLIP tower and projector (one with the pooling head)
+    "gemma3-vision": dict(family="gemma3", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+                          vocab=500, sliding_window=16,
+                          vision=dict(hidden=64, intermediate=96, n_layers=2, n_heads=4, image_size=48, patch_size=8)),
+    "gemma3-vision-head": dict(family="gemma3", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+                               vocab=500, sliding_window=16,
+                               vision=dict(hidden=32, intermediate=64, n_layers=1, n_heads=2, image_size=16,
+                                           patch_size=4, channels=1, head=True)),
 }
 
 
@@ -82,14 +91,36 @@ def test_gemma3_with_attention_biases_matches_its_measured_step() -> None:
     assert (est.n_params, est.peak_allocated_bytes) == (measured.n_params, measured.peak_allocated_bytes)
 
 
-def test_multimodal_gemma3_config_is_read_as_its_language_model() -> None:
-    # gemma-3-4b's config.json nests the language model in text_config; Gemma3TextConfig's defaults fill
-    # the keys it omits (8 heads, 4 kv heads, head_dim 256, a 262,208-token vocabulary)
+def test_multimodal_gemma3_config_is_read_as_its_language_model_and_vision_tower() -> None:
+    # gemma-3-4b's config.json nests the language model in text_config (Gemma3TextConfig's defaults fill the keys
+    # it omits: 8 heads, 4 kv heads, head_dim 256, a 262,208-token vocabulary) and the SigLIP tower in vision_config
     preset = get_preset("gemma-3-4b")
     assert preset.config["model_type"] == "gemma3"
     m = get_model("gemma-3-4b")
     assert (m.family.value, m.n_heads, m.n_kv_heads, m.head_dim, m.vocab) == ("gemma3", 8, 4, 256, 262_208)
-    assert m.n_params == preset.n_params == 3_880_263_168  # the text model: the vision tower is not modelled
+    assert m.vision is not None and (m.vision.hidden, m.vision.n_layers, m.vision.n_patches) == (1152, 27, 4096)
+    assert m.n_params == preset.n_params  # what transformers builds (test_presets checks it on the meta device)
+    text_only = ModelSpec.model_validate({**m.model_dump(), "vision": None})
+    assert m.n_params > 4.2e9 and text_only.n_params < 3.9e9  # "4B": 4.3B with its 0.4B vision tower
+
+
+def test_a_text_only_step_holds_the_vision_tower_as_weights_without_gradients_or_state() -> None:
+    m = get_model("gemma-3-4b")
+    text_only = ModelSpec.model_validate({**m.model_dump(), "vision": None})
+    from trainmem_nb.model.params import vision_inventory
+
+    tower = sum(round_block(p.numel * 2) * p.count for p in vision_inventory(m)) + round_block(8 * 4096)  # + position_ids
+    for method in ("full", "lora"):
+        opts = dict(seq_len=512, method=method, precision="bf16-true", optimizer="sgd-momentum")
+        with_tower, without = tm.estimate(m, **opts), tm.estimate(text_only, **opts)
+        extra = {k: with_tower.breakdown_bytes[k] - without.breakdown_bytes[k] for k in ("weights", "gradients",
+                                                                                         "optimizer_states")}
+        adapters = extra["weights"] - tower  # peft's adapters on the tower's q/v projections (fp32)
+        assert extra["gradients"] == extra["optimizer_states"] == 0
+        assert adapters == (0 if method == "full" else 27 * 2 * 2 * round_block(16 * 1152 * 4))
+    assert tm.estimate(m, seq_len=512, method="qlora").breakdown_bytes["weights"] < tm.estimate(
+        m, seq_len=512, method="lora").breakdown_bytes["weights"]
+    assert "vision tower" in tm.estimate(m, seq_len=512).summary()
 
 
 def test_gemma3_five_to_one_pattern_compresses_to_a_period_of_six() -> None:

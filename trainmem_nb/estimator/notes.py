@@ -6,6 +6,7 @@ under ``MemoryEstimate.summary()``.
 from __future__ import annotations
 
 from ..model.families import Family
+from ..model.params import vision_inventory
 from ..model.spec import ModelSpec
 from ..recipes.registry import loss_gap, runs_loss
 from ..spec.choices import LossImpl, Method
@@ -19,7 +20,7 @@ __all__ = ["estimate_notes"]
 def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None) -> tuple[str, ...]:
     """Notes on a step of `m` trained as `t` on layout `p`: a LoRA base counted in fp32 under a mixed
     recipe, QLoRA leaving an MoE model's fused expert tensors unquantized, FSDP ranks outnumbering the
-    experts, SDPA counted as eager where transformers has none (Gemma 2), Gemma 3's vision tower left out."""
+    experts, SDPA counted as eager where transformers has none (Gemma 2), Gemma 3's vision tower held but never run."""
     notes = []
     if p is not None and p.engine is Engine.FSDP and t.fsdp_version == 1 and "fsdp_version" not in t.model_fields_set:
         from ..parallel.checks import fsdp1_gap
@@ -79,7 +80,24 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
             f"{m.family.value} has no SDPA path in transformers ({d.hf_class}: _supports_sdpa = False, as {why}): "
             "attention='sdpa' is counted as the eager attention Hugging Face runs by default, whose (b, heads, s, s) "
             f"scores dominate at long sequences{flash}")
-    if m.family.value == "gemma3":
-        notes.append("gemma3: the language model only (Gemma3ForCausalLM); the 4B-27B checkpoints are multimodal "
-                     "and their SigLIP vision tower and projector are not counted")
+    if m.vision is not None:
+        where = ("" if p is None or p.gpus == 1 else
+                 "; whole on every rank (sharding it, or the DDP buckets of its never-filled gradients, is not modelled)")
+        notes.append(f"{m.name}: Gemma3ForConditionalGeneration (what AutoModelForCausalLM builds from a multimodal "
+                     "config): its SigLIP vision tower and projector "
+                     f"({format_bytes(sum(p.numel * p.count for p in vision_inventory(m)) * t.param_bytes)}"
+                     f"{' before NF4' if t.method is Method.QLORA else ''}) are held as weights and never run on text "
+                     f"(no gradients, no optimizer state){where}")
+        if m.vocab <= GEMMA3_IMAGE_TOKEN_ID:
+            notes.append(f"{m.name}: a vocabulary of {m.vocab:,} (not above the image token id {GEMMA3_IMAGE_TOKEN_ID:,}, "
+                         "unlike the released checkpoints) makes Gemma3Model clone the input ids and mask the image "
+                         "token (8 + 1 bytes a token): not counted")
+    elif m.family is Family.GEMMA3:
+        notes.append("gemma3: the language model only (Gemma3ForCausalLM, a gemma3_text config); a multimodal "
+                     "gemma3 config adds its vision tower's weights (ModelSpec.vision)")
     return tuple(notes)
+
+
+#: Gemma3Config's ``image_token_index`` default (configuration_gemma3.py): ids at or above the vocabulary make
+#: Gemma3Model.forward clone ``input_ids`` (``if self.config.image_token_id >= self.vocab_size``).
+GEMMA3_IMAGE_TOKEN_ID = 262_144

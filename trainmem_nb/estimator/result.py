@@ -104,13 +104,14 @@ class MemoryEstimate:
         """Host RAM one process needs to load the model: the full state dict in the weights' dtype
         (16-bit for QLoRA, which quantizes while moving to the GPU). Each data-parallel process pays
         it unless the model is loaded on rank 0 only or built on the meta device."""
-        from ..model.params import weight_tensors
+        from ..model.params import idle_weights, weight_tensors
         from ..spec.choices import Method
 
         t = self.training
         dt = 2 if t.method is Method.QLORA and t.param_bytes == 4 and not t.mixed else None
-        total = 0
-        for p, pdt, _ in weight_tensors(self.model, t):
+        total: float = 0
+        weights = [(p, pdt) for p, pdt, _ in weight_tensors(self.model, t)] + idle_weights(self.model, t)
+        for p, pdt in weights:
             total += p.numel * p.count * (dt or (2 if t.method is Method.QLORA and pdt < 1 else pdt))
         return int(total)
 

@@ -374,6 +374,7 @@ def full_matrix() -> list[CaseSpec]:
     cases += moe_family_cases()
     cases += fp8_cases()
     cases += hf_adafactor_cases()
+    cases += gemma3_vision_cases()
     cases += harness_matrix()
     ids = [c.id for c in cases]
     dupes = sorted({i for i in ids if ids.count(i) > 1})
@@ -479,6 +480,26 @@ def hf_adafactor_cases() -> list[CaseSpec]:
     cases = _cases("hf-adafactor", models, trainings)
     cases += _cases("hf-adafactor", [_small_shapes()[0]], [_t(micro_batch=2, seq_len=64, **hf)], mode="cpu")
     return cases
+
+
+def gemma3_vision_cases() -> list[CaseSpec]:
+    """A multimodal Gemma 3 (Gemma3ForConditionalGeneration, what AutoModelForCausalLM builds from the released
+    4B-27B configs) on text: its vision tower held but never run, full fine-tuning and LoRA (peft adapts the
+    tower's linear layers too). The vocabulary is the checkpoints' (above the image token id, so the model does
+    not clone the input ids)."""
+    vision = {"hidden": 64, "intermediate": 128, "n_layers": 2, "n_heads": 4, "image_size": 64, "patch_size": 8}
+    m = _m("gemma3", "gemma3-vision-tiny", n_layers=3, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+           vocab=262208, sliding_window=16, layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+           vision=vision)
+    lora: dict[str, Any] = {"method": "lora", "lora_rank": 8, "lora_alpha": 16}
+    return _cases("gemma3-vision", [m], [
+        _t(micro_batch=1, seq_len=32),
+        _t(micro_batch=1, seq_len=32, precision="bf16-mixed", attention="eager"),
+        _t(micro_batch=2, seq_len=32, precision="bf16-true", checkpointing="full"),
+        _t(micro_batch=1, seq_len=32, precision="bf16-true", lora_targets="all-linear", **lora),
+        _t(micro_batch=1, seq_len=32, precision="bf16-mixed", lora_targets="qv", **lora),
+        _t(micro_batch=1, seq_len=64, precision="bf16-true", optimizer="sgd", grad_accum=2),
+    ], mode="cpu")
 
 
 def quick_matrix() -> list[CaseSpec]:

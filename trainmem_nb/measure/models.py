@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["hf_config_object", "hf_model_class", "hf_param_shapes", "instantiate", "language_model_config"]
+__all__ = ["IDLE_MODULES", "hf_config_object", "hf_model_class", "hf_param_shapes", "instantiate"]
+
+#: The modules of a multimodal Gemma 3 model that a text-only step never runs (no gradient, no optimizer state),
+#: as parts of a parameter's name (peft wraps the model: ``base_model.model.model.vision_tower...``).
+IDLE_MODULES = frozenset({"vision_tower", "multi_modal_projector"})
 
 
 def hf_config_object(config: Mapping[str, Any], **overrides: Any) -> Any:
@@ -29,27 +33,16 @@ def hf_model_class(model_type: str, architectures: Any = None) -> Any:
 
     if isinstance(architectures, list) and architectures and str(architectures[0]).endswith("ForSequenceClassification"):
         return getattr(transformers, architectures[0])
+    if model_type == "gemma3":  # a multimodal config: AutoModelForCausalLM builds the whole model (modeling_auto.py)
+        return transformers.Gemma3ForConditionalGeneration
     return getattr(transformers, describe(SUPPORTED_MODEL_TYPES[model_type]).hf_class)
 
 
-def language_model_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The config of the model trainmem_nb builds: a multimodal Gemma 3 config (``model_type``
-    ``gemma3``) becomes its ``text_config`` as a ``gemma3_text`` config (the vision tower and the
-    projector are not modelled); any other config is itself."""
-    if config.get("model_type") != "gemma3":
-        return config
-    text = dict(config.get("text_config") or {})
-    text["model_type"] = "gemma3_text"
-    text.setdefault("tie_word_embeddings", config.get("tie_word_embeddings", True))
-    return text
-
-
 def hf_param_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` of every parameter (tied ones once) of the model built on the meta device
-    (of a multimodal Gemma 3 config, its language model: `language_model_config`)."""
+    """``{name: shape}`` of every parameter (tied ones once) of the model built on the meta device (of a
+    multimodal Gemma 3 config, Gemma3ForConditionalGeneration: its vision tower and projector too)."""
     import torch
 
-    config = language_model_config(config)
     cfg = hf_config_object(config)
     cls = hf_model_class(config["model_type"], config.get("architectures"))
     with torch.device("meta"):

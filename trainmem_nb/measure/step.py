@@ -45,7 +45,7 @@ from ..recipes.base import FP8_SKIPPED
 from ..spec.choices import AdafactorImpl, Attention, Checkpointing, Method, OptimizerImpl, OptimizerName, Precision
 from ..spec.training import TrainingSpec
 from .losses import step_loss
-from .models import hf_config_object, instantiate
+from .models import IDLE_MODULES, hf_config_object, instantiate
 from .tracker import StorageTracker, cuda_round
 
 __all__ = ["MEASURABLE_OPTIMIZERS", "StepTrace", "build", "check_measurable", "run_step", "summarize", "traced_step"]
@@ -391,7 +391,10 @@ class _Setup:
     def __init__(self, m: ModelSpec, t: TrainingSpec, device: str, prime: bool) -> None:
         self.t = t
         self.model, self.inputs = build(m, t, device)
-        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
+        # a multimodal model's vision tower never runs on text: its parameters get no gradient, so an optimizer
+        # given them keeps no state for them (what leaving them out of it gives, priming included)
+        self.trainable = [p for n, p in self.model.named_parameters()
+                          if p.requires_grad and IDLE_MODULES.isdisjoint(n.split("."))]
         self.opt = make_optimizer(t, self.trainable, self.model)
         self.scaler: Any = None
         kernels = "cuda" if device == "cuda" else "cpu"

@@ -319,18 +319,37 @@ def _read_gemma2(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
     return _read_gemma_sliding(cfg, f, _GEMMA2_DEFAULTS, 2, (50.0, 30.0))
 
 
+#: SiglipVisionConfig's defaults (configuration_siglip.py), which a ``gemma3`` config without a ``vision_config``
+#: gets (Gemma3Config.sub_configs_defaults: ``siglip_vision_model``); the released checkpoints give their own.
+_SIGLIP_VISION_DEFAULTS: dict[str, Any] = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+                                           "num_attention_heads": 12, "image_size": 224, "patch_size": 16, "num_channels": 3,
+                                           "vision_use_head": True}
+
+
 def _read_gemma3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
-    """Gemma3TextConfig (``gemma3_text``), or the language model of a multimodal ``gemma3`` config (its
-    ``text_config``; the vision tower and projector are not modelled): five sliding layers per global
-    one (``sliding_window_pattern``, default 6), no soft-capping by default."""
+    """Gemma3TextConfig (``gemma3_text``), or a multimodal ``gemma3`` config: its ``text_config`` and its
+    ``vision_config`` (the SigLIP tower a text-only step holds but never runs: `ModelSpec.vision`). Five
+    sliding layers per global one (``sliding_window_pattern``, default 6), no soft-capping by default."""
+    vision = None
     if cfg.get("model_type") == "gemma3":
         text = cfg.get("text_config") or {}
         if not isinstance(text, Mapping):
             raise SpecError("config.json text_config must be an object (the Gemma 3 language model's config)")
+        vc = cfg.get("vision_config") or {}
+        if not isinstance(vc, Mapping):
+            raise SpecError("config.json vision_config must be an object (the Gemma 3 vision tower's config)")
+        vc = {**_SIGLIP_VISION_DEFAULTS, **vc}
+        vision = {"hidden": _int(vc, "hidden_size", family=f), "intermediate": _int(vc, "intermediate_size", family=f),
+                  "n_layers": _int(vc, "num_hidden_layers", family=f),
+                  "n_heads": _int(vc, "num_attention_heads", family=f), "image_size": _int(vc, "image_size", family=f),
+                  "patch_size": _int(vc, "patch_size", family=f), "channels": _int(vc, "num_channels", family=f),
+                  "head": bool(vc.get("vision_use_head"))}
         cfg = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))}
     period = _int(cfg, "sliding_window_pattern", family=f, default=6)
     kw = _read_gemma_sliding(cfg, f, _GEMMA3_DEFAULTS, period, (None, None))
     kw["attn_softcap"] = 0.0  # Gemma3Attention never passes attn_logit_softcapping to its attention function
+    if vision is not None:
+        kw["vision"] = vision
     return kw
 
 

@@ -112,6 +112,14 @@ def _write_gemma_sliding(m: Any) -> dict[str, Any]:
            # Gemma2Config types it int (a strict dataclass field)
            "query_pre_attn_scalar": round(m.query_pre_attn_scalar) if m.query_pre_attn_scalar else m.head_dim,
            "attn_logit_softcapping": m.attn_softcap or None, "final_logit_softcapping": m.final_softcap or None}
+    v = getattr(m, "vision", None)
+    if v is not None:  # a multimodal checkpoint: Gemma3Config with the language model as its text_config
+        return {"model_type": "gemma3", "text_config": out,
+                "vision_config": {"model_type": "siglip_vision_model", "hidden_size": v.hidden,
+                                  "intermediate_size": v.intermediate, "num_hidden_layers": v.n_layers,
+                                  "num_attention_heads": v.n_heads,
+                                  "image_size": v.image_size, "patch_size": v.patch_size, "num_channels": v.channels,
+                                  "vision_use_head": v.head}}
     return out
 
 

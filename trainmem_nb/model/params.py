@@ -42,6 +42,8 @@ class ParamTensor(NamedTuple):
     fp32: bool = False
     #: a norm's weight or bias (``nn.LayerNorm`` where ``ModelSpec.norm == "layernorm"``, else an RMSNorm)
     norm: bool = False
+    #: held but never run by a text-only step (a multimodal checkpoint's vision tower: `vision_inventory`)
+    idle: bool = False
 
     @property
     def numel(self) -> int:
@@ -364,8 +366,74 @@ def param_inventory(m: ModelSpec) -> tuple[ParamTensor, ...]:
 
 
 def count_params(m: ModelSpec) -> int:
-    """Total parameters of `m` (tied weights once)."""
-    return sum(p.numel * p.count for p in param_inventory(m))
+    """Total parameters of `m` (tied weights once), its idle vision tower included."""
+    return sum(p.numel * p.count for p in (*param_inventory(m), *vision_inventory(m)))
+
+
+@lru_cache(maxsize=256)
+def vision_inventory(m: ModelSpec) -> tuple[ParamTensor, ...]:
+    """A multimodal Gemma 3 checkpoint's vision tower and projector (``Gemma3Model.vision_tower``, a
+    ``SiglipVisionModel``: modeling_siglip.py; ``Gemma3MultiModalProjector``: modeling_gemma3.py), in
+    ``named_parameters()`` order; every tensor `idle`: a text-only step never runs them. Empty without one."""
+    v = m.vision
+    if v is None:
+        return ()
+    h, f, n = v.hidden, v.intermediate, v.n_layers
+    pre = "vision_tower.vision_model."
+    items = [ParamTensor(f"{pre}embeddings.patch_embedding.weight", (h, v.channels, v.patch_size, v.patch_size), 1,
+                         False, False),
+             ParamTensor(f"{pre}embeddings.patch_embedding.bias", (h,), 1, False, False),
+             ParamTensor(f"{pre}embeddings.position_embedding.weight", (v.n_patches, h), 1, False, False)]
+    layer = f"{pre}encoder.layers."
+    items += _norm(f"{layer}layer_norm1", h, True, n, False)  # SiglipEncoderLayer.__init__ order
+    for proj in ("k_proj", "v_proj", "q_proj", "out_proj"):  # SiglipAttention.__init__ order
+        items += _linear(f"{layer}self_attn.{proj}", h, h, True, n, False)
+    items += _norm(f"{layer}layer_norm2", h, True, n, False)
+    items += [*_linear(f"{layer}mlp.fc1", f, h, True, n, False), *_linear(f"{layer}mlp.fc2", h, f, True, n, False)]
+    items += _norm(f"{pre}post_layernorm", h, True, 1, False)
+    if v.head:  # SiglipMultiheadAttentionPoolingHead: nn.MultiheadAttention keeps q/k/v as one parameter
+        items += [ParamTensor(f"{pre}head.probe", (1, 1, h), 1, False, False),
+                  ParamTensor(f"{pre}head.attention.in_proj_weight", (3 * h, h), 1, False, False),
+                  ParamTensor(f"{pre}head.attention.in_proj_bias", (3 * h,), 1, False, False),
+                  *_linear(f"{pre}head.attention.out_proj", h, h, True, 1, False),
+                  *_norm(f"{pre}head.layernorm", h, True, 1, False),
+                  *_linear(f"{pre}head.mlp.fc1", f, h, True, 1, False),
+                  *_linear(f"{pre}head.mlp.fc2", h, f, True, 1, False)]
+    items += [ParamTensor("multi_modal_projector.mm_input_projection_weight", (h, m.hidden), 1, False, False),
+              *_norm("multi_modal_projector.mm_soft_emb_norm", h, False, 1, False)]
+    return tuple(p._replace(idle=True) for p in items)
+
+
+def idle_weights(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, float]]:
+    """The weights a text-only step holds but never runs, as ``(tensor, bytes per element)``: the vision tower
+    in the model's dtype (NF4 under QLoRA: transformers' bitsandbytes integration replaces its nn.Linear
+    layers too) and the LoRA adapters peft puts on its linear layers (`lora_targets` match them as they
+    match the language model's: ``'qv'`` its q/v projections, ``'all-linear'`` all of them). None of them
+    gets a gradient, so none has optimizer state."""
+    inv = vision_inventory(m)
+    if not inv:
+        return []
+    qlora = t.method is Method.QLORA
+    out = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if qlora and quantized(p) else t.param_bytes)
+           for p in inv]
+    if t.method is Method.FULL:
+        return out
+    linears = [p for p in inv if p.matmul and len(p.shape) == 2 and p.name.endswith(".weight")]
+    text = t.lora_targets.strip().lower()
+    if text == "qv":
+        names = list(DESCRIPTIONS[m.family].lora_qv)
+    elif text in ("all-linear", "all_linear", "all"):
+        names = [p.name[:-len(".weight")] for p in linears]
+    else:
+        names = [n.strip() for n in t.lora_targets.split(",") if n.strip()]
+    for p in linears:
+        mod = p.name[:-len(".weight")]
+        if any(mod == n or mod.endswith("." + n) for n in names):
+            out += [(ParamTensor(f"{mod}.lora_A.weight", (t.lora_rank, p.shape[1]), p.count, True, False, idle=True),
+                     t.adapter_bytes),
+                    (ParamTensor(f"{mod}.lora_B.weight", (p.shape[0], t.lora_rank), p.count, True, False, idle=True),
+                     t.adapter_bytes)]
+    return out
 
 
 @lru_cache(maxsize=512)
@@ -391,6 +459,8 @@ def buffer_inventory(m: ModelSpec) -> tuple[tuple[str, int, int], ...]:
     if fam is Family.BERT:
         out.append(("embeddings.position_ids", 8 * m.max_positions, 1))
         out.append(("embeddings.token_type_ids", 8 * m.max_positions, 1))
+    if m.vision is not None:  # SiglipVisionEmbeddings: ``position_ids = nn.Buffer(torch.arange(num_positions)...)``
+        out.append(("vision_tower.vision_model.embeddings.position_ids", 8 * m.vision.n_patches, 1))
     return tuple(out)
 
 
@@ -571,7 +641,7 @@ def quantized(p: ParamTensor) -> bool:
     layers inside the transformer blocks; embeddings, norms and the LM head (``lm_head`` is in
     ``get_keys_to_not_convert``) stay in the model's dtype, as do mixtral's 3-D expert tensors and its
     router's weight (``MixtralTopKRouter`` is not an nn.Linear in transformers 5)."""
-    return (p.in_layer and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", *_ROUTERS))
+    return ((p.in_layer or p.idle) and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", *_ROUTERS))
             and ".lora_" not in p.name)
 
 

@@ -19,12 +19,40 @@ from ..spec.base import _FROZEN, SpecModel, _validate
 from .families import ACTIVATIONS, BIAS_FIELDS, DESCRIPTIONS, Family
 from .layers import LayerKind
 
-__all__ = ['ModelSpec']
+__all__ = ['ModelSpec', 'VisionTower']
 
 # Upper bounds that catch typos (a hidden size of 4e9) before they become absurd numbers.
 _MAX_DIM = 1 << 20
 _MAX_LAYERS = 10_000
 _MAX_VOCAB = 1 << 24
+
+
+class VisionTower(SpecModel):
+    """The SigLIP vision tower of a multimodal Gemma 3 checkpoint (its ``vision_config``) and the projector into
+    the language model. A text-only step never runs them: they hold memory as weights alone (`trainmem_nb.model.params.idle_weights`)."""
+
+    model_config = _FROZEN
+
+    hidden: int = Field(ge=1, le=_MAX_DIM, description="hidden_size")
+    intermediate: int = Field(ge=1, le=_MAX_DIM * 8, description="intermediate_size")
+    n_layers: int = Field(ge=1, le=_MAX_LAYERS, description="num_hidden_layers")
+    n_heads: int = Field(default=12, ge=1, le=_MAX_DIM, description="num_attention_heads (SiglipVisionConfig's default)")
+    image_size: int = Field(ge=1, le=1 << 16)
+    patch_size: int = Field(ge=1, le=1 << 16)
+    channels: int = Field(default=3, ge=1, le=64, description="num_channels")
+    head: bool = Field(default=False, description="vision_use_head: an attention-pooling head")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> VisionTower:
+        if self.hidden % self.n_heads:
+            raise SpecError(f"vision n_heads={self.n_heads} does not divide its hidden={self.hidden} (SiglipAttention "
+                            f"needs it); choose n_heads from {_divisors_near(self.hidden, self.n_heads)}")
+        return self
+
+    @property
+    def n_patches(self) -> int:
+        """Positions of the patch embedding (``(image_size // patch_size) ** 2``)."""
+        return (self.image_size // self.patch_size) ** 2
 
 
 class ModelSpec(SpecModel):
@@ -104,6 +132,10 @@ class ModelSpec(SpecModel):
     qk_nope_head_dim: int = Field(default=0, ge=0, le=_MAX_DIM, description="per-head q/k dims without rotary (MLA)")
     qk_rope_head_dim: int = Field(default=0, ge=0, le=_MAX_DIM, description="per-head q/k dims with rotary (MLA)")
     v_head_dim: int = Field(default=0, ge=0, le=_MAX_DIM, description="per-head value dims (MLA); 0: head_dim")
+    # A multimodal checkpoint's vision tower (gemma3): weights a text-only step holds but never runs.
+    vision: VisionTower | None = Field(
+        default=None, description="the SigLIP vision tower and projector of a multimodal Gemma 3 checkpoint (what "
+        "AutoModelForCausalLM builds from it: Gemma3ForConditionalGeneration); None: the language model alone")
 
     @model_validator(mode="before")
     @classmethod
@@ -127,6 +159,9 @@ class ModelSpec(SpecModel):
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelSpec:
+        if self.vision is not None and self.family is not Family.GEMMA3:
+            raise SpecError(f"vision (a multimodal checkpoint's vision tower) is modelled for gemma3, not "
+                            f"{self.family.value}; leave vision out")
         if self.num_labels and not (self.family is Family.BERT or DESCRIPTIONS[self.family].composed):
             ok = ", ".join(f.value for f, d in DESCRIPTIONS.items() if f is Family.BERT or d.composed)
             raise SpecError(f"num_labels={self.num_labels} (a sequence-classification head) is modelled for {ok}, "

@@ -15,7 +15,7 @@ from ..device import CUBLAS_HANDLES_PER_STEP, CUBLAS_WORKSPACE_BYTES
 from ..engine import ops
 from ..engine.program import CAT_INDEX, Program, Segment, _segment
 from ..engine.tape import Graph, Sz, T, const, per_token
-from ..model.params import buffer_inventory, on_stage, quantized, weight_tensors
+from ..model.params import buffer_inventory, idle_weights, on_stage, quantized, weight_tensors
 from ..model.spec import ModelSpec
 from ..recipes.head import (
     LITGPT_CHUNK,
@@ -393,6 +393,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
                     init.append((CAT_INDEX["gradients"], const(p.numel * dt), p.count))
     else:
         init += [(CAT_INDEX[cat], sz, count) for cat, sz, count in engine_init]
+    idle = idle_weights(m, t)  # a multimodal checkpoint's vision tower: held whole on every rank, never run
+    init += [(CAT_INDEX["weights/params"], const(p.numel * dt), p.count) for p, dt in idle]
     for _name, buf_bytes, count in buffer_inventory(m):
         init.append((CAT_INDEX["weights/buffers"], const(buf_bytes), count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))
@@ -404,7 +406,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
         init.append((CAT_INDEX["optimizer_states"], const(4), 2))  # GradScaler's _scale and _growth_tracker
     if t.device is Device.CUDA:
         init.append((CAT_INDEX["overhead/workspaces"], const(workspace[0]), workspace[1]))
-    n_params = sum(p.numel * p.count for p, _, _ in weights)
+    n_params = sum(p.numel * p.count for p, _, _ in weights) + sum(p.numel * p.count for p, _ in idle)
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     chain = frozenset(n for tt, n in tokens.items() if tt.chain)
     return Program(tuple(init), tuple(segs), n_params, n_train, chain)

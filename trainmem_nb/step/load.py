@@ -24,7 +24,15 @@ from __future__ import annotations
 from functools import lru_cache
 
 from ..engine.program import TimelinePoint
-from ..model.params import NF4_BLOCK, NF4_NESTED_BLOCK, NF4_NESTED_CODE_BYTES, quantized, routed_expert, weight_tensors
+from ..model.params import (
+    NF4_BLOCK,
+    NF4_NESTED_BLOCK,
+    NF4_NESTED_CODE_BYTES,
+    idle_weights,
+    quantized,
+    routed_expert,
+    weight_tensors,
+)
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.training import TrainingSpec
@@ -80,9 +88,11 @@ def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: f
     trace = LoadTrace()
     malloc = trace.malloc
     qlora = t.method is Method.QLORA
-    for p, pdt, _trainable in weight_tensors(m, t):
+    # a multimodal checkpoint's vision tower first (``named_parameters()`` order), whole on every rank
+    weights = [(p, dt, 1.0) for p, dt in idle_weights(m, t)] + [(p, pdt, None) for p, pdt, _ in weight_tensors(m, t)]
+    for p, pdt, whole in weights:
         for _ in range(p.count):
-            numel = max(1, int(p.numel * (expert_shard if routed_expert(p) else shard)))
+            numel = max(1, int(p.numel * (whole or (expert_shard if routed_expert(p) else shard))))
             if qlora and quantized(p):
                 w16 = malloc(numel * 2)  # the checkpoint's 16-bit weight, moved to the GPU
                 blocks = -(-numel // NF4_BLOCK)
