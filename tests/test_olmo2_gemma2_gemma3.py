@@ -208,3 +208,17 @@ def test_gemma3_simulates_its_period_once_after_a_prefix_holding_both_kinds() ->
     plan = layer_plan(get_model("gemma-3-1b"))  # 26 layers: 0-5, then 6-11 standing for 6-23, then 24-25
     assert (len(plan.kinds), plan.block, plan.reps) == (14, (6, 12), 3)
     assert plan.labels[6].startswith("layers 6-23 (3 x")
+
+
+@pytest.mark.parametrize(("vision_config", "message"), [
+    (3, r"vision_config must be an object"),
+    ({"num_hidden_layers": "x"}, r"vision_config\.num_hidden_layers='x' must be an integer"),
+    ({"hidden_size": 100, "num_attention_heads": 12}, r"n_heads=12 does not divide its hidden=100"),
+    ({"image_size": 8, "patch_size": 16}, r"patch_size=16 is larger than its image_size=8"),
+])
+def test_a_bad_vision_config_is_refused_with_what_to_change(vision_config: Any, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        ModelSpec.from_hf_config({"model_type": "gemma3", "vision_config": vision_config})
+    with pytest.raises(SpecError, match=r"vision .* is modelled for gemma3, not llama"):
+        ModelSpec(family="llama", n_layers=2, hidden=64, n_heads=4, ffn=128, vocab=100,
+                  vision={"hidden": 64, "intermediate": 64, "n_layers": 1, "n_heads": 4, "image_size": 16, "patch_size": 4})

@@ -339,11 +339,14 @@ def _read_gemma3(cfg: Mapping[str, Any], f: Family) -> dict[str, Any]:
         if not isinstance(vc, Mapping):
             raise SpecError("config.json vision_config must be an object (the Gemma 3 vision tower's config)")
         vc = {**_SIGLIP_VISION_DEFAULTS, **vc}
-        vision = {"hidden": _int(vc, "hidden_size", family=f), "intermediate": _int(vc, "intermediate_size", family=f),
-                  "n_layers": _int(vc, "num_hidden_layers", family=f),
-                  "n_heads": _int(vc, "num_attention_heads", family=f), "image_size": _int(vc, "image_size", family=f),
-                  "patch_size": _int(vc, "patch_size", family=f), "channels": _int(vc, "num_channels", family=f),
-                  "head": bool(vc.get("vision_use_head"))}
+        try:
+            vision = {"hidden": _int(vc, "hidden_size", family=f), "intermediate": _int(vc, "intermediate_size", family=f),
+                      "n_layers": _int(vc, "num_hidden_layers", family=f),
+                      "n_heads": _int(vc, "num_attention_heads", family=f), "image_size": _int(vc, "image_size", family=f),
+                      "patch_size": _int(vc, "patch_size", family=f), "channels": _int(vc, "num_channels", family=f),
+                      "head": bool(vc.get("vision_use_head"))}
+        except SpecError as exc:  # name the nested key: the text model has a num_hidden_layers too
+            raise SpecError(str(exc).replace("config.json ", "config.json vision_config.", 1)) from None
         cfg = {**text, "tie_word_embeddings": cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", True))}
     period = _int(cfg, "sliding_window_pattern", family=f, default=6)
     kw = _read_gemma_sliding(cfg, f, _GEMMA3_DEFAULTS, period, (None, None))

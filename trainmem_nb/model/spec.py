@@ -45,8 +45,11 @@ class VisionTower(SpecModel):
     @model_validator(mode="after")
     def _check_heads(self) -> VisionTower:
         if self.hidden % self.n_heads:
-            raise SpecError(f"vision n_heads={self.n_heads} does not divide its hidden={self.hidden} (SiglipAttention "
+            raise SpecError(f"n_heads={self.n_heads} does not divide its hidden={self.hidden} (SiglipAttention "
                             f"needs it); choose n_heads from {_divisors_near(self.hidden, self.n_heads)}")
+        if self.patch_size > self.image_size:
+            raise SpecError(f"patch_size={self.patch_size} is larger than its image_size={self.image_size}: the "
+                            "patch embedding would have no positions; give patch_size <= image_size")
         return self
 
     @property
