@@ -258,6 +258,8 @@ def _case_id(group: str, m: ModelSpec, t: TrainingSpec, mode: str) -> str:
         parts.append(f"lora{t.lora_rank}-{t.lora_targets.replace(',', '+')}"
                      + (f"-ld{t.lora_dropout:g}" if t.lora_dropout else "")
                      + ("-base-dtype" if t.lora_dtype.value == "base" else ""))
+    if t.first_step:
+        parts.append("first-step")
     shape = f"b{t.micro_batch}s{t.seq_len}" + (f"ga{t.grad_accum}" if t.grad_accum > 1 else "")
     return f"{group}/{m.name}/{'-'.join(parts)}/{shape}/{mode}"
 
@@ -467,14 +469,17 @@ def fp8_cases() -> list[CaseSpec]:
 def hf_adafactor_cases() -> list[CaseSpec]:
     """transformers' Adafactor as the HF Trainer builds it (its decay groups; fp32 copies of 16-bit gradients and
     parameters): families whose largest tensor comes first (the embedding) or last (an untied head after the last
-    layer's down projection, which the Trainer's groups put right before it), each precision, LoRA, and options."""
+    layer's down projection, which the Trainer's groups put right before it), each precision, LoRA, options and
+    the first step (which creates each parameter's state as the loop reaches it)."""
     hf: dict[str, Any] = {"optimizer": "adafactor", "adafactor": "transformers"}
     b: dict[str, Any] = {"micro_batch": 2, "seq_len": 128, **hf}
     trainings = [_t(**b), _t(**{**b, "precision": "bf16-true"}), _t(**{**b, "precision": "bf16-mixed"}),
                  _t(**{**b, "precision": "fp16-mixed", "checkpointing": "full"}),
                  _t(**{**b, "precision": "bf16-true", "method": "lora", "lora_rank": 8, "lora_alpha": 16,
                        "lora_targets": "all-linear"}),
-                 _t(**{**b, "precision": "bf16-mixed", "grad_accum": 2, "attention": "eager"})]
+                 _t(**{**b, "precision": "bf16-mixed", "grad_accum": 2, "attention": "eager"}),
+                 # the first step creates each parameter's state inside the loop, as it comes
+                 _t(**{**b, "first_step": True}), _t(**{**b, "precision": "bf16-true", "first_step": True})]
     models = [_preset(name, **kw) for fam, (name, kw) in _SWEEP_MODELS.items()
               if fam in ("llama", "gpt2", "bert", "mixtral", "qwen3")]
     cases = _cases("hf-adafactor", models, trainings)

@@ -186,26 +186,37 @@ def _trainer_order(m: ModelSpec, params: list[tuple[ParamTensor, int]]) -> list[
     return [x for x in order if decayed(x[0])] + [x for x in order if not decayed(x[0])]
 
 
-def _hf_adafactor_window(m: ModelSpec, params: list[tuple[ParamTensor, int]]) -> list[tuple[int, int]]:
+def _hf_adafactor_window(m: ModelSpec, params: list[tuple[ParamTensor, int]],
+                         first_step: bool = False) -> list[tuple[int, int, bool]]:
     """The temporaries of transformers.optimization.Adafactor's ``step()`` (transformers 5.24 optimization.py) around
     the parameter where they peak, as ``(+1 or -1, bytes)`` in order. Per parameter, in the Trainer's order: a
     16-bit gradient and parameter copied to fp32 (``grad.float()``, ``p.float()``: bound until the next
     parameter's); ``update = (grad**2) + eps`` (two full-size tensors while the previous parameter's ``update``
     is still bound); for a matrix ``_approx_sq_grad``'s row and column factors and their product, the new
-    ``update``; for a vector ``exp_avg_sq.rsqrt()``; then ``p_data_fp32.add_(-update)`` (one more)."""
-    best: tuple[int, list[tuple[int, int]]] = (-1, [])
+    ``update``; for a vector ``exp_avg_sq.rsqrt()``; then ``p_data_fp32.add_(-update)`` (one more).
+    With `first_step`, each parameter's state (and its RMS tensor) is created inside the loop as it comes, so the
+    state of the parameters before it and its own is there at its peak, the rest comes after: events flagged
+    True are that state."""
+    best: tuple[int, list[tuple[int, int, bool]]] = (-1, [])
     prev = 0
-    for p, pdt in _trainer_order(m, params):
+    order = _trainer_order(m, params)
+    state = [sum(_round(n) for n in (*_adafactor_state(p, 4), 4)) if first_step else 0 for p, _ in order]
+    total_state, so_far = sum(state), 0
+    for (p, pdt), own in zip(order, state, strict=True):
+        so_far += own
         f = _round(p.numel * 4)
         copies = [f, f] if pdt != 4 else []  # grad.float(), p.float()
         # a matrix's row and column factors (``_approx_sq_grad``); a vector has none
         factors = [_round(p.numel // p.shape[-1] * 4), _round(p.numel // p.shape[-2] * 4)] if len(p.shape) >= 2 else []
-        peak = sum(copies) + max(prev + 2 * f, 2 * f + sum(factors))
+        peak = so_far + sum(copies) + max(prev + 2 * f, 2 * f + sum(factors))
         if peak > best[0]:
-            ev = [(1, prev)] if prev else []
-            ev += [(1, n) for n in copies] + [(1, f), (1, f), (-1, f)] + ([(-1, prev)] if prev else [])
-            ev += [(1, n) for n in factors] + [(1, f)] + [(-1, n) for n in factors] + [(-1, f)]
-            ev += [(1, f), (-1, f), (-1, f)] + [(-1, n) for n in copies]
+            ev = [(1, so_far, True)] if so_far else []
+            ev += [(1, prev, False)] if prev else []
+            ev += [(1, n, False) for n in copies] + [(1, f, False), (1, f, False), (-1, f, False)]
+            ev += [(-1, prev, False)] if prev else []
+            ev += [(1, n, False) for n in factors] + [(1, f, False)] + [(-1, n, False) for n in factors] + [(-1, f, False)]
+            ev += [(1, f, False), (-1, f, False), (-1, f, False)] + [(-1, n, False) for n in copies]
+            ev += [(1, total_state - so_far, True)] if total_state > so_far else []
             best = (peak, ev)
         prev = f
     return best[1]
@@ -233,7 +244,8 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
     grad = _CAT["gradients"]
     opt, impl = t.optimizer, t.resolved_optimizer_impl
     events: list[tuple[int, int, Sz, str]] = []
-    if t.first_step:
+    hf_adafactor = opt is OptimizerName.ADAFACTOR and t.adafactor is AdafactorImpl.TRANSFORMERS
+    if t.first_step and not hf_adafactor:  # transformers' Adafactor creates each parameter's as it comes
         # the first step() creates the state (zeros_like per parameter in _init_group) before updating
         created = sum(_round(int(sz.c0)) * count for sz, count in state_bytes(m, t, shard))
         if created:
@@ -256,9 +268,10 @@ def optimizer_program(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None,
     elif opt is OptimizerName.LION and params:
         largest = max(_round(p.numel * pdt) for p, pdt in params)
         events += [(temp, 1, const(largest), "lion update"), (temp, -1, const(largest), "lion update freed")]
-    elif opt is OptimizerName.ADAFACTOR and params and t.adafactor is AdafactorImpl.TRANSFORMERS:
-        events += [(temp, sign, const(n), "transformers Adafactor update" if sign > 0 else "freed")
-                   for sign, n in _hf_adafactor_window(m, params)]
+    elif hf_adafactor and params:
+        events += [(states, sign, const(n), "state created on the first step") if is_state else
+                   (temp, sign, const(n), "transformers Adafactor update" if sign > 0 else "freed")
+                   for sign, n, is_state in _hf_adafactor_window(m, params, t.first_step)]
     elif opt is OptimizerName.ADAFACTOR and params:
         worst = _adafactor_temporaries(params, impl is OptimizerImpl.FOREACH)
         events += [(temp, 1, const(worst), "adafactor variance estimates"), (temp, -1, const(worst), "adafactor freed")]
