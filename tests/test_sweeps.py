@@ -79,3 +79,20 @@ def test_a_bad_swept_value_is_reported_before_any_work() -> None:
         tm.sweep("gpt2", micro_batch=[1, 0], seq_len=128)
     with pytest.raises(SpecError, match="empty list"):
         tm.sweep("gpt2", micro_batch=[], seq_len=128)
+
+
+def test_a_sweeps_shapes_replayed_side_by_side_give_each_ones_own_bytes() -> None:
+    """`replay_steps` runs the C replay on several threads (it releases the GIL): each shape's result equals
+    replaying it alone, duplicates included, whatever order the threads finish in."""
+    from trainmem_nb.spec.training import TrainingSpec
+    from trainmem_nb.step.compile import compile_step, program_key
+    from trainmem_nb.step.reserved import _REPLAYS, replay_step, replay_steps
+
+    m = resolve_model("tinyllama-1.1b")
+    t = TrainingSpec(micro_batch=2, seq_len=100, precision="bf16-mixed")
+    unrolled = compile_step(m, program_key(t, m), unrolled=True)
+    shapes = [(b, s, "") for b in (2, 3) for s in (64, 100, 257)] + [(2, 100, "expandable_segments:True"), (2, 64, "")]
+    _REPLAYS.clear()
+    together = replay_steps(unrolled, shapes)
+    _REPLAYS.clear()
+    assert together == [replay_step(unrolled, b, s, conf) for b, s, conf in shapes]

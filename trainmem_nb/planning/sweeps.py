@@ -181,7 +181,7 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
     import pandas as pd
 
     from ..step.load import loading_events
-    from ..step.reserved import replay_step, replayed_reserved_and_total
+    from ..step.reserved import replay_steps, replayed_reserved_and_total
 
     models = [resolve_model(m) for m in _as_list(model, "model")]
     axes = {k: _as_list(v, k) for k, v in options.items()}
@@ -222,14 +222,16 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
         # reserved bytes as `estimate` has them: the caching allocator replayed over the unrolled step
         unrolled = compile_step(m, key, unrolled=True) if t.device is Device.CUDA and replay else None
         load = loading_events(m, t) if unrolled is not None else ()
-        for j, (r, b, s, own) in enumerate(members):
+        # every batch shape replayed at once, on the machine's cores (the same bytes as one by one)
+        runs = replay_steps(unrolled, [(b, s, own.alloc_conf) for _, b, s, own in members], load) \
+            if unrolled is not None else [None] * len(members)
+        for j, (r, _b, _s, own) in enumerate(members):
             peak = int(res["peak"][j])
             tops = {f"{k}_bytes": int(res["breakdown"][i][j]) for i, k in enumerate(TOP_KEYS)}
             if unrolled is None and t.device is Device.CUDA:
                 reserved = total = None  # replay=False: not replayed, left empty
             else:
-                run = replay_step(unrolled, b, s, own.alloc_conf, load) if unrolled is not None else None
-                reserved, total = replayed_reserved_and_total(own, peak, run, None, paged)
+                reserved, total = replayed_reserved_and_total(own, peak, runs[j], None, paged)
             rows[r].update(peak_allocated_bytes=peak, peak_reserved_bytes=reserved, device_total_bytes=total,
                            peak_phase=str(res["phase"][j]), **tops,
                            saved_activations_bytes=int(res["saved_activations"][j]),

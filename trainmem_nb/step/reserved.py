@@ -12,9 +12,12 @@ beyond the live ones: the highest point over the step of ``allocated + fraction 
 
 from __future__ import annotations
 
+import os
+import threading
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import NamedTuple
@@ -102,6 +105,7 @@ class AllocatorReplay(NamedTuple):
 
 
 _REPLAYS: OrderedDict[tuple[int, int, int, str, bool], tuple[Program, AllocatorReplay]] = OrderedDict()
+_REPLAYS_LOCK = threading.Lock()
 
 
 def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: str = "",
@@ -115,10 +119,11 @@ def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: s
     0.2 %, where state allocated at load was 3-12 % off; validation/gpu); False replays two steady steps
     (the parallel engines', which no multi-GPU measurement has checked yet)."""
     key = (id(unrolled), micro_batch, seq_len, alloc_conf, first_step)
-    hit = _REPLAYS.get(key)
-    if hit is not None and hit[0] is unrolled:
-        _REPLAYS.move_to_end(key)
-        return hit[1]
+    with _REPLAYS_LOCK:  # a sweep replays its shapes on several threads (`replay_steps`)
+        hit = _REPLAYS.get(key)
+        if hit is not None and hit[0] is unrolled:
+            _REPLAYS.move_to_end(key)
+            return hit[1]
     from ..engine.allocator import parse_alloc_conf
     from ..engine.allocator.fast import replay_trace
     from ..engine.trace import step_starts, trace_arrays
@@ -133,10 +138,29 @@ def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: s
     else:
         peak, allocated, largest, most = run.watched
         result = AllocatorReplay(peak, peak - allocated, largest, most)
-    _REPLAYS[key] = (unrolled, result)
-    if len(_REPLAYS) > 512:
-        _REPLAYS.popitem(last=False)
+    with _REPLAYS_LOCK:
+        _REPLAYS[key] = (unrolled, result)
+        if len(_REPLAYS) > 512:
+            _REPLAYS.popitem(last=False)
     return result
+
+
+def replay_steps(unrolled: Program, shapes: Sequence[tuple[int, int, str]], load: tuple[int, ...] = ()
+                 ) -> list[AllocatorReplay]:
+    """`replay_step` of each ``(micro_batch, seq_len, alloc_conf)`` in `shapes`, side by side on the machine's
+    cores (the C replay runs without the GIL): what a sweep of many batch shapes waits for. The same bytes,
+    in the same order, as one call each."""
+    def one(shape: tuple[int, int, str]) -> AllocatorReplay:
+        return replay_step(unrolled, shape[0], shape[1], shape[2], load)
+
+    distinct = list(dict.fromkeys(shapes))
+    workers = min(len(distinct), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
+    if workers <= 1:
+        done = {shape: one(shape) for shape in distinct}
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            done = dict(zip(distinct, pool.map(one, distinct), strict=True))
+    return [done[shape] for shape in shapes]
 
 
 def replay_segments(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: str = "",

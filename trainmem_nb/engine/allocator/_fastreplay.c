@@ -545,7 +545,10 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     int64_t w_res = -1, w_all = -1, w_big = 0, w_most = 0;
     int fallback = 0;
     const char *err = NULL;
+    /* the loop touches no Python object: other threads run meanwhile (a sweep replays its rows side by side) */
+    PyThreadState *released = NULL;
     if (!handles) { err = "out of memory"; goto done; }
+    released = PyEval_SaveThread();
 
     for (Py_ssize_t k = 0; k < nev; k++) {
         int64_t e;
@@ -673,6 +676,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
     }
 
 done:
+    if (released) PyEval_RestoreThread(released);
     free(handles);
     PyBuffer_Release(&lv);
     PyBuffer_Release(&ov);
