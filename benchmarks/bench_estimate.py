@@ -2,7 +2,8 @@
 estimates in a sweep (goal <= 1 s), warm (the step program compiled once per model and options) and
 cold (compiling included), and what replaying the caching allocator costs for a batch shape not seen
 before (goal <= 0.5 ms: not met, ~1.1 ms for an 8B model on an idle 2-core machine with the C replay, of
-which the replay ~0.8 ms; ~30 ms without it) and in a sweep. fp8's eager casts give its step about three times the events of a bf16 step (the
+which the replay ~0.8 ms; ~30 ms without it) and in a sweep (its shapes replayed side by side on every core:
+~1.4 ms per row on 2 cores). fp8's eager casts give its step about three times the events of a bf16 step (the
 folded program merges its scalar temporaries; the replayed one keeps every malloc): a warm estimate ~0.19 ms
 and a new batch shape ~5 ms for an 8B model.
 
