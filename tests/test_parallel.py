@@ -224,6 +224,26 @@ def test_deepspeed_step_is_within_one_percent_of_a_measured_one_whose_buckets_do
     assert abs(est.peak_allocated_bytes / measured["peak"] - 1) < 0.01
 
 
+def test_deepspeed_keeps_the_optimizers_own_state_on_its_flat_partition_as_measured() -> None:
+    """DeepSpeed hands a client optimizer one flat fp32 partition per group: SGD keeps nothing on it, momentum and
+    Adafactor (a 1-D tensor: no factored moments) one fp32 copy, AdamW two. Measured with each optimizer handed to
+    ``deepspeed.initialize``: what lives before a step differs between them as the estimate's states do (within the
+    optimizers' 0-dim step counters). The estimate had AdamW's for every optimizer."""
+    pytest.importorskip("deepspeed")
+    from trainmem_nb.measure.deepspeed import measure_deepspeed_step
+
+    m = ModelSpec.model_validate(SMALL_LLAMA)
+    p = ParallelSpec(gpus=2, zero=2, engine="deepspeed")
+    live, states = {}, {}
+    for opt in ("adamw", "sgd-momentum", "sgd", "adafactor"):
+        t = TrainingSpec(micro_batch=2, seq_len=64, device="cpu", precision="bf16-mixed", optimizer=opt)
+        live[opt] = measure_deepspeed_step(m, t, p)["live_at_start"]
+        states[opt] = simulate(m, t, None, p, backend="nccl").breakdown_bytes["optimizer_states"]
+    assert states["sgd"] < states["sgd-momentum"] == states["adafactor"] < states["adamw"]
+    for opt in ("sgd-momentum", "sgd", "adafactor"):
+        assert abs((live["adamw"] - live[opt]) - (states["adamw"] - states[opt])) <= 1024, opt
+
+
 def test_deepspeed_loads_zero3_shards_plus_one_whole_parameter_and_lower_stages_in_its_16_bit_dtype() -> None:
     """ZeRO-3's load peak is the shards plus the largest parameter whole (Llama 3 8B's head); below ZeRO-3 the
     engine casts the host model to bf16 before moving it, so loading holds the 16-bit weights, not fp32 ones."""
@@ -870,3 +890,14 @@ def test_qlora_quantization_state_stays_whole_on_every_sharded_rank_and_on_the_g
     for engine in ("fsdp", "deepspeed"):  # both leave the states on the GPU when they offload the parameters
         offloaded = tm.estimate(m, t, gpus=8, engine=engine, zero=3, offload="optimizer+params")
         assert offloaded.detail_bytes["weights/params"] == state, engine
+
+
+def test_megatron_takes_the_optimizers_it_has_and_refuses_the_others() -> None:
+    """Megatron-LM's ``--optimizer`` is adam or sgd: their states differ (SGD with momentum one fp32 copy, Adam two,
+    beside the fp32 main parameters); Adafactor or an 8-bit optimizer is refused with what to use."""
+    opts = dict(model="llama-3-8b", seq_len=2048, gpus=8, engine="megatron", tp=2)
+    adam, sgd = tm.estimate(**opts), tm.estimate(**opts, optimizer="sgd-momentum")
+    assert sgd.breakdown_bytes["optimizer_states"] * 3 == adam.breakdown_bytes["optimizer_states"] * 2
+    for opt in ("adafactor", "adamw-8bit", "lion"):
+        with pytest.raises(tm.SpecError, match=r"Megatron-LM's distributed optimizer is Adam\(W\) or SGD"):
+            tm.estimate(**opts, optimizer=opt)

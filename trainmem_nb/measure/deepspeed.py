@@ -105,7 +105,7 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> di
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from .step import build
+    from .step import build, make_optimizer
     from .tracker import cuda_round
 
     world = p.shard_degree
@@ -113,6 +113,10 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> di
           "gradient_accumulation_steps": t.grad_accum, "bf16": {"enabled": t.precision.value.startswith("bf16")},
           "fp16": {"enabled": t.precision.value.startswith("fp16")},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
+    client = t.optimizer.value not in ("adamw", "none")  # another torch optimizer, handed to deepspeed.initialize
+    if client:
+        del ds["optimizer"]
+        ds["zero_allow_untested_optimizer"] = True
     with _environment(world), _torch_functions_kept(), warnings.catch_warnings():
         # DeepSpeed 0.19's own use of APIs torch 2.13 deprecates (torch.jit.script_method, all_gather_into_tensor)
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -129,7 +133,9 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> di
             tracker.adopt(list(model.parameters()), "weights", param=True)
             marks: dict[str, int] = {}
             with tracker:
-                engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds)
+                opt = make_optimizer(t, list(model.parameters()), model) if client else None
+                engine, *_ = deepspeed.initialize(model=model, model_parameters=list(model.parameters()), config=ds,
+                                                  optimizer=opt)
                 marks["init"] = len(tracker.events)
                 for step in range(2):
                     for micro in range(t.grad_accum):

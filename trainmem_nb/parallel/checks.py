@@ -35,6 +35,11 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
         _check_context_parallel(t, p)
         _check_fsdp1(m, t, p)
         _check_fp8(t, p)
+        if p.engine is Engine.MEGATRON and t.optimizer.value not in ("adamw", "adam", "sgd", "sgd-momentum", "none"):
+            # megatron/training/arguments.py: ``--optimizer`` chooses 'adam' or 'sgd' (with --sgd-momentum)
+            raise SpecError(f"optimizer={t.optimizer.value!r} with engine='megatron': Megatron-LM's distributed "
+                            "optimizer is Adam(W) or SGD (--optimizer adam|sgd); use one of adamw, adam, sgd, "
+                            "sgd-momentum (or none: no optimizer step), or another engine")
         if t.method is Method.QLORA and p.engine is Engine.MEGATRON:
             # Megatron-LM builds its own 16-bit layers (megatron/core/transformer) and has no bitsandbytes
             # path; QLoRA is a transformers + peft + bitsandbytes recipe

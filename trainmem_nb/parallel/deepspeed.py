@@ -16,6 +16,7 @@ from ..spec.choices import Method
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.layers import in_layer_of
+from ..step.optimizers import flat_state_bytes
 from .ranks import (
     _CAT,
     DS_ALLGATHER_BUCKET,
@@ -182,8 +183,11 @@ class DeepSpeedHooks(EngineHooks):
             # zero_grad frees after the optimizer step (`optimizer`)
             out += [("gradients", const(p.numel * self.model_dt), p.count) for p, _dt in _trainable(self, m, t)]
         if self.offload == "none" and not t.first_step:
-            per = 12 if self.model_dt == 2 else 8  # fp32 master copy only with a 16-bit model
-            out.append(("optimizer_states", const(_partition(self, m, t, world if self.zero >= 1 else 1) * per), 1))
+            # the fp32 master partition (a 16-bit model's only) and the optimizer's state on it
+            per = (4 if self.model_dt == 2 and t.optimizer.value != "none" else 0) + flat_state_bytes(t)
+            if per:
+                out.append(("optimizer_states", const(round(_partition(self, m, t, world if self.zero >= 1 else 1) * per)),
+                            1))
         # reduce bucket and, for ZeRO-1/2, the all-gather bucket for the updated parameters
         out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
         if self.zero >= 2 and self.offload == "none":

@@ -16,7 +16,7 @@ from ..spec.choices import Checkpointing, Device, Precision
 from ..spec.parallel import Engine, Offload, ParallelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
-from ..step.optimizers import paged_state_bytes, state_bytes
+from ..step.optimizers import flat_state_bytes, paged_state_bytes, state_bytes
 from .checks import runs_fsdp1
 from .ddp import DDPHooks
 from .deepspeed import DeepSpeedHooks
@@ -193,8 +193,8 @@ def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSp
         return host
     assert isinstance(hooks, DeepSpeedHooks)
     shard = _partition(hooks, m, t, p.shard_degree)
-    # ZeRO-Offload: fp32 master weights and Adam moments (K = 12, Rajbhandari et al. 2020) ...
-    host += 12 * shard
+    # ZeRO-Offload: fp32 master weights and the optimizer's state (Adam's moments: K = 12, Rajbhandari et al. 2020) ...
+    host += round((4 + flat_state_bytes(t)) * shard)
     # ... and the gradient partition the CPU optimizer reads, pinned:
     # * ZeRO-1/2, deepspeed/runtime/zero/stage_1_and_2.py, initialize_optimizer_states:
     #   ``single_grad_partition = torch.zeros(int(self.partition_size[i]),

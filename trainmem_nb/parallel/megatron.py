@@ -11,6 +11,7 @@ from ..engine.tape import Graph, Sz, T, const
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
+from ..step.optimizers import flat_state_bytes
 from .ranks import _partition, _trainable
 
 
@@ -43,8 +44,10 @@ class MegatronHooks(EngineHooks):
                                           for p, _dt, _train in weights]
         n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
         out.append(("gradients", const(4 * n_train), 1))  # the contiguous fp32 grad buffer
-        if not t.first_step:
-            out.append(("optimizer_states", const(12 * _partition(self, m, t, self.world)), 1))
+        if not t.first_step:  # fp32 main parameters and the optimizer's state, on the rank's partition
+            per = (4 if t.optimizer.value != "none" else 0) + flat_state_bytes(t)
+            if per:
+                out.append(("optimizer_states", const(round(per * _partition(self, m, t, self.world))), 1))
         return out
 
     def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:

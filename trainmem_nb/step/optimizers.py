@@ -25,7 +25,8 @@ from ..spec.training import TrainingSpec
 if TYPE_CHECKING:
     from ..engine.program import Segment
 
-__all__ = ["BNB_PAGED_MIN_NUMEL", "STATE_TENSORS", "optimizer_program", "paged_state_bytes", "state_bytes"]
+__all__ = ["BNB_PAGED_MIN_NUMEL", "STATE_TENSORS", "flat_state_bytes", "optimizer_program", "paged_state_bytes",
+           "state_bytes"]
 
 _CAT = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -57,6 +58,19 @@ BNB_PAGED_MIN_NUMEL = 100_000
 
 def _paged(t: TrainingSpec, p: ParamTensor) -> bool:
     return t.optimizer is OptimizerName.PAGED_ADAMW and t.device is Device.CUDA and p.numel >= BNB_PAGED_MIN_NUMEL
+
+
+def flat_state_bytes(t: TrainingSpec) -> float:
+    """Bytes of optimizer state per element of a flat fp32 partition: DeepSpeed's ZeRO optimizers hand the
+    optimizer one flat 1-D tensor per parameter group (``single_partition_of_fp32_groups``, stage_1_and_2.py;
+    stage3.py's ``fp32_partitioned_groups_flat``), so Adafactor cannot factor it (a 1-D tensor keeps a full
+    ``exp_avg_sq``) and an 8-bit optimizer quantizes it in 256-element blocks."""
+    opt = t.optimizer
+    if opt is OptimizerName.ADAFACTOR:
+        return 4.0  # exp_avg_sq of a 1-D tensor (torch's and transformers' alike)
+    if opt is OptimizerName.ADAMW_8BIT:
+        return 2 + 2 * 4 / BNB_BLOCK  # two uint8 states and an fp32 absmax per block for each
+    return 4.0 * STATE_TENSORS[opt]
 
 
 def paged_state_bytes(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None) -> int:
