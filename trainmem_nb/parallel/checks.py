@@ -35,8 +35,9 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
         _check_context_parallel(t, p)
         _check_fsdp1(m, t, p)
         _check_fp8(t, p)
-        if p.engine is Engine.MEGATRON and t.optimizer.value not in ("adamw", "adam", "sgd", "sgd-momentum", "none"):
-            # megatron/training/arguments.py: ``--optimizer`` chooses 'adam' or 'sgd' (with --sgd-momentum)
+        if p.engine is Engine.MEGATRON and t.optimizer.value in ("adafactor", "adamw-8bit", "lion"):
+            # megatron/training/arguments.py: ``--optimizer`` chooses 'adam' or 'sgd' (with --sgd-momentum); a paged
+            # AdamW is counted as Megatron's own Adam (its states on the device)
             raise SpecError(f"optimizer={t.optimizer.value!r} with engine='megatron': Megatron-LM's distributed "
                             "optimizer is Adam(W) or SGD (--optimizer adam|sgd); use one of adamw, adam, sgd, "
                             "sgd-momentum (or none: no optimizer step), or another engine")
