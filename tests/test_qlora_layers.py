@@ -157,3 +157,32 @@ def test_the_families_4bit_layout_is_what_transformers_quantizes(name: str) -> N
             parts = module.split(".")
             theirs.add(".".join(parts[parts.index("layers") + 2:]) if "layers" in parts else module)
     assert ours == theirs
+
+
+@pytest.mark.torch
+@pytest.mark.skipif(not HAS_BNB, reason="needs bitsandbytes and peft (the measure extra)")
+@pytest.mark.parametrize("storage", ["uint8", "base"])
+def test_peft_gives_a_4bit_layers_adapters_fp32_or_with_autocast_off_its_compute_dtype(storage: str) -> None:
+    # what lora_dtype 'fp32' and 'base' mean under QLoRA, read off today's peft (0.21) on a real bitsandbytes
+    # layer: upcast to fp32 by default; with autocast_adapter_dtype=False the layer's compute dtype, whatever
+    # the 4-bit storage (huggingface/peft#2893; before 0.19 the storage dtype decided: lora_dtype 'weight')
+    import copy
+
+    import bitsandbytes as bnb
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    quant_storage = torch.uint8 if storage == "uint8" else torch.bfloat16
+    model = torch.nn.Sequential()
+    model.add_module("q_proj", bnb.nn.Linear4bit(64, 64, bias=False, compute_dtype=torch.bfloat16, quant_type="nf4",
+                                                 quant_storage=quant_storage))
+    model.q_proj.weight = bnb.nn.Params4bit(torch.randn(64, 64, dtype=torch.bfloat16), requires_grad=False,
+                                            quant_type="nf4", quant_storage=quant_storage)
+    model = model.to("cpu")  # quantizes
+    assert model.q_proj.weight.dtype == quant_storage
+    for lora_dtype, autocast in (("fp32", True), ("base", False)):
+        adapted = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj"]),
+                                 autocast_adapter_dtype=autocast)
+        sizes = {p.element_size() for n, p in adapted.named_parameters() if ".lora_" in n}
+        t = TrainingSpec(method="qlora", precision="bf16-true", lora_dtype=lora_dtype, qlora_quant_storage=storage)
+        assert sizes == {t.adapter_bytes}, (lora_dtype, storage)

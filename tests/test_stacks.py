@@ -45,7 +45,8 @@ def test_a_stack_version_is_its_key_librarys_and_older_components_switch_their_m
     today = resolve_stack("")
     assert today.label == "default" and not today.options
     old = resolve_stack("hf-trainer@4.38", {"torch": "1.13", "cuda": "11.6", "bitsandbytes": "0.43.1"})
-    assert old.components == {"torch": "1.13", "transformers": "4.38", "bitsandbytes": "0.43.1", "cuda": "11.6"}
+    assert old.components == {"torch": "1.13", "transformers": "4.38", "bitsandbytes": "0.43.1", "peft": "0.21.2",
+                              "cuda": "11.6"}
     values = {k: a.value for k, a in old.options.items()}
     assert values == {"loop_keeps_outputs": False, "zero_grad_set_to_none": False, "cuda_lazy_loading": False,
                       "bnb_saves_input": True, "causal_lm_loss": "model-upcast", "sync_module_states": True,
@@ -250,7 +251,7 @@ def test_the_plan_runs_with_the_stack_and_says_which_it_assumed() -> None:
     from trainmem_nb.planning.search import plan
 
     p = plan("llama-3-8b", gpu="rtx-4090", method="qlora", seq_len=1024, stack="hf-trainer@4.38", cuda="11.6")
-    assert "stack hf-trainer@4.38 (Hugging Face Trainer): torch 2.13, transformers 4.38, bitsandbytes 0.50.2, " \
+    assert "stack hf-trainer@4.38 (Hugging Face Trainer): torch 2.13, transformers 4.38, bitsandbytes 0.50.2, peft 0.21.2, " \
            "cuda 11.6" in str(p)
 
 
@@ -391,6 +392,30 @@ def test_torchtune_builds_its_adapters_in_the_recipes_dtype_unless_told_otherwis
     peft = tm.estimate("llama-3.2-1b", stack="torchtune", loss_impl="standard", lora_dtype="fp32", **opts)
     assert tune.peak_allocated_bytes < peft.peak_allocated_bytes  # 16-bit adapters and no fp32 input copies
     assert tune.to_dict()["stack"]["options"]["lora_dtype"]["value"] == "base"
+
+
+def test_peft_before_0_12_keeps_adapters_in_the_adapted_weights_dtype_and_fp32_on_uint8_4bit_storage() -> None:
+    """peft < 0.12 moves each new adapter to its base weight's dtype when that is floating (no
+    ``autocast_adapter_dtype``): bf16 adapters on a bf16 base, and on a QLoRA base stored as bf16 (fsdp_qlora's
+    ``quant_storage=torch_dtype``), but nn.Linear's fp32 on bitsandbytes' default uint8 storage; 0.12 upcasts."""
+    lora = dict(micro_batch=1, seq_len=256, method="lora", lora_targets="all-linear")
+    qlora = {**lora, "method": "qlora"}
+    assert tm.TrainingSpec(versions="peft=0.11.1", **lora).lora_dtype.value == "weight"
+    assert tm.TrainingSpec(versions="peft=0.12", **lora).lora_dtype.value == "fp32"
+    assert tm.TrainingSpec(versions="peft=0.10", **lora).adapter_bytes == 2
+    assert tm.TrainingSpec(versions="peft=0.10", **qlora).adapter_bytes == 4  # uint8 storage: not floating
+    assert tm.TrainingSpec(versions="peft=0.10", qlora_quant_storage="base", **qlora).adapter_bytes == 2
+    assert tm.TrainingSpec(stack="fsdp_qlora", versions="peft=0.10", **qlora).adapter_bytes == 2
+    assert tm.TrainingSpec(stack="fsdp_qlora", **qlora).adapter_bytes == 4  # today's peft upcasts
+    for opts in (lora, qlora):
+        old, new = (tm.estimate("llama-3.2-1b", peft=v, stack="fsdp_qlora", **opts) for v in ("0.10", "0.12"))
+        # bf16 instead of fp32 adapters: AdamW's two states per element take 4 bytes instead of 8, the
+        # adapters themselves 2 instead of 4 (half the old states' bytes more), and their activations grow too
+        was, now = old.breakdown_bytes, new.breakdown_bytes
+        assert was["optimizer_states"] * 2 == now["optimizer_states"]
+        assert now["weights"] - was["weights"] == was["optimizer_states"] // 2
+        assert now["activations"] > was["activations"] and new.peak_allocated_bytes > old.peak_allocated_bytes
+        assert old.to_dict()["stack"]["options"]["lora_dtype"]["value"] == "weight"
 
 
 def test_the_hf_trainer_steps_transformers_adafactor_whose_fp32_copies_set_a_16bit_models_peak() -> None:

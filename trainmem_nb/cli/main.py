@@ -87,7 +87,7 @@ def _cmd_stacks(args: argparse.Namespace) -> int:
         lib = f"{s.library} {s.version}" if s.library else "torch " + s.components["torch"]
         print(f"{s.name:<{width}}  {lib:<18}  {s.title}; sets {sets}")
     print("NAME@VERSION takes another version of the stack's library (hf-trainer@4.38: transformers 4.38); "
-          "--torch, --transformers, --bitsandbytes and --cuda set one component")
+          "--torch, --transformers, --bitsandbytes, --peft and --cuda set one component")
     return 0
 
 

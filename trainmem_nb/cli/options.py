@@ -120,8 +120,12 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     f.add_argument("--lora-alpha", type=float, default=32.0)
     f.add_argument("--lora-targets", default="qv", help="'qv', 'all-linear' or comma-separated module names")
     f.add_argument("--lora-dropout", type=float, default=None, help="default: the stack's, else 0")
-    f.add_argument("--lora-dtype", default=None, metavar="fp32|base",
-                   help="adapter dtype: fp32 (peft's default) or the base weights' dtype (default: the stack's, else fp32)")
+    f.add_argument("--lora-dtype", default=None, metavar="fp32|base|weight",
+                   help="adapter dtype: fp32 (peft's default since 0.12), base (the model's dtype: litgpt, torchtune) or "
+                        "weight (the adapted weight's if floating, else fp32: peft < 0.12) (default: the stack's, else fp32)")
+    f.add_argument("--qlora-quant-storage", default=None, metavar="uint8|base",
+                   help="QLoRA: bnb_4bit_quant_storage, uint8 (bitsandbytes' default) or the model's dtype (FSDP-QLoRA) "
+                        "(default: the stack's, else uint8)")
     f.add_argument("--qlora-single-quant", action="store_true",
                    help="QLoRA without double quantization of the NF4 block scales")
     parser.add_argument("--first-step", action="store_true",
@@ -165,6 +169,7 @@ def training_options_from_args(args: argparse.Namespace, device: str | None = No
         "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
         "alloc_conf": args.alloc_conf, "stack": args.stack,
         **({"lora_dtype": args.lora_dtype} if args.lora_dtype is not None else {}),
+        **({"qlora_quant_storage": args.qlora_quant_storage} if args.qlora_quant_storage is not None else {}),
         **({"fsdp_version": args.fsdp_version} if getattr(args, "fsdp_version", None) is not None else {}),
         **({"use_orig_params": False} if getattr(args, "no_use_orig_params", False) else {}),
         **({"sync_module_states": True} if getattr(args, "sync_module_states", False) else {}),

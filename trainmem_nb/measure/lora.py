@@ -39,8 +39,8 @@ def apply_lora(model: Any, model_spec: ModelSpec, training_spec: TrainingSpec) -
     """Wrap `model` with peft LoRA adapters (rank, alpha, dropout, targets from `training_spec`).
 
     The base model is frozen; only adapter parameters require gradients. peft keeps adapters in fp32
-    even on a 16-bit base (``autocast_adapter_dtype=True``, its default); ``lora_dtype='base'`` turns
-    that off, so the adapters take the base weights' dtype.
+    even on a 16-bit base (``autocast_adapter_dtype=True``, its default); ``lora_dtype='base'`` or ``'weight'``
+    turns that off, so the adapters take the base weights' dtype (the same on a 16-bit base).
     """
     if training_spec.method is Method.QLORA:
         raise RuntimeError(

@@ -139,7 +139,7 @@ def fsdp1_gap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> str:
     if t.method is Method.LORA and not t.use_orig_params:
         return ("LoRA and use_orig_params=False: a FlatParameter needs uniform requires_grad, so the adapters would be "
                 "FSDP units of their own (peft's fsdp_auto_wrap_policy), which is not modelled; use use_orig_params=True")
-    if t.method is Method.LORA and t.lora_dtype.value == "fp32" and t.param_bytes != 4:
+    if t.method is Method.LORA and t.adapter_bytes != t.param_bytes:
         return ("peft's fp32 adapters in 16-bit blocks: a FlatParameter holds one dtype (torch refuses to flatten "
                 "both); use lora_dtype='base', the adapters in the base dtype, as Fabric's init_module builds them")
     if len({k.moe for k in m.layer_kinds}) > 1:

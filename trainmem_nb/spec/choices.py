@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .base import _Choice
 
-__all__ = ['CHECKPOINTING_HELP', 'AdapterDtype', 'Attention', 'Checkpointing', 'Device', 'Fp8Recipe', 'LossImpl', 'Method', 'OptimizerImpl', 'OptimizerName', 'Precision']
+__all__ = ['CHECKPOINTING_HELP', 'AdapterDtype', 'Attention', 'Checkpointing', 'Device', 'Fp8Recipe', 'LossImpl', 'Method', 'OptimizerImpl', 'OptimizerName', 'Precision', 'QuantStorage']
 
 
 class Precision(_Choice):
@@ -96,8 +96,20 @@ class Method(_Choice):
 class AdapterDtype(_Choice):
     """The dtype peft stores LoRA adapters in."""
 
-    FP32 = "fp32"  #: peft's default on a 16-bit base (``autocast_adapter_dtype=True``)
-    BASE = "base"  #: the base weights' dtype (``autocast_adapter_dtype=False``): bf16 under bf16-true
+    FP32 = "fp32"  #: peft's default on a 16-bit base since 0.12 (``autocast_adapter_dtype=True``)
+    BASE = "base"  #: the model's dtype (bf16 under bf16-true): adapters built in it (litgpt, torchtune)
+    #: the adapted weight's dtype where it is floating, else fp32: peft < 0.12 (and ``autocast_adapter_dtype=False``
+    #: before 0.19, which takes a 4-bit layer's compute dtype: huggingface/peft#2893); a QLoRA adapter on
+    #: bitsandbytes' default uint8 storage stays fp32
+    WEIGHT = "weight"
+
+
+class QuantStorage(_Choice):
+    """The dtype bitsandbytes stores QLoRA's packed 4-bit weights in (``bnb_4bit_quant_storage``): the bytes are
+    the same, but peft gives an adapter its base weight's dtype only when that dtype is floating."""
+
+    UINT8 = "uint8"  #: bitsandbytes' default
+    BASE = "base"  #: the model's 16-bit dtype (``bnb_4bit_quant_storage=torch_dtype``), what FSDP-QLoRA sets
 
 
 class LossImpl(_Choice):

@@ -1,5 +1,5 @@
 """Training stacks: what a named stack (HF Trainer, torchtune, litgpt, ...) and the versions of its
-components (torch, transformers, bitsandbytes, CUDA) switch on in a training step.
+components (torch, transformers, bitsandbytes, peft, CUDA) switch on in a training step.
 
 A stack is a data file (``trainmem_nb/data/stacks/NAME.json``, or a user's own file): the training options
 it sets (its loss, its dropout, ...), each with the source line it comes from, and the mechanisms of it
@@ -30,7 +30,7 @@ from ..errors import SpecError, did_you_mean
 __all__ = ["COMPONENTS", "Stack", "list_stacks", "parse_versions", "resolve_stack"]
 
 #: The components whose versions change what a step allocates (`components.json` has a rule for each).
-COMPONENTS = ("torch", "transformers", "bitsandbytes", "cuda")
+COMPONENTS = ("torch", "transformers", "bitsandbytes", "peft", "cuda")
 
 
 def version_tuple(text: str) -> tuple[int, ...]:

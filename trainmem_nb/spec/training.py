@@ -25,6 +25,7 @@ from .choices import (
     OptimizerImpl,
     OptimizerName,
     Precision,
+    QuantStorage,
 )
 from .stack import COMPONENTS, Stack, parse_versions, resolve_stack
 
@@ -71,7 +72,12 @@ class TrainingSpec(SpecModel):
                               description="'qv', 'all-linear', comma-separated module names or a list of them")
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     lora_dtype: AdapterDtype = Field(
-        default=AdapterDtype.FP32, description="adapter dtype: 'fp32' (peft's default) or 'base' (the base weights')")
+        default=AdapterDtype.FP32, description="adapter dtype: 'fp32' (peft's default since 0.12), 'base' (the model's "
+        "dtype: litgpt, torchtune) or 'weight' (the adapted weight's if floating, else fp32: peft < 0.12 or "
+        "autocast_adapter_dtype=False)")
+    qlora_quant_storage: QuantStorage = Field(
+        default=QuantStorage.UINT8, description="QLoRA: the dtype of the packed 4-bit weights' storage "
+        "(bnb_4bit_quant_storage): 'uint8' (bitsandbytes' default) or 'base' (the model's dtype, what FSDP-QLoRA sets)")
     qlora_double_quant: bool = Field(
         default=True, description="QLoRA: quantize the NF4 block scales again (bnb_4bit_use_double_quant)")
     first_step: bool = Field(
@@ -93,7 +99,7 @@ class TrainingSpec(SpecModel):
         "4.38), the path of a stack file, or '' for today's versions; it sets the options below it that are not given")
     versions: str = Field(
         default="", max_length=1000,
-        description="component versions, 'torch=1.13,cuda=11.6' or a dict (torch, transformers, bitsandbytes, cuda)")
+        description="component versions, 'torch=1.13,cuda=11.6' or a dict (torch, transformers, bitsandbytes, peft, cuda)")
     zero_grad_set_to_none: bool = Field(
         default=True, description="optimizer.zero_grad(set_to_none=...): False zeroes the gradients in place and keeps "
         "them between steps (torch < 2.0's default)")
@@ -129,7 +135,7 @@ class TrainingSpec(SpecModel):
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
         "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params",
-        "sync_module_states", "adafactor", "softmax_saves_input"})
+        "sync_module_states", "adafactor", "softmax_saves_input", "qlora_quant_storage"})
 
     @model_validator(mode="before")
     @classmethod
@@ -157,6 +163,7 @@ class TrainingSpec(SpecModel):
         for key, enum in (
             ("precision", Precision), ("optimizer", OptimizerName), ("checkpointing", Checkpointing),
             ("attention", Attention), ("device", Device), ("method", Method), ("lora_dtype", AdapterDtype),
+            ("qlora_quant_storage", QuantStorage),
             ("loss_impl", LossImpl), ("causal_lm_loss", CausalLMLoss), ("fp8", Fp8Recipe), ("adafactor", AdafactorImpl),
         ):
             if key in data and data[key] is not None:
@@ -314,7 +321,13 @@ class TrainingSpec(SpecModel):
     @property
     def adapter_bytes(self) -> int:
         """Bytes per element of LoRA adapters (and their gradients and optimizer states' dtype)."""
-        return 4 if self.lora_dtype is AdapterDtype.FP32 else self.param_bytes
+        # peft moves a new adapter to its base weight's dtype only when that dtype is floating (peft v0.10.0
+        # src/peft/tuners/lora/layer.py:119 `if weight.dtype.is_floating_point or weight.dtype.is_complex:`; the
+        # same test in v0.20.0 tuners_utils.py:1749): on uint8 4-bit storage the adapter stays nn.Linear's fp32
+        if self.lora_dtype is AdapterDtype.FP32 or (self.lora_dtype is AdapterDtype.WEIGHT and self.method is Method.QLORA
+                                                     and self.qlora_quant_storage is QuantStorage.UINT8):
+            return 4
+        return self.param_bytes
 
     @property
     def compute_bytes(self) -> int:
