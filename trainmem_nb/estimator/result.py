@@ -182,7 +182,7 @@ class MemoryEstimate:
         """A plain-text table for terminals."""
         lines = [
             self._headline(),
-            *_stack_lines(self.training),
+            *_stack_lines(self.training, self.parallel),
             f"peak allocated {format_bytes(self.peak_allocated_bytes)} during {self.peak_phase} ({self.peak_at})",
         ]
         total = self.peak_allocated_bytes or 1
@@ -256,15 +256,32 @@ class MemoryEstimate:
         )
 
 
-def _stack_lines(t: TrainingSpec) -> list[str]:
-    """The stack and versions the estimate assumed, what it set, and what of it is not modelled."""
+def _stack_lines(t: TrainingSpec, p: ParallelSpec) -> list[str]:
+    """The stack and versions the estimate assumed, what it set that this step runs, and what of it is not
+    modelled. An option the step never reaches (the stack's Adafactor under AdamW, FSDP's options on one
+    device) is left out of "it sets": it would read as if it had changed the numbers."""
     s = t.resolved_stack
     lines = [s.describe()]
-    set_here = [_plain(t, k) for k in s.options if k not in t.model_fields_set]
+    set_here = [_plain(t, k) for k in s.options if k not in t.model_fields_set and _reaches(k, t, p)]
     if set_here:
         lines.append(f"  it sets {', '.join(set_here)}")
     lines += [f"  not modelled: {m}" for m in s.not_modelled]
     return lines
+
+
+def _reaches(key: str, t: TrainingSpec, p: ParallelSpec) -> bool:
+    """Does the stack option `key` take part in this step?"""
+    if key == "adafactor":
+        return t.optimizer.value == "adafactor"
+    if key in ("fsdp_version", "use_orig_params", "sync_module_states"):
+        return p.engine.value == "fsdp"
+    if key in ("bnb_saves_input", "qlora_quant_storage"):
+        return t.method.value == "qlora"
+    if key in ("lora_dtype", "lora_dropout"):
+        return t.method.value != "full"
+    if key == "cuda_lazy_loading":
+        return t.device.value == "cuda"
+    return True
 
 
 def _plain(t: TrainingSpec, key: str) -> str:
