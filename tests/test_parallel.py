@@ -901,3 +901,38 @@ def test_megatron_takes_the_optimizers_it_has_and_refuses_the_others() -> None:
     for opt in ("adafactor", "adamw-8bit", "lion"):
         with pytest.raises(tm.SpecError, match=r"Megatron-LM's distributed optimizer is Adam\(W\) or SGD"):
             tm.estimate(**opts, optimizer=opt)
+
+
+GEMMA3_VISION = dict(family="gemma3", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab=500,
+                     sliding_window=16, vision=dict(hidden=64, intermediate=96, n_layers=2, n_heads=4, image_size=48,
+                                                    patch_size=8))
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_ddp_buckets_hold_a_slot_for_the_vision_tower_a_text_only_step_never_runs(method: str) -> None:
+    """A multimodal Gemma 3 checkpoint trained on text: its vision tower (or, under LoRA, peft's adapters on its
+    linears) requires a gradient it never gets, and DDP's reducer lays out bucket space for it all the same.
+    Measured: what DDP keeps when it wraps the model, with and without the tower; the estimate's buckets grow by
+    the same tensors (each rounded to the allocator's 512 B, where the reducer's one flat bucket is not)."""
+    pytest.importorskip("transformers")
+    from trainmem_nb.measure.ddp import measure_ddp_buckets
+    from trainmem_nb.model.params import idle_trainable, weight_tensors
+    from trainmem_nb.parallel.ddp import DDPHooks
+
+    t = TrainingSpec(micro_batch=1, seq_len=32, device="cpu", precision="bf16-true", method=method,
+                     lora_targets="all-linear")
+    p = ParallelSpec(gpus=2)
+    vision = ModelSpec.model_validate({**GEMMA3_VISION, "name": "gemma3-vision"})
+    text = ModelSpec.model_validate({**GEMMA3_VISION, "name": "gemma3-text", "vision": None})
+
+    def estimated(m: ModelSpec) -> int:
+        return sum(int(sz.at(1, 1)) * n for cat, sz, n in DDPHooks(world=2, zero=0).init(m, t, weight_tensors(m, t))
+                   if cat == "overhead/communication")
+
+    def buckets(m: ModelSpec) -> int:  # the flat buckets, not the reducer's per-parameter bookkeeping (bytes each)
+        return sum(n for n in measure_ddp_buckets(m, t, p) if n >= 4096)
+
+    measured = buckets(vision) - buckets(text)
+    idle = idle_trainable(vision, t)
+    assert measured == sum(int(q.numel * dt) * q.count for q, dt in idle) > 0
+    assert 0 <= estimated(vision) - estimated(text) - measured <= 512 * sum(q.count for q, _dt in idle)

@@ -20,7 +20,8 @@ if TYPE_CHECKING:  # annotations only: ModelSpec reads its parameter count from 
     from .spec import ModelSpec
 
 __all__ = [
-    "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "lora_inventory", "lora_modules",
+    "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "idle_trainable", "idle_weights", "lora_inventory",
+    "lora_modules",
     "lora_moe_params", "nf4_bytes", "on_stage", "param_inventory", "quantized", "routed_expert", "trainable_tensors",
     "weight_tensors",
 ]
@@ -434,6 +435,14 @@ def idle_weights(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, float
                     (ParamTensor(f"{mod}.lora_B.weight", (p.shape[0], t.lora_rank), p.count, True, False, idle=True),
                      t.adapter_bytes)]
     return out
+
+
+def idle_trainable(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, float]]:
+    """The idle weights (`idle_weights`) that still require a gradient: the whole vision tower under full
+    fine-tuning (nothing freezes it), peft's adapters on its linears under LoRA. Autograd never reaches them,
+    but an engine that lays out memory for every such parameter up front (DDP's gradient buckets) counts them."""
+    full = t.method is Method.FULL
+    return [(p, dt) for p, dt in idle_weights(m, t) if full or ".lora_" in p.name]
 
 
 @lru_cache(maxsize=512)

@@ -8,7 +8,7 @@ from typing import Any
 
 from ..engine.program import Segment, _round
 from ..engine.tape import Graph, Sz, T, const
-from ..model.params import ParamTensor
+from ..model.params import ParamTensor, idle_trainable
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
@@ -47,7 +47,13 @@ class DDPHooks(EngineHooks):
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
         out: list[tuple[str, Sz, int]] = [("weights/params", const(p.numel * dt), p.count) for p, dt, _ in weights]
         grads = self._grads(m, t)
-        buckets = sum(_round(n) * c for n, c in grads)
+        # the reducer lays out a bucket slot for every parameter that requires a gradient, the ones autograd
+        # never reaches included (a multimodal checkpoint's vision tower in a text-only step: reducer.cpp
+        # initialize_buckets, `at::empty` of each bucket's total; measured: tests/test_parallel.py), and leaves
+        # a globally unused one's .grad alone (copy_bucket_to_grad: "If a parameter is globally unused, we keep
+        # its grad untouched")
+        idle = [(round(p.numel * dt), p.count) for p, dt in idle_trainable(m, t)]
+        buckets = sum(_round(n) * c for n, c in grads + idle)
         if self.bucket_view:  # the buckets are the gradients
             out.append(("gradients", const(buckets), 1))
         else:
