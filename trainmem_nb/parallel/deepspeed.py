@@ -16,7 +16,7 @@ from ..spec.choices import Method
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.layers import in_layer_of
-from ..step.optimizers import flat_state_bytes
+from ..step.optimizers import flat_state_bytes, flat_update_temporaries
 from .ranks import (
     _CAT,
     DS_ALLGATHER_BUCKET,
@@ -112,6 +112,7 @@ class DeepSpeedHooks(EngineHooks):
     last_stage: bool = True
     grad_scaler: bool = False  # fp16: DeepSpeed's own loss scaler (runtime/fp16/loss_scaler.py)
     ep: int = 1  #: expert parallelism: routed experts are partitioned over ``world / ep`` ranks (`shard_world`)
+    partition_numel: int = 0  #: ZeRO-2: elements of the rank's gradient partition (`_partition`)
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
@@ -139,9 +140,24 @@ class DeepSpeedHooks(EngineHooks):
 
     def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None:
         self.unit_forward_begin(g, unit)  # ZeRO-3 gathers the unit again for its backward
+        if unit == "root" and self.zero in (1, 2):
+            # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) and, for ZeRO-2, the rank's gradient
+            # partition (`grads_in_partition`) when the first gradients arrive; the bucket goes when backward
+            # ends, the partition once step() has its fp32 copy (measured on CPU: neither is alive before a
+            # step, tests/test_parallel.py)
+            st = self.state.setdefault(id(g), {})
+            bucket = g.alloc(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
+            bucket.region = "communication"
+            st["bucket"] = bucket
+            if self.zero == 2 and self.offload == "none" and self.partition_numel:
+                part = g.alloc(const(self.partition_numel), self.model_dt, "gradient partition (grads_in_partition)")
+                part.is_grad = True
+                st["partition"] = part
 
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
         self.unit_forward_end(g, unit)
+        if unit == "root" and "bucket" in (st := self.state.setdefault(id(g), {})):
+            g.drop(st.pop("bucket"))
         if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill
             for grad in grads:
                 grad.is_grad = False
@@ -188,9 +204,9 @@ class DeepSpeedHooks(EngineHooks):
             if per:
                 out.append(("optimizer_states", const(round(_partition(self, m, t, world if self.zero >= 1 else 1) * per)),
                             1))
-        # reduce bucket and, for ZeRO-1/2, the all-gather bucket for the updated parameters
-        out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
-        if self.zero >= 2 and self.offload == "none":
+        if self.zero not in (1, 2):  # ZeRO-1/2 make their reduce bucket in backward (`unit_backward_begin`)
+            out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
+        if self.zero >= 3 and self.offload == "none":
             # the rank's gradient partition; with an offloaded optimizer it is on the host instead
             # (stage_1_and_2.py copy_grads_in_partition returns before allocating grads_in_partition
             # when cpu_offload; stage3.py puts grad_partitions_flat_buffer on self.device, the CPU)
@@ -203,8 +219,27 @@ class DeepSpeedHooks(EngineHooks):
         temp = _CAT["transient/optimizer"]
         events: list[tuple[int, int, Sz, str]] = []
         if self.offload == "none":
-            # the fp32 gradient partition the update reads, then the all-gather of updated parameters
-            events += [(temp, 1, const(shard * 4), "fp32 gradient partition"), (temp, -1, const(shard * 4), "freed")]
+            # stage_1_and_2.py / stage3.py step(), measured on CPU (tests/test_parallel.py): the global norm casts
+            # each gradient of the partition to fp64 in turn (get_grad_norm_direct: `g.data.to(get_norm_dtype())`,
+            # double wherever the device has fp64); the partition's gradients are flattened (`self.flatten`, a
+            # 16-bit copy) and that copy cast to the fp32 gradient the update reads, the 16-bit one then deleted;
+            # the optimizer updates the flat fp32 partition with its own temporaries (`flat_update_temporaries`)
+            largest = max((p.numel for p, _dt in _trainable(self, m, t)), default=0)
+            norm = _round(min(largest // self.world if self.zero >= 3 else largest, shard) * 8)
+            flat, fp32, update = _round(shard * self.model_dt), _round(shard * 4), flat_update_temporaries(t, shard)
+            events += [(temp, 1, const(norm), "gradient norm in fp64 (largest gradient)"), (temp, -1, const(norm), "freed")]
+            if self.model_dt != 4:
+                events.append((temp, 1, const(flat), "flattened gradient partition"))
+            events.append((temp, 1, const(fp32), "fp32 gradient partition"))
+            if self.model_dt != 4:
+                events.append((temp, -1, const(flat), "flattened copy freed"))
+            if self.zero == 2 and self.partition_numel:  # "release all the gradient since we have already created
+                # a necessary copy" (stage_1_and_2.py step: _release_preflattened_grad_buffers)
+                events.append((_CAT["gradients"], -1, const(_round(self.partition_numel * self.model_dt)),
+                               "gradient partition released"))
+            if update:
+                events += [(temp, 1, const(update), "optimizer update temporaries"), (temp, -1, const(update), "freed")]
+            events.append((temp, -1, const(fp32), "fp32 gradient partition freed"))
         if self.zero in (1, 2):
             ag = min(DS_ALLGATHER_BUCKET, n_train) * self.model_dt
             events += [(temp, 1, const(ag), "all-gather bucket"), (temp, -1, const(ag), "freed")]

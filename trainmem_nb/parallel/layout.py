@@ -150,9 +150,10 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
         model_dt = 2 if t.precision is not Precision.FP32 else 4
         layer_params = max((int(sum(w[0].numel * (w[1] / model_dt if w[1] < 1 else 1) for w in ws))
                             for name, ws in _units(weights, m).items() if name != "root"), default=0)
-        return DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero,
-                              model_dt=model_dt,
-                              offload=p.offload.value, layer_params=layer_params, ep=p.ep, **stage)
+        ds = DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero, model_dt=model_dt,
+                            offload=p.offload.value, layer_params=layer_params, ep=p.ep, **stage)
+        # the rank's share of the flat trainable parameters, which ZeRO-2 reduces its gradients into
+        return dataclasses.replace(ds, partition_numel=_partition(ds, m, t, ds.world)) if p.zero == 2 else ds
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, ep=p.ep,
                              **stage)

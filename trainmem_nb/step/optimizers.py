@@ -25,8 +25,8 @@ from ..spec.training import TrainingSpec
 if TYPE_CHECKING:
     from ..engine.program import Segment
 
-__all__ = ["BNB_PAGED_MIN_NUMEL", "STATE_TENSORS", "flat_state_bytes", "optimizer_program", "paged_state_bytes",
-           "state_bytes"]
+__all__ = ["BNB_PAGED_MIN_NUMEL", "STATE_TENSORS", "flat_state_bytes", "flat_update_temporaries", "optimizer_program",
+           "paged_state_bytes", "state_bytes"]
 
 _CAT = {k: i for i, k in enumerate(DETAIL_KEYS)}
 
@@ -71,6 +71,23 @@ def flat_state_bytes(t: TrainingSpec) -> float:
     if opt is OptimizerName.ADAMW_8BIT:
         return 2 + 2 * 4 / BNB_BLOCK  # two uint8 states and an fp32 absmax per block for each
     return 4.0 * STATE_TENSORS[opt]
+
+
+def flat_update_temporaries(t: TrainingSpec, numel: int) -> int:
+    """Peak bytes the optimizer's update allocates and frees on one flat fp32 partition of `numel` elements
+    (DeepSpeed's ZeRO optimizers step a torch or bitsandbytes optimizer on such a 1-D tensor). AdamW:
+    ``_foreach_sqrt`` makes one copy (``_multi_tensor_adamw``); the for-loop's ``exp_avg_sq.sqrt() /
+    bias_correction2_sqrt`` holds the root and the quotient at once (``_single_tensor_adamw``; measured on CPU:
+    ``sqrt`` then ``div`` of the partition, tests/test_parallel.py); fused kernels, bitsandbytes' and SGD's
+    in-place updates none. Lion's ``sign`` of the interpolation and Adafactor's variance estimate of a 1-D
+    tensor are one copy."""
+    opt, impl = t.optimizer, t.resolved_optimizer_impl
+    size = _round(numel * 4)
+    if opt in (OptimizerName.ADAMW, OptimizerName.ADAM):
+        return {OptimizerImpl.FOREACH: size, OptimizerImpl.FOR_LOOP: 2 * size}.get(impl, 0)
+    if opt in (OptimizerName.LION, OptimizerName.ADAFACTOR):
+        return size
+    return 0
 
 
 def paged_state_bytes(m: ModelSpec, t: TrainingSpec, shard: Shard | None = None) -> int:
