@@ -50,7 +50,7 @@ def test_a_stack_version_is_its_key_librarys_and_older_components_switch_their_m
     values = {k: a.value for k, a in old.options.items()}
     assert values == {"loop_keeps_outputs": False, "zero_grad_set_to_none": False, "cuda_lazy_loading": False,
                       "bnb_saves_input": True, "causal_lm_loss": "model-upcast", "sync_module_states": True,
-                      "adafactor": "transformers"}
+                      "adafactor": "transformers", "optimizer_impl": None}
     assert {k: a.value for k, a in resolve_stack("hf-trainer@4.47").options.items()}["causal_lm_loss"] == "logits-shifted"
     assert {k: a.value for k, a in resolve_stack("hf-trainer@4.30").options.items()}["causal_lm_loss"] == "no-upcast"
     assert "causal_lm_loss" not in resolve_stack("hf-trainer@4.49").options  # today's loss from 4.49
@@ -205,7 +205,8 @@ def test_the_estimate_says_which_stack_and_versions_it_assumed_and_what_it_set()
     assert "stack hf-trainer@4.38 (Hugging Face Trainer): torch 1.13, transformers 4.38" in text
     # what the stack set for a step that never reaches it (Adafactor under AdamW, FSDP on one device) is in the
     # JSON, not in the summary's "it sets", where it would read as if it had changed the numbers
-    assert "it sets loop_keeps_outputs=False, zero_grad_set_to_none=False, causal_lm_loss=model-upcast" in text
+    assert ("it sets loop_keeps_outputs=False, optimizer_impl=default, zero_grad_set_to_none=False, "
+            "causal_lm_loss=model-upcast") in text
     assert {"adafactor", "sync_module_states"} <= set(d["options"])
     there = tm.estimate("llama-3-8b", stack="hf-trainer@4.38", optimizer="adafactor", gpus=2, engine="fsdp", zero=3,
                         method="lora").summary()
@@ -421,6 +422,27 @@ def test_peft_before_0_12_keeps_adapters_in_the_adapted_weights_dtype_and_fp32_o
         assert now["weights"] - was["weights"] == was["optimizer_states"] // 2
         assert now["activations"] > was["activations"] and new.peak_allocated_bytes > old.peak_allocated_bytes
         assert old.to_dict()["stack"]["options"]["lora_dtype"]["value"] == "weight"
+
+
+def test_the_hf_trainers_default_adamw_is_fused_from_4_54_on_torch_2_8_else_pytorchs_default() -> None:
+    """TrainingArguments' default optim: ``adamw_torch_fused`` from transformers 4.54 with torch >= 2.8 (no update
+    temporaries), ``adamw_torch`` from 4.32 (PyTorch's default: foreach on CUDA, whose sqrt copies every state),
+    ``adamw_hf`` before (a loop over the parameters). An optimizer given, or another than AdamW, keeps its own."""
+    assert tm.TrainingSpec(stack="hf-trainer").resolved_optimizer_impl.value == "fused"
+    assert tm.TrainingSpec(stack="trl").resolved_optimizer_impl.value == "fused"
+    assert tm.TrainingSpec(stack="hf-trainer@4.53").resolved_optimizer_impl.value == "foreach"
+    assert tm.TrainingSpec(stack="hf-trainer", versions="torch=2.7").resolved_optimizer_impl.value == "foreach"
+    assert tm.TrainingSpec(stack="hf-trainer@4.31").resolved_optimizer_impl.value == "for-loop"
+    assert tm.TrainingSpec(stack="hf-trainer@4.53", device="cpu").resolved_optimizer_impl.value == "for-loop"
+    assert tm.TrainingSpec(stack="hf-trainer", optimizer_impl="foreach").optimizer_impl.value == "foreach"
+    for opt in ("adafactor", "lion", "adamw-8bit", "sgd"):  # no fused flag forced on them (fused refuses most)
+        assert tm.TrainingSpec(stack="hf-trainer", optimizer=opt).optimizer_impl is None
+    # full fine-tuning on one GPU: the fused step allocates nothing beside the states; foreach copies them all
+    opts = dict(model="gpt2", micro_batch=1, seq_len=128)
+    fused, foreach = tm.estimate(stack="hf-trainer", **opts), tm.estimate(stack="hf-trainer@4.53", **opts)
+    assert "optimizer" not in fused.phase_peaks_bytes and foreach.peak_phase == "optimizer"
+    assert fused.peak_allocated_bytes < foreach.peak_allocated_bytes
+    assert "optimizer_impl=fused" in fused.summary() and "optimizer_impl=default" in foreach.summary()
 
 
 def test_the_hf_trainer_steps_transformers_adafactor_whose_fp32_copies_set_a_16bit_models_peak() -> None:

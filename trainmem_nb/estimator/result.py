@@ -279,6 +279,8 @@ def _reaches(key: str, t: TrainingSpec, p: ParallelSpec) -> bool:
         return t.method.value == "qlora"
     if key in ("lora_dtype", "lora_dropout"):
         return t.method.value != "full"
+    if key == "optimizer_impl":
+        return t.optimizer.value in ("adamw", "adam")
     if key == "cuda_lazy_loading":
         return t.device.value == "cuda"
     return True
@@ -286,7 +288,7 @@ def _reaches(key: str, t: TrainingSpec, p: ParallelSpec) -> bool:
 
 def _plain(t: TrainingSpec, key: str) -> str:
     value = getattr(t, key)
-    return f"{key}={getattr(value, 'value', value)}"
+    return f"{key}={'default' if value is None else getattr(value, 'value', value)}"  # None: PyTorch's default
 
 
 #: How the headline names a memory-efficient loss, with the version it is modelled from (`recipes.head`).

@@ -135,7 +135,7 @@ class TrainingSpec(SpecModel):
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
         "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params",
-        "sync_module_states", "adafactor", "softmax_saves_input", "qlora_quant_storage"})
+        "sync_module_states", "adafactor", "softmax_saves_input", "qlora_quant_storage", "optimizer_impl"})
 
     @model_validator(mode="before")
     @classmethod
@@ -216,6 +216,8 @@ class TrainingSpec(SpecModel):
             if key not in self.STACK_OPTIONS:
                 raise SpecError(f"stack {self.stack!r} sets {key!r}, which a stack cannot set; it may set "
                                 f"{', '.join(sorted(self.STACK_OPTIONS))}")
+            if key == "optimizer_impl" and self.optimizer not in (OptimizerName.ADAMW, OptimizerName.ADAM):
+                continue  # a Trainer's default implementation is its AdamW's: another optimizer keeps its own
             if key not in self.model_fields_set:
                 try:
                     value = _field_adapter(key).validate_python(applied.value)
