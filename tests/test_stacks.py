@@ -430,6 +430,8 @@ def test_the_hf_trainers_default_adamw_is_fused_from_4_54_on_torch_2_8_else_pyto
     ``adamw_hf`` before (a loop over the parameters). An optimizer given, or another than AdamW, keeps its own."""
     assert tm.TrainingSpec(stack="hf-trainer").resolved_optimizer_impl.value == "fused"
     assert tm.TrainingSpec(stack="trl").resolved_optimizer_impl.value == "fused"
+    # axolotl's own default (adamw_torch_fused) and DeepSpeed's FusedAdam for a config's "AdamW"
+    assert {tm.TrainingSpec(stack=st).resolved_optimizer_impl.value for st in ("axolotl", "deepspeed")} == {"fused"}
     assert tm.TrainingSpec(stack="hf-trainer@4.53").resolved_optimizer_impl.value == "foreach"
     assert tm.TrainingSpec(stack="hf-trainer", versions="torch=2.7").resolved_optimizer_impl.value == "foreach"
     assert tm.TrainingSpec(stack="hf-trainer@4.31").resolved_optimizer_impl.value == "for-loop"
