@@ -129,7 +129,9 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> di
         try:
             deepspeed.init_distributed(dist_backend="gloo")
             model, inputs = build(m, t.model_copy(update={"precision": t.precision.__class__("fp32")}), "cpu")
-            tracker = StorageTracker()
+            # real CPU tensors only: DeepSpeed keeps a meta-device copy of every parameter's shape
+            # (stage_1_and_2.py `round_robin_bit16_meta`: `torch.zeros_like(param.data, device="meta")`), no memory
+            tracker = StorageTracker(device_type="cpu")
             tracker.adopt(list(model.parameters()), "weights", param=True)
             marks: dict[str, int] = {}
             with tracker:

@@ -199,8 +199,12 @@ class DeepSpeedHooks(EngineHooks):
             # zero_grad frees after the optimizer step (`optimizer`)
             out += [("gradients", const(p.numel * self.model_dt), p.count) for p, _dt in _trainable(self, m, t)]
         if self.offload == "none" and not t.first_step:
-            # the fp32 master partition (a 16-bit model's only) and the optimizer's state on it
-            per = (4 if self.model_dt == 2 and t.optimizer.value != "none" else 0) + flat_state_bytes(t)
+            # the fp32 master partition and the optimizer's state on it; ZeRO's optimizers clone the partition even
+            # when the model is fp32 (stage_1_and_2.py `single_partition_of_fp32_groups`: `...[partition_id]
+            # .to(self.device).clone().float().detach()`; stage3.py `fp32_partitioned_groups_flat`: `.clone()
+            # .float()`; measured), ZeRO-0 steps on the 16-bit model's own parameters
+            master = self.model_dt == 2 or self.zero >= 1
+            per = (4 if master and t.optimizer.value != "none" else 0) + flat_state_bytes(t)
             if per:
                 out.append(("optimizer_states", const(round(_partition(self, m, t, world if self.zero >= 1 else 1) * per)),
                             1))
@@ -218,6 +222,7 @@ class DeepSpeedHooks(EngineHooks):
         shard = _partition(self, m, t, self.world if self.zero >= 1 else 1)
         temp = _CAT["transient/optimizer"]
         events: list[tuple[int, int, Sz, str]] = []
+        grads = sum(_round(p.numel * self.model_dt) * p.count for p, _dt in _trainable(self, m, t))
         if self.offload == "none":
             # stage_1_and_2.py / stage3.py step(), measured on CPU (tests/test_parallel.py): the global norm casts
             # each gradient of the partition to fp64 in turn (get_grad_norm_direct: `g.data.to(get_norm_dtype())`,
@@ -233,10 +238,13 @@ class DeepSpeedHooks(EngineHooks):
             events.append((temp, 1, const(fp32), "fp32 gradient partition"))
             if self.model_dt != 4:
                 events.append((temp, -1, const(flat), "flattened copy freed"))
-            if self.zero == 2 and self.partition_numel:  # "release all the gradient since we have already created
-                # a necessary copy" (stage_1_and_2.py step: _release_preflattened_grad_buffers)
+            # "release all the gradient since we have already created a necessary copy" (stage_1_and_2.py step:
+            # free_grad_in_param_list, _release_preflattened_grad_buffers): ZeRO-2's partition, ZeRO-1's .grad
+            if self.zero == 2 and self.partition_numel:
                 events.append((_CAT["gradients"], -1, const(_round(self.partition_numel * self.model_dt)),
                                "gradient partition released"))
+            elif self.zero == 1:
+                events.append((_CAT["gradients"], -1, const(grads), "gradients released"))
             if update:
                 events += [(temp, 1, const(update), "optimizer update temporaries"), (temp, -1, const(update), "freed")]
             events.append((temp, -1, const(fp32), "fp32 gradient partition freed"))
@@ -244,8 +252,7 @@ class DeepSpeedHooks(EngineHooks):
             ag = min(DS_ALLGATHER_BUCKET, n_train) * self.model_dt
             events += [(temp, 1, const(ag), "all-gather bucket"), (temp, -1, const(ag), "freed")]
         segs = [_segment("optimizer", "optimizer step", 1, tuple(events))]
-        if self.zero < 2:
-            grads = sum(_round(p.numel * self.model_dt) * p.count for p, _dt in _trainable(self, m, t))
+        if self.zero == 0 or (self.zero == 1 and self.offload != "none"):
             segs.append(_segment("zero", "zero_grad", 1, ((_CAT["gradients"], -1, const(grads), "zero_grad"),)))
         return segs
 
