@@ -13,7 +13,7 @@ from ..recipes import head as _head
 from ..recipes.registry import runs_loss
 from ..spec.calibration import Calibration
 from ..spec.parallel import ParallelSpec
-from ..spec.training import TrainingSpec
+from ..spec.training import STACK_IMPL_OPTIMIZERS, TrainingSpec
 from ..units import format_bytes, format_count
 
 __all__ = ['MemoryEstimate']
@@ -280,7 +280,7 @@ def _reaches(key: str, t: TrainingSpec, p: ParallelSpec) -> bool:
     if key in ("lora_dtype", "lora_dropout"):
         return t.method.value != "full"
     if key == "optimizer_impl":
-        return t.optimizer.value in ("adamw", "adam")
+        return t.optimizer in STACK_IMPL_OPTIMIZERS
     if key == "cuda_lazy_loading":
         return t.device.value == "cuda"
     return True

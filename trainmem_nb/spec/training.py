@@ -32,6 +32,11 @@ from .stack import COMPONENTS, Stack, parse_versions, resolve_stack
 __all__ = ['TrainingSpec']
 
 
+#: The optimizers a stack's ``optimizer_impl`` applies to: the Trainer's and DeepSpeed's default AdamW (another
+#: optimizer keeps PyTorch's default implementation).
+STACK_IMPL_OPTIMIZERS = frozenset({OptimizerName.ADAMW, OptimizerName.ADAM})
+
+
 class TrainingSpec(SpecModel):
     """One training step's setup: batch shape, precision recipe, optimizer, recomputation, kernels.
 
@@ -216,7 +221,7 @@ class TrainingSpec(SpecModel):
             if key not in self.STACK_OPTIONS:
                 raise SpecError(f"stack {self.stack!r} sets {key!r}, which a stack cannot set; it may set "
                                 f"{', '.join(sorted(self.STACK_OPTIONS))}")
-            if key == "optimizer_impl" and self.optimizer not in (OptimizerName.ADAMW, OptimizerName.ADAM):
+            if key == "optimizer_impl" and self.optimizer not in STACK_IMPL_OPTIMIZERS:
                 continue  # a Trainer's default implementation is its AdamW's: another optimizer keeps its own
             if key not in self.model_fields_set:
                 try:
