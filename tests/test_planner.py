@@ -395,8 +395,8 @@ def test_the_json_contract_has_an_estimate_and_options_with_nulls_for_unknown_pr
     text = json.dumps(d)
     assert set(d) >= {"estimate", "options"} and "NaN" not in text and "Infinity" not in text
     assert d["estimate"]["breakdown_bytes"]
-    keys = {"gpu", "n_gpus", "fits", "headroom_fraction", "max_micro_batch", "time_hours", "cost_usd_on_demand",
-            "cost_usd_spot"}
+    keys = {"gpu", "n_gpus", "fits", "headroom_fraction", "max_micro_batch", "reserved_replayed", "time_hours",
+            "cost_usd_on_demand", "cost_usd_spot"}
     for o in d["options"]:
         assert keys <= set(o)
     t4 = next(o for o in d["options"] if o["gpu"] == "T4 16GB")
@@ -649,3 +649,19 @@ def test_an_expert_parallel_option_exports_its_launch_line_but_no_config_that_ca
     assert [p.name for p in write_launch_files(row, tmp_path)] == ["launch.sh"]
     with pytest.raises(tm.SpecError, match="does not express expert parallelism"):
         deepspeed_config(row)
+
+
+def test_single_gpu_options_are_replayed_and_agree_with_fit_of_a_fresh_estimate() -> None:
+    """The search screens micro-batches with the churn model; the options it reports on one GPU are the
+    allocator's replay, so a row's verdict and bytes are what `tm.fit` of the same step says."""
+    p = plan("qwen3-0.6b", gpu=["L4", "T4"], gpus=1, seq_len=2048, tokens=1e8)
+    assert p.rows
+    for r in p.rows:
+        assert r["reserved_replayed"]
+        est = p.option_estimate(r)
+        assert est is not None and est.reserved_from == "replay"
+        fresh = tm.estimate("qwen3-0.6b", seq_len=2048, micro_batch=r["micro_batch"], grad_accum=r["grad_accum"],
+                            precision=r["precision"], checkpointing=r["checkpointing"])
+        f = tm.fit(fresh, r["gpu"])
+        assert (f.fits, f.needed_bytes) == (r["fits"], r["needed_bytes"])
+    assert any("replayed through the caching allocator" in n for n in p.notes)

@@ -20,7 +20,7 @@ from ..model.spec import ModelSpec
 from ..parallel.checks import check_layout
 from ..spec.parallel import ParallelSpec, build_parallel
 from ..spec.training import TrainingSpec, build_training
-from ..step.reserved import replaying, screening
+from ..step.reserved import replayed, replaying, screening
 from ..units import format_bytes
 from .assumptions import check_count, check_headroom
 from .gpus import GPU, _precision_for, get_gpu
@@ -319,10 +319,16 @@ class _Evaluator:
     def training(self, over: Mapping[str, Any]) -> TrainingSpec:
         return build_training(None, **{**self.base, **over})
 
-    def estimate(self, p: ParallelSpec, over: Mapping[str, Any]) -> MemoryEstimate:
-        key = self._key(p, over)
+    def estimate(self, p: ParallelSpec, over: Mapping[str, Any], replay: bool = False) -> MemoryEstimate:
+        """The estimate of (layout, overrides); `replay`: with the allocator replayed even inside a
+        `screening` search (what a search reports), else as the caller's context has it."""
+        key = (*self._key(p, over), replay)
         if key not in self.estimates:
-            self.estimates[key] = estimate(self.m, self.training(over), parallel=p)
+            if replay:
+                with replayed():
+                    self.estimates[key] = estimate(self.m, self.training(over), parallel=p)
+            else:
+                self.estimates[key] = estimate(self.m, self.training(over), parallel=p)
         return self.estimates[key]
 
     def needed(self, p: ParallelSpec, over: Mapping[str, Any]) -> int:

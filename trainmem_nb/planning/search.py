@@ -33,6 +33,7 @@ from .cost import (
 )
 from .fit import (
     DEFAULT_HEADROOM,
+    Fit,
     _Evaluator,
     _gpu_counts,
     _layout,
@@ -250,12 +251,14 @@ def plan(
         raise SpecError(f"no layout as given can run: {first['reason']} ({first['n_gpus']}x {first['gpu']}; "
                         f"{len(rejected)} option(s) tried, see the layout options)")
     _mark_pareto(rows)
+    _replay_rows(ctx, rows, rejected)
     rows.sort(key=lambda r: (not r["fits"], r["cost_usd_on_demand"] if r["cost_usd_on_demand"] is not None else math.inf,
                              r["time_hours"] if r["time_hours"] is not None else math.inf, r["n_gpus"]))
     notes = _plan_notes(m, rows, gpu_types, a.tokens, price_rows, fixed.get("gpus"), source)
-    notes.append("per-option reserved bytes are the allocated high-water mark plus a churn fraction "
-                 "(RESERVED_CHURN_FRACTION), not the caching allocator's replay: tm.estimate or tm.fit of a chosen "
-                 "option replays it")
+    notes.append("options were searched with reserved bytes as the allocated high-water mark plus a churn fraction "
+                 "(RESERVED_CHURN_FRACTION); the single-GPU options, each GPU's fewest GPUs and the Pareto front "
+                 "are replayed through the caching allocator (reserved_replayed), their fit and micro-batch the "
+                 "replay's; tm.estimate or tm.fit of any other option replays it")
     if as_given is None and "gpus" in fixed:
         notes.insert(0, f"the step as given could not be estimated: {as_given_error}")
     assumptions = {
@@ -291,6 +294,8 @@ class _PlanContext:
     prices_source: str = "snapshot"
     fp8: str = "none"  # the fp8 recipe of the given options (precision='fp8' included), kept in every option
     kept: dict[tuple[str, int, str], MemoryEstimate] = field(default_factory=dict)
+    #: each row's option as the search chose it: (GPU, layout, training overrides, largest micro-batch screened)
+    options: dict[tuple[str, int, str], tuple[GPU, ParallelSpec, dict[str, Any], int]] = field(default_factory=dict)
 
 
 def _search_gpu(ctx: _PlanContext, g: GPU, counts: list[int], scale_out: int, rows: list[dict[str, Any]],
@@ -377,7 +382,8 @@ def _choose_batch(ctx: _PlanContext, g: GPU, p: ParallelSpec, over: dict[str, An
 
 
 def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str) -> dict[str, Any]:
-    """One row: the batch that fits, the verdict, time and cost (raises SpecError for bad layouts)."""
+    """One row, screened: the batch that fits, the verdict, time and cost (raises SpecError for bad layouts);
+    `_replay_rows` replays the rows a user acts on."""
     ckpts = [ctx.given["checkpointing"]] if "checkpointing" in ctx.given else ["none", "full"]
     for ck in ckpts:  # no recomputation when it fits, else full checkpointing
         # precision='fp8' names a bf16 model with fp8 matmuls: the recipe stays with it
@@ -385,9 +391,16 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
         mb, ga, mx = _choose_batch(ctx, g, p, over)
         if 0 < mb <= mx:
             break
-    over = {**over, "micro_batch": max(mb, 1), "grad_accum": ga}
-    est = ctx.ev.estimate(p, over)
-    f = fit(est, g, ctx.headroom)
+    est = ctx.ev.estimate(p, {**over, "micro_batch": max(mb, 1), "grad_accum": ga})
+    row = _row(ctx, g, p, est, fit(est, g, ctx.headroom), mx, replayed=False)
+    ctx.options[_option_key(row)] = (g, p, over, mx)
+    return row
+
+
+def _row(ctx: _PlanContext, g: GPU, p: ParallelSpec, est: MemoryEstimate, f: Fit, mx: int, replayed: bool
+         ) -> dict[str, Any]:
+    """The row of one option from its estimate and fit: layout, batch, verdict, and unless it is out of
+    memory, time, cost and warnings. `replayed`: its reserved bytes are the caching allocator's replay."""
     t = est.training
     label = _label(p)
     row: dict[str, Any] = {
@@ -398,7 +411,7 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
         "checkpointing": t.checkpointing.value, "micro_batch": t.micro_batch, "grad_accum": t.grad_accum,
         "global_batch": t.micro_batch * t.grad_accum * p.dp, "seq_len": t.seq_len,
         "fits": f.fits, "verdict": f.verdict, "headroom_fraction": f.margin_fraction, "needed_bytes": f.needed_bytes,
-        "usable_bytes": f.usable_bytes, "max_micro_batch": mx, "message": f.message,
+        "usable_bytes": f.usable_bytes, "max_micro_batch": mx, "reserved_replayed": replayed, "message": f.message,
     }
     if f.verdict == "oom":
         return row
@@ -412,6 +425,55 @@ def _evaluate_option(ctx: _PlanContext, g: GPU, p: ParallelSpec, precision: str)
         row["warnings"].insert(0, f"{g.name} has no bf16: planned as {t.precision.value} (same memory, loss scaling)")
     row["pareto"] = False
     return row
+
+
+def _option_key(row: Mapping[str, Any]) -> tuple[str, int, str]:
+    return row["gpu"], row["n_gpus"], row["layout"]
+
+
+def _replay_rows(ctx: _PlanContext, rows: list[dict[str, Any]], rejected: list[dict[str, Any]]) -> None:
+    """Replay the caching allocator over the rows a user acts on: every single-GPU option, each GPU type's
+    fewest GPUs that fit, and the time/cost Pareto front (again where replaying moves it). The search screened
+    with the churn model, which a replay of each of hundreds of layouts would make several times slower."""
+    for _ in range(4):
+        fewest: dict[str, dict[str, Any]] = {}
+        for r in rows:
+            if r["fits"] and (r["gpu"] not in fewest or r["n_gpus"] < fewest[r["gpu"]]["n_gpus"]):
+                fewest[r["gpu"]] = r
+        picked = {id(r) for r in fewest.values()}
+        todo = [i for i, r in enumerate(rows) if not r["reserved_replayed"]
+                and (r["n_gpus"] == 1 or id(r) in picked or (r["fits"] and r.get("pareto")))]
+        if not todo:
+            return
+        for i in reversed(todo):
+            g, p, over, mx = ctx.options[_option_key(rows[i])]
+            est, f, mx = _replayed_fit(ctx, g, p, over, rows[i]["micro_batch"], rows[i]["grad_accum"], mx)
+            row = _row(ctx, g, p, est, f, mx, replayed=True)
+            if f.verdict == "oom":  # out of memory once replayed: rejected, as the search rejects the others
+                rejected.append({"gpu": g.name, "n_gpus": p.gpus, "layout": row["layout"], "reason": row["message"],
+                                 "headroom_fraction": row["headroom_fraction"]})
+                del rows[i]
+            else:
+                rows[i] = row
+        _mark_pareto(rows)
+
+
+def _replayed_fit(ctx: _PlanContext, g: GPU, p: ParallelSpec, over: dict[str, Any], mb: int, ga: int, mx: int
+                  ) -> tuple[MemoryEstimate, Fit, int]:
+    """The option's step with the caching allocator replayed, its fit and largest micro-batch: a micro-batch
+    the replay says does not fit steps down (at most four times, as `trainmem_nb.planning.fit.max_micro_batch`
+    does; the screen is within a few of the replay's answer). A micro-batch the user gave stays."""
+    per_rank = -(-ctx.target // p.dp) if ctx.target is not None else None
+    for _ in range(4):
+        est = ctx.ev.estimate(p, {**over, "micro_batch": max(mb, 1), "grad_accum": ga}, replay=True)
+        f = fit(est, g, ctx.headroom)
+        if f.fits or mb <= 1 or "micro_batch" in ctx.given:
+            break
+        mb -= 1
+        mx = min(mx, mb)
+        if per_rank is not None and not ctx.given.get("grad_accum"):
+            ga = -(-per_rank // mb)  # the same global batch in more, smaller micro-steps
+    return est, f, mx
 
 
 def _time_and_cost(ctx: _PlanContext, g: GPU, p: ParallelSpec, t: TrainingSpec, od_price: Price | None,

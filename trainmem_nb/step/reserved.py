@@ -34,6 +34,7 @@ __all__ = [
     'replay_segments',
     'replay_step',
     'replayable',
+    'replayed',
     'replayed_reserved_and_total',
     'replaying',
     'reserved_and_total',
@@ -224,6 +225,17 @@ def screening() -> Iterator[None]:
     `churn_fraction`) instead of replaying the allocator: for searches that try many steps (the
     planner's micro-batch bisection over every layout) and replay only the ones they report."""
     token = _SCREENING.set(True)
+    try:
+        yield
+    finally:
+        _SCREENING.reset(token)
+
+
+@contextmanager
+def replayed() -> Iterator[None]:
+    """Estimates inside replay the allocator even within `screening`: what a search reports (a planner's
+    rows), once it has screened its candidates with the churn model."""
+    token = _SCREENING.set(False)
     try:
         yield
     finally:
