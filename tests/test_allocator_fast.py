@@ -74,6 +74,19 @@ def test_the_c_replay_gives_the_python_allocators_bytes_on_random_traces(trace: 
 
 
 @needs_native
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_traces(), st.data(), st.sampled_from(["", "max_split_size_mb:20", "expandable_segments:True"]))
+def test_the_c_replay_gives_the_python_allocators_bytes_with_several_streams(trace: tuple, data: st.DataObject,
+                                                                              conf: str) -> None:
+    """Each malloc on one of three streams (an engine's communication streams): each stream's pools apart."""
+    load, ops, sizes, watch = trace
+    streams = array("q", [data.draw(st.integers(0, 2)) if o >= 0 else 0 for o in ops])
+    config = parse_alloc_conf(conf or None)
+    assert replay_trace(load, ops, sizes, config, watch, streams=streams) == replay_trace(
+        load, ops, sizes, config, watch, native=False, streams=streams)
+
+
+@needs_native
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_traces(), st.integers(0, 200 * MiB), st.sampled_from(["", "max_split_size_mb:20", "expandable_segments:True"]))
 def test_past_the_capacity_the_python_allocator_decides(trace: tuple, capacity: int, conf: str) -> None:
@@ -108,6 +121,30 @@ def test_the_c_replay_gives_the_python_allocators_bytes_on_real_steps(name: str,
             fast = replay_trace(load, ops, sizes, config, second)
             assert fast is not None and fast.watched is not None
             assert fast == replay_trace(load, ops, sizes, config, second, native=False)
+
+
+@needs_native
+def test_an_fsdp2_step_replays_its_streams_the_same_on_both_paths() -> None:
+    """FSDP2's all-gather outputs and sharded gradients are on their own streams (`trace_streams`)."""
+    from trainmem_nb.engine.trace import trace_streams
+    from trainmem_nb.parallel.layout import _hooks
+    from trainmem_nb.spec.parallel import build_parallel
+
+    m = get_model("llama-3.2-1b").model_copy(update={"n_layers": 3})
+    t = TrainingSpec(micro_batch=1, seq_len=256, precision="bf16-mixed", device="cuda")
+    hooks = _hooks(m, t, build_parallel(None, gpus=8, engine="fsdp", zero=3))
+    unrolled = compile_step(m, program_key(t, m), hooks, unrolled=True)
+    for first_step in (False, True):  # one stream per op, and only a malloc is on another than the default one
+        ops, _sizes = trace_arrays(unrolled, 1, 256, first_step=first_step)
+        on = trace_streams(unrolled, first_step=first_step)
+        assert on is not None and len(on) == len(ops) and all(o >= 0 for o, s in zip(ops, on, strict=True) if s)
+    streams = trace_streams(unrolled)
+    assert streams is not None and set(streams) == {0, 1, 2}
+    ops, sizes = trace_arrays(unrolled, 1, 256)
+    config = parse_alloc_conf(None)
+    fast = replay_trace(array("q"), ops, sizes, config, 10, streams=streams)
+    assert fast == replay_trace(array("q"), ops, sizes, config, 10, native=False, streams=streams)
+    assert fast != replay_trace(array("q"), ops, sizes, config, 10)  # one stream would reuse across them
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -112,6 +112,11 @@ TITAN = [
                     checkpointing="selective-op", attention="sdpa", gpus=8, engine="fsdp", zero=3),
         tolerance=TOL_RESERVED, why_tolerance="reserved figure; torchtitan's own toml with the script's overrides; "
                                               "torch.compile not modelled",
+        xfail="torch.compile is not modelled: the run compiles each block (--compile.enable), whose fused "
+              "elementwise kernels save fewer activations; the same recipe without compile at batch 2 (the "
+              "torchtitan-llama3.1-8b-fsdp8-sac row) reads -0.3 %. It passed at +3.1 % while the replay put "
+              "FSDP2's all-gather outputs and sharded gradients in the default stream's pools, where they are on "
+              "their own streams (3.7 GiB of fp32 sharded gradients the default stream cannot reuse)",
     ),
 ]
 

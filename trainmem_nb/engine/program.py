@@ -97,6 +97,9 @@ class Program:
     #: lingering buffers): a repeated segment's first repetition frees its predecessor's, a later one the
     #: previous repetition's (`trainmem_nb.engine.trace`)
     chain_tokens: frozenset[int] = frozenset()
+    #: ``(token, stream)`` of the tensors allocated on another CUDA stream than the default one (an engine's
+    #: communication streams, `trainmem_nb.engine.tape.T.stream`): the allocator replay pools them apart
+    stream_tokens: tuple[tuple[int, int], ...] = ()
     #: per segment, the index of the first segment with the same events (a layer's first, middle and last
     #: repetitions usually are): `evaluate` computes their bytes once
     same_as: tuple[int, ...] = field(init=False, repr=False, compare=False)

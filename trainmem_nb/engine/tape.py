@@ -84,7 +84,7 @@ class T:
     """A symbolic tensor: element count, bytes per element, reference count and provenance."""
 
     __slots__ = ("base", "born", "chain", "dt", "final_grad", "fp8_scale", "freed", "grad", "is_grad", "is_param",
-                 "label", "n", "nf4", "phase", "refs", "region", "rg", "uses", "wcopy")
+                 "label", "n", "nf4", "phase", "refs", "region", "rg", "stream", "uses", "wcopy")
 
     def __init__(self, n: Sz, dt: int, label: str, rg: bool, region: str, phase: str) -> None:
         self.n = n
@@ -107,6 +107,9 @@ class T:
         self.nf4 = 0  # an NF4-quantized weight (QLoRA): bytes per element of its compute dtype
         #: a weight FSDP2 all-gathered in fp8 (torchao's float8 all-gather): the scale it came with
         self.fp8_scale: T | None = None
+        #: the CUDA stream it is allocated on (0: the default stream; an engine's communication streams are
+        #: numbered by it): the caching allocator keeps each stream's blocks in pools of their own
+        self.stream = 0
 
     @property
     def bytes(self) -> Sz:
@@ -178,11 +181,14 @@ class Graph:
         #: a run of same-size scalar temporaries may be one event of their blocks (the folded program, whose
         #: peak bytes it keeps; never the unrolled one, whose every malloc the caching allocator replays)
         self.merge_scalar_chains = False
+        #: the CUDA stream new tensors are allocated on (`T.stream`; an engine sets it around its collectives)
+        self.stream = 0
 
     # -- memory --------------------------------------------------------------------------------
     def alloc(self, n: Sz, dt: int, label: str, rg: bool = False) -> T:
         """A new tensor (one reference, held by the caller)."""
         t = T(n, dt, label, rg, "recomputed" if self.recomputing else self.region, self.phase)
+        t.stream = self.stream
         if self._stopped:  # code after an early-stopped recomputation never runs
             t.born = -2
             return t

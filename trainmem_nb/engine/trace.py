@@ -26,7 +26,7 @@ from collections import defaultdict
 
 from .program import CAT_INDEX, Program
 
-__all__ = ["allocator_trace", "step_starts", "trace_arrays", "trace_length"]
+__all__ = ["allocator_trace", "step_starts", "trace_arrays", "trace_length", "trace_streams"]
 
 
 def _bytes(sz: object, b: int, s: int) -> int:
@@ -61,6 +61,29 @@ def trace_arrays(prog: Program, micro_batch: int, seq_len: int, steps: int = 2,
     sizes, ops, _starts = _template(prog, steps, first_step)
     b, s = micro_batch, seq_len
     return ops, array("q", [_bytes(sz, b, s) for sz in sizes])
+
+
+def trace_streams(prog: Program, steps: int = 2, first_step: bool = False) -> array | None:
+    """The CUDA stream of each of `trace_arrays`'s ops (``array('q')``, 0 for the default stream and for every
+    free), or None when the program allocates on the default stream only (`Program.stream_tokens`)."""
+    if not prog.stream_tokens:
+        return None
+    hit = _STREAMS.get((id(prog), steps, first_step))
+    if hit is None or hit[0] is not prog:
+        key = (id(prog), steps, first_step)
+        kept = _MADE_BY.get(key)
+        if kept is None or kept[0] is not prog:  # built before, or evicted since: build the template again
+            _TEMPLATES.pop(key, None)
+            _template(prog, steps, first_step)
+            kept = _MADE_BY[key]
+        on = dict(prog.stream_tokens)
+        hit = _STREAMS[(id(prog), steps, first_step)] = (prog, array("q", [on.get(tok, 0) for tok in kept[1]]))
+        if len(_STREAMS) > 256:
+            _STREAMS.pop(next(iter(_STREAMS)))
+    return hit[1]
+
+
+_STREAMS: dict[tuple[int, int, bool], tuple[Program, array]] = {}
 
 
 def trace_length(prog: Program, steps: int = 2) -> int:
@@ -106,10 +129,12 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
         return i
 
     ops: list[int] = []
+    op_tokens: list[int] = []  # per op, the token of the tensor a malloc makes (0: unnamed, or a free)
     count = [0]
 
-    def malloc(i: int) -> int:
+    def malloc(i: int, tok: int = 0) -> int:
         ops.append(i)
+        op_tokens.append(tok)
         count[0] += 1
         return count[0] - 1
 
@@ -117,14 +142,15 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
     freed: set[int] = set()
     persistent: list[tuple[int, int]] = []  # (size index, allocation) alive before the step
 
-    def new(i: int) -> int:
-        a = malloc(i)
+    def new(i: int, tok: int = 0) -> int:
+        a = malloc(i, tok)
         by_size[i].append(a)
         return a
 
     def free(a: int) -> None:
         freed.add(a)
         ops.append(~a)
+        op_tokens.append(0)
 
     def free_by_size(i: int) -> None:
         stack = by_size[i]
@@ -158,7 +184,7 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
                 i = size_of(sz)
                 if k > 0:
                     for _ in range(k):
-                        a = new(i)
+                        a = new(i, tok)
                         if tok:
                             named[tok].append(a)
                     continue
@@ -182,4 +208,11 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
         _TEMPLATES.pop(next(iter(_TEMPLATES)))
     ops_q = array("q", ops)  # what the C replay reads (`trace_arrays`)
     _TEMPLATES[(id(prog), steps, first_step)] = (prog, sizes, ops_q, tuple(starts))
+    if prog.stream_tokens:  # which tensor each malloc makes: `trace_streams` reads their streams from it
+        _MADE_BY[(id(prog), steps, first_step)] = (prog, op_tokens)
+        if len(_MADE_BY) > 256:
+            _MADE_BY.pop(next(iter(_MADE_BY)))
     return sizes, ops_q, tuple(starts)
+
+
+_MADE_BY: dict[tuple[int, int, bool], tuple[Program, list[int]]] = {}

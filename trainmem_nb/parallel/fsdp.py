@@ -19,6 +19,15 @@ from ..step.compile import EngineHooks
 from ..step.optimizers import optimizer_program
 from .ranks import _CAT, _held, _padded_shard, _Param, _row_shard, _sharded_states, layer_units, nf4_parts, shard_world
 
+#: The CUDA streams FSDP2 allocates on besides the default one (torch/distributed/fsdp/_fully_shard/
+#: _fsdp_collectives.py): ``foreach_all_gather`` allocates each all-gather output (and the inputs it copies in)
+#: under ``device_handle.stream(all_gather_copy_in_stream)``, which ``FSDPParamGroup._all_gather_streams`` gives
+#: in forward and pre-backward; ``foreach_reduce`` allocates the reduce-scatter output, which the sharded gradients
+#: view, under ``device_handle.stream(reduce_scatter_stream)`` (its input is allocated on the current stream).
+#: The caching allocator gives a block back only to requests of the stream it was allocated on.
+ALL_GATHER_COPY_IN_STREAM = 1
+REDUCE_SCATTER_STREAM = 2
+
 
 @dataclass(frozen=True)
 class FSDP2Hooks(EngineHooks):
@@ -69,6 +78,7 @@ class FSDP2Hooks(EngineHooks):
         # amax all-reduced over the ranks (WeightWithDynamicFloat8CastTensor, fsdp_utils.py); the fp8 shards
         # are copied into the all-gather buffer and go, their scales ride along as metadata
         shards, scales = [], []
+        g.stream = ALL_GATHER_COPY_IN_STREAM  # what pre_all_gather makes and the output, until the copy-in is done
         for q in self._unit(unit):
             if q.fp8:
                 # the stored shard is cast (fp32 under a MixedPrecisionPolicy: no bf16 copy first)
@@ -80,6 +90,7 @@ class FSDP2Hooks(EngineHooks):
         # one flat buffer per unit (uint8 when the unit's dtypes differ): every rank's shards
         ag = g.alloc(const(sum(self._gathered_bytes(q) for q in self._unit(unit))), 1, label)
         ag.region, ag.chain = "communication", True
+        g.stream = 0
         g.drop(*reversed(shards))
         if scales:
             self._st(g).setdefault("scales", {})[unit] = scales
@@ -173,6 +184,7 @@ class FSDP2Hooks(EngineHooks):
             grad.is_grad = False
         g.drop(*grads)
         rs_out = g.alloc(const(self._grad_shard_bytes(unit)), 1, f"sharded gradients {unit}")
+        rs_out.stream = REDUCE_SCATTER_STREAM
         if self.gloo:
             # ProcessGroupGloo's reduce_scatter_tensor reduces a copy of the whole input and keeps its
             # own chunk (measured: a transient the size of the input, freed before the next unit)

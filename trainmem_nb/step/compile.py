@@ -409,7 +409,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     n_params = sum(p.numel * p.count for p, _, _ in weights) + sum(p.numel * p.count for p, _ in idle)
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     chain = frozenset(n for tt, n in tokens.items() if tt.chain)
-    return Program(tuple(init), tuple(segs), n_params, n_train, chain)
+    streams = tuple((n, tt.stream) for tt, n in tokens.items() if tt.stream)
+    return Program(tuple(init), tuple(segs), n_params, n_train, chain, streams)
 
 
 def _grad_scaler_steps(opt: list[Segment]) -> list[Segment]:

@@ -127,13 +127,14 @@ def replay_step(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf: s
             return hit[1]
     from ..engine.allocator import parse_alloc_conf
     from ..engine.allocator.fast import replay_trace
-    from ..engine.trace import step_starts, trace_arrays
+    from ..engine.trace import step_starts, trace_arrays, trace_streams
 
     ops, sizes = trace_arrays(unrolled, micro_batch, seq_len, first_step=first_step)
     second = len(load) + step_starts(unrolled, first_step=first_step)[-1]
     # the reserved peak lasts (reserved only falls when the cache is freed): its point is where most of it
     # is allocated, so fragmentation is what the step cannot use even at its fullest
-    run = replay_trace(array("q", load), ops, sizes, parse_alloc_conf(alloc_conf or None), watch_from=second)
+    run = replay_trace(array("q", load), ops, sizes, parse_alloc_conf(alloc_conf or None), watch_from=second,
+                       streams=trace_streams(unrolled, first_step=first_step))
     if run.watched is None:  # the second step allocates nothing: it holds what the first left
         result = AllocatorReplay(run.reserved, run.reserved - run.allocated, run.largest_free_block, run.allocated)
     else:
@@ -172,10 +173,12 @@ def replay_segments(unrolled: Program, micro_batch: int, seq_len: int, alloc_con
     from ..engine.allocator import CachingAllocator, parse_alloc_conf
     from ..engine.allocator.fast import expand
     from ..engine.allocator.segments import segment_summary
-    from ..engine.trace import trace_arrays
+    from ..engine.trace import trace_arrays, trace_streams
 
     a = CachingAllocator(parse_alloc_conf(alloc_conf or None))
-    a.replay(expand(load, *trace_arrays(unrolled, micro_batch, seq_len, first_step=True)), timeline=False, memo=False)
+    streams = trace_streams(unrolled, first_step=True)
+    a.replay(expand(load, *trace_arrays(unrolled, micro_batch, seq_len, first_step=True)),
+             None if streams is None else (0,) * len(load) + tuple(streams), timeline=False, memo=False)
     return segment_summary(a.snapshot())
 
 
@@ -207,13 +210,14 @@ def replay_on_card(unrolled: Program, micro_batch: int, seq_len: int, alloc_conf
     report (``verdict`` says whether the tensors fit and no free block was large enough)."""
     from ..engine.allocator import parse_alloc_conf
     from ..engine.allocator.fast import replay_trace
-    from ..engine.trace import trace_arrays
+    from ..engine.trace import trace_arrays, trace_streams
 
     if capacity <= 0:
         return {"verdict": "no memory is left for the allocator after the CUDA context", "fragmentation": False,
                 "requested": 0, "largest_free_block": 0, "total_free": 0}
     ops, sizes = trace_arrays(unrolled, micro_batch, seq_len, first_step=True)
-    return replay_trace(array("q", load), ops, sizes, parse_alloc_conf(alloc_conf or None), capacity=capacity).oom
+    return replay_trace(array("q", load), ops, sizes, parse_alloc_conf(alloc_conf or None), capacity=capacity,
+                        streams=trace_streams(unrolled, first_step=True)).oom
 
 
 _SCREENING: ContextVar[bool] = ContextVar("trainmem_nb_screening", default=False)

@@ -1,6 +1,6 @@
 /* The caching allocator's replay in C: the same decisions as `caching.CachingAllocator` (torch 2.13
- * c10/cuda/CUDACachingAllocator.cpp) with no memory fraction, no roundup_power2_divisions and one
- * stream, with or without expandable segments, about twenty times faster. Optional: where
+ * c10/cuda/CUDACachingAllocator.cpp) with no memory fraction and no roundup_power2_divisions, on one
+ * stream or several, with or without expandable segments, about twenty times faster. Optional: where
  * this module is not built, `trainmem_nb.engine.allocator.fast` replays in Python, and the tests check
  * that both give the same bytes on random traces and on the steps of every family.
  *
@@ -15,6 +15,10 @@
  *   split: small pool if >= 512 B remain, large pool if > 1 MiB remain and
  *     the request is under max_split_size                                    CCA:3095-3113
  *   free: merge with free neighbours, back into the pool                     CCA:2949-3058
+ * Streams (a malloc's CUDA stream, `trace_streams`): each stream has its own small and large pools; a
+ * request is served from its stream's pools only, and a block goes back to the pools of the stream it was
+ * allocated on: BlockComparatorSize orders blocks by stream first        CCA:867-875, and get_free_block's
+ *   lower_bound searches from (stream, size)                                  CCA:3134
  * With expandable_segments:True (expandable.py) every segment is one virtual range per pool, mapped a page
  * at a time (2 MiB small, large_segment_size large):
  *   best fit by the size a block could grow to (its unmapped successor too)    CCA:3139-3154
@@ -37,6 +41,7 @@
 #define ADDR_BASE 0x7F0000000000LL  /* spec/alloc_conf.py _ADDR_BASE */
 #define ADDR_LIMIT (1LL << 56)      /* spec/alloc_conf.py _KEY_SHIFT: addresses stay below 2**56 */
 
+#define MAX_STREAMS 8 /* streams a trace may use: 0 (the default) to MAX_STREAMS - 1 */
 #define ST_FREE 0     /* cached (mapped) */
 #define ST_ALLOC 1
 #define ST_UNMAPPED 2 /* an expandable segment's range with no pages behind it */
@@ -46,7 +51,7 @@ typedef struct {
     int32_t prev, next;
     int32_t seg;   /* its expandable segment (State.es), -1 for a plain cudaMalloc segment */
     int8_t state;  /* ST_FREE, ST_ALLOC, ST_UNMAPPED; -1 slot unused */
-    int8_t small;
+    int8_t pool;   /* its pool: 2 * stream + (1 small, 0 large) */
 } Block;
 
 /* ExpandableSegment (CCA:368-780): its virtual range starts at base; pages of `page` bytes */
@@ -221,8 +226,8 @@ typedef struct {
     Py_ssize_t n, cap;
     int32_t *spare; /* slots of blocks merged away */
     Py_ssize_t nspare, capspare;
-    SPool pool[2];  /* [0] large, [1] small */
-    Pool upool[2];  /* unmapped blocks by address (BlockComparatorAddress, CCA:876-881): key (addr, 0) */
+    SPool pool[2 * MAX_STREAMS];  /* [2 * stream] large, [2 * stream + 1] small */
+    Pool upool[2 * MAX_STREAMS];  /* unmapped blocks by address (BlockComparatorAddress, CCA:876-881): key (addr, 0) */
     ExpSeg *es;
     Py_ssize_t nes, capes;
     int64_t next_addr, reserved, allocated, peak_reserved, peak_allocated;
@@ -352,7 +357,7 @@ static int drop_block(State *st, int32_t i) {
 
 static int64_t largest_free(const State *st) {
     int64_t m = 0;
-    for (int p = 0; p < 2; p++) {
+    for (int p = 0; p < 2 * MAX_STREAMS; p++) {
         const SPool *sp = &st->pool[p];
         if (sp->n && sp->sizes[sp->n - 1] > m) m = sp->sizes[sp->n - 1];
     }
@@ -363,7 +368,7 @@ static void state_free(State *st) {
     free(st->b);
     free(st->spare);
     free(st->es);
-    for (int p = 0; p < 2; p++) {
+    for (int p = 0; p < 2 * MAX_STREAMS; p++) {
         sp_free(&st->pool[p]);
         pool_free(&st->upool[p]);
     }
@@ -375,11 +380,11 @@ static void state_free(State *st) {
 static int upool_insert(State *st, int32_t bi) {
     Block *b = &st->b[bi];
     b->state = ST_UNMAPPED;
-    return pool_insert(&st->upool[b->small], b->addr, 0, bi);
+    return pool_insert(&st->upool[b->pool], b->addr, 0, bi);
 }
 
 static void upool_remove(State *st, const Block *b) {
-    pool_remove_at(&st->upool[b->small], lower_bound(&st->upool[b->small], b->addr, 0));
+    pool_remove_at(&st->upool[b->pool], lower_bound(&st->upool[b->pool], b->addr, 0));
 }
 
 /* CCA:3027-3058 try_merge_blocks on the map path: src into dst when both are mapped and free, or both unmapped */
@@ -389,7 +394,7 @@ static int try_merge(State *st, int32_t di, int32_t si) {
     if (src->state == ST_ALLOC) return 0;
     if ((src->state == ST_UNMAPPED) != (dst->state == ST_UNMAPPED)) return 0;
     if (src->state == ST_UNMAPPED) upool_remove(st, src);
-    else sp_remove(&st->pool[src->small], src->size, src->addr);
+    else sp_remove(&st->pool[src->pool], src->size, src->addr);
     if (dst->prev == si) {
         dst->addr = src->addr;
         dst->prev = src->prev;
@@ -419,7 +424,7 @@ static int map_block(State *st, int32_t bi, int64_t size, int64_t capacity) {
         b = &st->b[bi];
         Block *r = &st->b[ri];
         r->size = b->size - nbytes; r->addr = b->addr + nbytes; r->prev = bi; r->next = b->next;
-        r->seg = b->seg; r->small = b->small;
+        r->seg = b->seg; r->pool = b->pool;
         if (b->next >= 0) st->b[b->next].prev = ri;
         b->next = ri;
         b->size = nbytes;
@@ -428,7 +433,7 @@ static int map_block(State *st, int32_t bi, int64_t size, int64_t capacity) {
     if (try_merge(st, bi, st->b[bi].prev) < 0) return -1;            /* CCA:2882-2883 */
     if (try_merge(st, bi, st->b[bi].next) < 0) return -1;
     b = &st->b[bi];
-    if (sp_insert(&st->pool[b->small], b->size, b->addr, bi) < 0) return -1; /* CCA:2885 */
+    if (sp_insert(&st->pool[b->pool], b->size, b->addr, bi) < 0) return -1; /* CCA:2885 */
     st->reserved += nbytes;                                           /* CCA:2888-2892 */
     if (st->reserved > st->peak_reserved) st->peak_reserved = st->reserved;
     return 1;
@@ -440,8 +445,8 @@ static int allocatable(const State *st, int32_t i) {
 
 /* CCA:2799-2844 find_expandable_block: the lowest-address unmapped range (with a free block right before it)
  * with room for `size`, else a new segment's whole range; a block index, FALLBACK or -1 */
-static int32_t find_expandable_block(State *st, int small, int64_t size, int64_t large_seg, int64_t total) {
-    const Pool *u = &st->upool[small];
+static int32_t find_expandable_block(State *st, int pi, int64_t size, int64_t large_seg, int64_t total) {
+    const Pool *u = &st->upool[pi];
     for (Py_ssize_t c = 0; c < u->nc; c++) {                          /* CCA:2819-2831 */
         for (int i = 0; i < u->c[c]->n; i++) {
             int32_t ci = u->c[c]->k[i].blk;
@@ -451,7 +456,7 @@ static int32_t find_expandable_block(State *st, int small, int64_t size, int64_t
             if (got >= size) return ci;
         }
     }
-    int64_t page = small ? K_SMALL_BUFFER : large_seg;                /* CCA:2832-2834 */
+    int64_t page = (pi & 1) ? K_SMALL_BUFFER : large_seg;             /* CCA:2832-2834 */
     int64_t handles = (total + total / 8 + page - 1) / page;         /* CCA:385 max_handles_ */
     int64_t va = handles * page;
     int64_t base = st->next_addr;
@@ -463,15 +468,15 @@ static int32_t find_expandable_block(State *st, int small, int64_t size, int64_t
     int32_t bi = new_block(st);
     if (bi < 0) return -1;
     Block *b = &st->b[bi];
-    b->size = va; b->addr = base; b->prev = b->next = -1; b->seg = (int32_t)st->nes++; b->small = (int8_t)small;
+    b->size = va; b->addr = base; b->prev = b->next = -1; b->seg = (int32_t)st->nes++; b->pool = (int8_t)pi;
     if (upool_insert(st, bi) < 0) return -1;                          /* CCA:2838-2843 */
     return bi;
 }
 
 /* CCA:2915-2946 try_allocate_expandable_block: a free block of at least `size`, out of its pool */
-static int32_t try_allocate_expandable(State *st, int small, int64_t size, int64_t large_seg, int64_t capacity) {
+static int32_t try_allocate_expandable(State *st, int pi, int64_t size, int64_t large_seg, int64_t capacity) {
     int64_t total = capacity >= 0 ? capacity : (1LL << 40);           /* spec/alloc_conf.py _DEFAULT_TOTAL */
-    int32_t c = find_expandable_block(st, small, size, large_seg, total);
+    int32_t c = find_expandable_block(st, pi, size, large_seg, total);
     if (c < 0) return c;
     if (st->b[c].state == ST_UNMAPPED) {                              /* CCA:2927-2930 */
         int64_t want = st->b[c].size < size ? st->b[c].size : size;
@@ -486,7 +491,7 @@ static int32_t try_allocate_expandable(State *st, int small, int64_t size, int64
         if (r != 1) return r;
         c = nc;
     }
-    sp_remove(&st->pool[small], st->b[c].size, st->b[c].addr);        /* CCA:2944 */
+    sp_remove(&st->pool[pi], st->b[c].size, st->b[c].addr);           /* CCA:2944 */
     return c;
 }
 
@@ -508,11 +513,12 @@ static int get_buffer(PyObject *o, Py_buffer *view, const char *what) {
 }
 
 /* replay(load, ops, sizes, watch_from, large_segment_size, max_split_size, max_non_split_rounding_size, capacity,
- *        expandable=False)
+ *        expandable=False, streams=None)
  *
  * The trace is `load` followed by `ops` expanded at `sizes`: an op o >= 0 mallocs sizes[o], o < 0 frees
  * allocation ~o + shift (allocations are numbered in order over load and ops; `shift` is the number of
- * mallocs in `load`, size 0 included). capacity < 0: unlimited.
+ * mallocs in `load`, size 0 included). capacity < 0: unlimited. `streams`: None, or each op's stream (an
+ * array('q') as long as `ops`, 0 to MAX_STREAMS - 1; loading's mallocs are on stream 0).
  * Returns None when the replay needs a rule this path does not have (a new segment beyond `capacity`:
  * the out-of-memory retry; the synthetic address space exhausted), else
  * (reserved, allocated, largest_free_block, peak_reserved, peak_allocated, watched) with watched None or
@@ -520,16 +526,29 @@ static int get_buffer(PyObject *o, Py_buffer *view, const char *what) {
  *  highest allocated from watch_from on), as `replay.replay(..., watch_from=...)` keeps it. */
 static PyObject *replay(PyObject *self, PyObject *args) {
     (void)self;
-    PyObject *lo, *oo, *so;
+    PyObject *lo, *oo, *so, *stro = Py_None;
     long long watch_from, large_seg, max_split, max_nsr, capacity;
     int expandable = 0;
-    if (!PyArg_ParseTuple(args, "OOOLLLLL|p", &lo, &oo, &so, &watch_from, &large_seg, &max_split, &max_nsr, &capacity,
-                          &expandable))
+    if (!PyArg_ParseTuple(args, "OOOLLLLL|pO", &lo, &oo, &so, &watch_from, &large_seg, &max_split, &max_nsr, &capacity,
+                          &expandable, &stro))
         return NULL;
-    Py_buffer lv, ov, sv;
+    Py_buffer lv, ov, sv, tv;
     if (get_buffer(lo, &lv, "load") < 0) return NULL;
     if (get_buffer(oo, &ov, "ops") < 0) { PyBuffer_Release(&lv); return NULL; }
     if (get_buffer(so, &sv, "sizes") < 0) { PyBuffer_Release(&lv); PyBuffer_Release(&ov); return NULL; }
+    const int64_t *streams = NULL;
+    if (stro != Py_None) {
+        if (get_buffer(stro, &tv, "streams") < 0) {
+            PyBuffer_Release(&lv); PyBuffer_Release(&ov); PyBuffer_Release(&sv);
+            return NULL;
+        }
+        if (tv.len != ov.len) {
+            PyBuffer_Release(&lv); PyBuffer_Release(&ov); PyBuffer_Release(&sv); PyBuffer_Release(&tv);
+            PyErr_SetString(PyExc_ValueError, "streams: one per op expected");
+            return NULL;
+        }
+        streams = tv.buf;
+    }
     const int64_t *load = lv.buf, *ops = ov.buf, *sizes = sv.buf;
     Py_ssize_t nload = lv.len / 8, nops = ov.len / 8, nsizes = sv.len / 8, nev = nload + nops;
     if (watch_from < 0) watch_from = nev; /* nothing watched */
@@ -552,10 +571,16 @@ static PyObject *replay(PyObject *self, PyObject *args) {
 
     for (Py_ssize_t k = 0; k < nev; k++) {
         int64_t e;
+        int stream = 0;
         if (k < nload) {
             e = load[k];
         } else {
             int64_t o = ops[k - nload];
+            if (streams) {
+                int64_t sk = streams[k - nload];
+                if (sk < 0 || sk >= MAX_STREAMS) { err = "stream out of range (0 to 7)"; goto done; }
+                stream = (int)sk;
+            }
             if (o >= 0) {
                 if (o >= nsizes) { err = "size index out of range"; goto done; }
                 e = sizes[o];
@@ -567,7 +592,8 @@ static PyObject *replay(PyObject *self, PyObject *args) {
         if (e > 0) {
             int64_t rs = e < 512 ? 512 : ((e + 511) & ~511LL);          /* CCA:2586-2594 */
             int small = rs <= K_SMALL_SIZE;                              /* CCA:3080 */
-            SPool *pool = &st.pool[small];
+            int pi = 2 * stream + small;                                 /* CCA:867-875 the stream's blocks */
+            SPool *pool = &st.pool[pi];
             Pos i = sp_lower_bound(pool, rs);                            /* CCA:3134 */
             int32_t bi;
             int found = i.c < pool->n;
@@ -589,7 +615,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 bi = sp_at(pool, i)->blk;
                 sp_remove_at(pool, i);
             } else if (expandable) {                                     /* CCA:3284-3298 */
-                bi = try_allocate_expandable(&st, small, rs, large_seg, capacity);
+                bi = try_allocate_expandable(&st, pi, rs, large_seg, capacity);
                 if (bi == FALLBACK) { fallback = 1; goto done; }
                 if (bi < 0) { err = "out of memory"; goto done; }
             } else {                                                     /* CCA:3115-3123, 3258-3344 */
@@ -604,7 +630,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 if (bi < 0) { err = "out of memory"; goto done; }
                 Block *nb = &st.b[bi];
                 nb->size = as; nb->addr = addr; nb->prev = nb->next = -1; nb->seg = -1; nb->state = ST_ALLOC;
-                nb->small = (int8_t)small;
+                nb->pool = (int8_t)pi;
                 st.reserved += as;
                 if (st.reserved > st.peak_reserved) st.peak_reserved = st.reserved;
             }
@@ -614,7 +640,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
                 if (ni < 0) { err = "out of memory"; goto done; }
                 Block *b = &st.b[bi], *nb = &st.b[ni];
                 nb->size = rs; nb->addr = b->addr; nb->prev = b->prev; nb->next = bi; nb->seg = b->seg;
-                nb->state = ST_ALLOC; nb->small = (int8_t)small;
+                nb->state = ST_ALLOC; nb->pool = (int8_t)pi;
                 if (b->prev >= 0) st.b[b->prev].next = ni;
                 b->prev = ni;
                 b->addr += rs;
@@ -648,7 +674,7 @@ static PyObject *replay(PyObject *self, PyObject *args) {
             if (b->state != ST_ALLOC) { err = "free of a handle that is not allocated (double free?)"; goto done; }
             handles[id] = -2;
             st.allocated -= b->size;                                     /* CCA:1993-1996 */
-            SPool *pool = &st.pool[b->small];
+            SPool *pool = &st.pool[b->pool];
             int32_t pi = b->prev;
             if (pi >= 0 && st.b[pi].state == ST_FREE) {                  /* CCA:3028-3042 */
                 Block *p = &st.b[pi];
@@ -681,6 +707,7 @@ done:
     PyBuffer_Release(&lv);
     PyBuffer_Release(&ov);
     PyBuffer_Release(&sv);
+    if (streams) PyBuffer_Release(&tv);
     if (err) {
         state_free(&st);
         PyErr_SetString(PyExc_ValueError, err);
@@ -703,7 +730,7 @@ done:
 static PyMethodDef methods[] = {
     {"replay", replay, METH_VARARGS,
      "replay(load, ops, sizes, watch_from, large_segment_size, max_split_size, max_non_split_rounding_size, "
-     "capacity, expandable=False): the allocator without rounding divisions or a memory fraction."},
+     "capacity, expandable=False, streams=None): the allocator without rounding divisions or a memory fraction."},
     {NULL, NULL, 0, NULL},
 };
 
