@@ -98,6 +98,13 @@ def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelS
     return trace.done()
 
 
+#: The CUDA stream ZeRO-3 gathers parameters on (runtime/zero/partitioned_param_coordinator.py, ``fetch_sub_module``:
+#: ``all_gather_coalesced`` under ``get_accelerator().stream(self.__allgather_stream)``, which allocates the gathered
+#: buffer, partition_parameters.py ``_allgather_params_coalesced``): the caching allocator pools its blocks apart
+#: from the default stream's.
+ZERO3_ALLGATHER_STREAM = 1
+
+
 @dataclass(frozen=True)
 class DeepSpeedHooks(EngineHooks):
     """DeepSpeed ZeRO stages 0-3 with its 16-bit optimizer (fp32 master + moments: 12 B/param)."""
@@ -130,7 +137,7 @@ class DeepSpeedHooks(EngineHooks):
         if self.zero >= 3 and unit != "root":
             st = self.state.setdefault(id(g), {})
             live = g.alloc(const(min(self.layer_params * 2, DS_STAGE3_MAX_LIVE)), self.model_dt, "ZeRO-3 gathered params")
-            live.region = "gathered"
+            live.region, live.stream = "gathered", ZERO3_ALLGATHER_STREAM
             st[unit] = live
 
     def unit_forward_end(self, g: Graph, unit: str) -> None:
