@@ -632,8 +632,9 @@ def test_the_plan_tries_expert_parallelism_for_a_mixture_of_experts_model() -> N
     """An MoE model gets an FSDP layout with expert parallelism inside a node (a rank's experts then gather
     whole over fewer ranks); a dense model does not."""
     moe = tm.plan("mixtral-8x7b", gpu="H100", gpus=16, tokens=1e9, micro_batch=1, seq_len=2048)
-    layouts = set(moe.options["layout"])
-    assert "fsdp zero-3 ep8" in layouts and "fsdp zero-3" in layouts
+    assert "fsdp zero-3 ep8" in set(moe.options["layout"])
+    # both tried: without EP, replayed, it needs more than the card (the sharded gradients' stream keeps its pool)
+    assert "fsdp zero-3" in set(moe.options["layout"]) | {r["layout"] for r in moe.rejected}
     with_ep, without = (tm.estimate("mixtral-8x7b", micro_batch=1, seq_len=2048, gpus=16, nodes=2, engine="fsdp",
                                     zero=3, ep=ep).peak_allocated_bytes for ep in (8, 1))
     assert with_ep < without

@@ -62,6 +62,10 @@ class MemoryEstimate:
     host_bytes: int = 0
     #: every rank row's program (`per_rank` order; empty: `program` is the only one)
     rank_programs: tuple[Any, ...] = field(default=(), repr=False, compare=False)
+    #: per rank, the program whose forward end holds the most activations, where it is not the rank's own (an
+    #: FSDP pipeline stage's program is its costliest micro-batch, which need not be the one with the most in
+    #: flight; empty: `rank_programs`)
+    saved_programs: tuple[Any, ...] = field(default=(), repr=False, compare=False)
     #: (micro_batch, seq_len) each rank's program is evaluated at: context parallelism gives every rank
     #: ``seq_len / cp`` tokens of each sequence (None: the training's own shape, one device)
     rank_shape: tuple[int, int] | None = None
@@ -97,7 +101,8 @@ class MemoryEstimate:
         sequence length a rank holds (`rank_shape`)."""
         from ..engine.program import activations_at_forward_end
 
-        return max(activations_at_forward_end(prog, *self._shape) for prog in (self.rank_programs or (self.program,)))
+        programs = self.saved_programs or self.rank_programs or (self.program,)
+        return max(activations_at_forward_end(prog, *self._shape) for prog in programs)
 
     @property
     def host_load_bytes(self) -> int:

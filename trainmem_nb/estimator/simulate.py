@@ -69,7 +69,7 @@ def simulate(m: ModelSpec, t: TrainingSpec, calibration: Calibration | None = No
         peak_allocated_bytes=ev.peak, peak_reserved_bytes=reserved, device_total_bytes=total,
         peak_phase=ev.peak_phase, peak_at=ev.peak_at, detail_bytes=ev.detail,
         phase_peaks_bytes=ev.phase_peaks, overhead_bytes=overhead, calibration=calibration, program=prog,
-        parallel=parallel or ParallelSpec(), per_rank=(only,), rank_programs=(prog,),
+        parallel=parallel or ParallelSpec(), per_rank=(only,), rank_programs=(prog,), saved_programs=(),
         rank_shape=(t.micro_batch, t.seq_len), load_peak_bytes=load_peak_bytes(m, t), load_trace=load_trace,
         reserved_from=_reserved_from(t, calibration, replay), **_allocator_fields(replay),
     )
@@ -98,6 +98,7 @@ def _layout_estimate(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration
         device_total_bytes=row.device_total_bytes, peak_phase=row.peak_phase, peak_at=row.peak_at,
         detail_bytes=row.detail_bytes, phase_peaks_bytes={}, overhead_bytes=layout.overhead, calibration=calibration,
         program=layout.program, parallel=p, per_rank=layout.rows, host_bytes=max(r.host_bytes for r in layout.rows),
-        rank_programs=layout.programs, rank_shape=layout.shape, load_peak_bytes=layout.load_peak_bytes,
+        rank_programs=layout.programs, saved_programs=layout.saved_programs, rank_shape=layout.shape,
+        load_peak_bytes=layout.load_peak_bytes,
         load_trace=layout.load_trace, reserved_from=_reserved_from(t, calibration, layout.allocator), **_allocator_fields(layout.allocator),
     )

@@ -184,7 +184,7 @@ def _buffer_change(before: tuple[tuple[int, Sz, int], ...], after: tuple[tuple[i
 
 def _fsdp_pipeline_program(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks: FSDP2Hooks, prog: Program,
                            stage: int, shape: tuple[int, int], workspace: int | None,
-                           prepare: Callable[[Program], Program]) -> Program:
+                           prepare: Callable[[Program], Program]) -> tuple[Program, Program]:
     """The step of an FSDP2 pipeline stage around its costliest micro-batch, as one program: that
     micro-batch's forward and backward with the other micro-batches' saved activations alive
     (`_in_flight_segments`) and pipelining's own buffers for its point in the schedule
@@ -200,7 +200,8 @@ def _fsdp_pipeline_program(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks
     micro-batch ``grad_accum - L`` (the last with L in flight; later ones hold fewer activations but more
     input gradients and outputs, so the last micro-batch, one in flight, is a candidate too). GPipe has
     every micro-batch in flight. Each candidate is a whole step; the one with the highest peak is the
-    stage's program (on a tie, the first: a later micro-batch)."""
+    stage's program (on a tie, the first: a later micro-batch). Returned with the candidate that has the most
+    micro-batches in flight, whose forward end holds the stage's most saved activations."""
     n = max(1, t.grad_accum)
     final = _pipeline_buffers(m, t, p, stage, Fraction(0), n)
     merge = (_merge_outputs_segment(m, t, p),) if p.pp_return_outputs and stage == p.pp - 1 else ()
@@ -228,4 +229,4 @@ def _fsdp_pipeline_program(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, hooks
         first = dataclasses.replace(hooks, accumulate=False, state={})
         options.append(candidate(prepare(compile_step(m, program_key(t1, m), first, workspace)), k - 1, 0))
     peaks = [evaluate(option, *shape).peak for option in options]
-    return options[peaks.index(max(peaks))]
+    return options[peaks.index(max(peaks))], options[-1]  # the last: micro-batch 0 (k - 1 others), or the only one

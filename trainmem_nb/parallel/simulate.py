@@ -55,6 +55,8 @@ class LayoutMemory(NamedTuple):
     load_peak_bytes: int = 0
     #: that rank's loading trace (`trainmem_nb.step.load.loading_events`), for the timeline's load phase
     load_trace: tuple[int, ...] = ()
+    #: per row, the program whose forward end holds the most activations (`MemoryEstimate.saved_programs`)
+    saved_programs: tuple[Program, ...] = ()
 
 
 def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
@@ -65,6 +67,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     shape = (t.micro_batch, rank_seq_len(t, p))
     rows: list[RankMemory] = []
     programs: list[Program] = []
+    saved_programs: list[Program] = []
     replays: list[AllocatorReplay | None] = []
     loads: list[int] = []
     load_traces: list[tuple[int, ...]] = []
@@ -82,9 +85,10 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         # micro-batches a pipeline stage keeps in flight
         prog = prepare(compile_step(stage_model, program_key(t, stage_model), hooks, workspace))
         if isinstance(hooks, FSDP2Hooks) and hooks.pipelined:
-            prog = _fsdp_pipeline_program(stage_model, t, p, hooks, prog, stage, shape, workspace, prepare)
+            prog, fullest = _fsdp_pipeline_program(stage_model, t, p, hooks, prog, stage, shape, workspace, prepare)
         else:  # other micro-batches' (interleaved: model chunks') saved activations on this stage
-            prog = _with_micro_batches_in_flight(prog, _in_flight(p, stage, t.grad_accum) - 1)
+            prog = fullest = _with_micro_batches_in_flight(prog, _in_flight(p, stage, t.grad_accum) - 1)
+        saved_programs.append(fullest)
         ev = evaluate(prog, *shape)
         detail = dict(ev.detail)
         host = _host_bytes(hooks, stage_model, t, p)
@@ -161,4 +165,4 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     n_train = sum(q.numel * q.count for q, _ in trainable_tensors(m, t))
     most = max(range(len(rows)), key=lambda i: rows[i].peak_reserved_bytes)
     return LayoutMemory(tuple(rows), headline, programs[lead], overhead, n_params, n_train, tuple(programs),
-                        shape, replays[most], max(loads), load_traces[loads.index(max(loads))])
+                        shape, replays[most], max(loads), load_traces[loads.index(max(loads))], tuple(saved_programs))
