@@ -148,22 +148,35 @@ class DeepSpeedHooks(EngineHooks):
     def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None:
         self.unit_forward_begin(g, unit)  # ZeRO-3 gathers the unit again for its backward
         if unit == "root" and self.zero in (1, 2):
-            # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) and, for ZeRO-2, the rank's gradient
-            # partition (`grads_in_partition`) when the first gradients arrive; the bucket goes when backward
-            # ends, the partition once step() has its fp32 copy (measured on CPU: neither is alive before a
-            # step, tests/test_parallel.py)
+            # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) when the first gradients arrive; it goes
+            # when backward ends (measured on CPU: not alive before a step, tests/test_parallel.py)
             st = self.state.setdefault(id(g), {})
             bucket = g.alloc(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
             bucket.region = "communication"
             st["bucket"] = bucket
-            if self.zero == 2 and self.offload == "none" and self.partition_numel:
-                part = g.alloc(const(self.partition_numel), self.model_dt, "gradient partition (grads_in_partition)")
-                part.is_grad = True
-                st["partition"] = part
+            # ZeRO-2's gradient partition (`grads_in_partition`) is made by the first reduction that copies into
+            # it (copy_grads_in_partition): when a gradient first overflows the reduce bucket
+            # (reduce_independent_p_g_buckets_and_remove_grads), else by the epilogue's reduction at the end of
+            # backward (measured on CPU, tests/test_parallel.py); it goes once step() has its fp32 copy. A model
+            # whose gradients overflow the bucket makes it a few layers into backward: here, as backward starts
+            # (a layer's events repeat for every layer, so a tensor made once inside one cannot be)
+            if self._partitioned_in_backward() and self.partition_numel * self.world > DS_REDUCE_BUCKET:
+                self._make_partition(g, st)
+
+    def _partitioned_in_backward(self) -> bool:
+        return self.zero == 2 and self.offload == "none" and self.partition_numel > 0
+
+    def _make_partition(self, g: Graph, st: dict[str, Any]) -> None:
+        part = g.alloc(const(self.partition_numel), self.model_dt, "gradient partition (grads_in_partition)")
+        part.is_grad = True
+        st["partition"] = part
 
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
         self.unit_forward_end(g, unit)
-        if unit == "root" and "bucket" in (st := self.state.setdefault(id(g), {})):
+        st = self.state.setdefault(id(g), {})
+        if unit == "root" and self._partitioned_in_backward() and "partition" not in st:
+            self._make_partition(g, st)  # the epilogue's reduction: the bucket never filled
+        if unit == "root" and "bucket" in st:
             g.drop(st.pop("bucket"))
         if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill
             for grad in grads:
