@@ -189,6 +189,15 @@ def wrap_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelSpec, unit
     return trace.done()
 
 
+
+#: The CUDA streams FSDP1 allocates on besides the default one (torch/distributed/fsdp/_runtime_utils.py):
+#: ``_unshard`` runs ``handle.unshard()`` under ``state._device_handle.stream(unshard_stream)``, which allocates the
+#: unsharded FlatParameter (``_alloc_padded_unsharded_flat_param``); ``_reduce_grad`` makes the new sharded gradient
+#: (``_get_reduce_scatter_tensors``: ``torch.empty_like(chunks[0])``) under ``stream(state._post_backward_stream)``.
+#: The caching allocator gives a block back only to requests of its own stream.
+UNSHARD_STREAM = 1
+POST_BACKWARD_STREAM = 2
+
 @dataclass(frozen=True)
 class FSDP1Hooks(EngineHooks):
     """torch FSDP1 (``FullyShardedDataParallel``) wrapping every transformer layer and the root, without
@@ -237,7 +246,7 @@ class FSDP1Hooks(EngineHooks):
         for f in self._flats(unit):
             label = f"unsharded FlatParameter {unit}"
             t = g.external(const(f.numel * f.dt), 1, label) if self._kept_gathered else g.alloc(const(f.numel * f.dt), 1, label)
-            t.region = "gathered"
+            t.region, t.stream = "gathered", UNSHARD_STREAM
             bufs.append(t)
         ups[unit] = bufs
 
@@ -274,7 +283,7 @@ class FSDP1Hooks(EngineHooks):
         self._reshard(g, unit)
         for t, f in zip(new, (f for f in self._flats(unit) if f.grads), strict=True):
             sharded = g.alloc(const(f.shard * f.dt), 1, f"sharded gradient {unit}")  # empty_like(chunks[0])
-            sharded.is_grad = True
+            sharded.is_grad, sharded.stream = True, POST_BACKWARD_STREAM
             g.drop(t)  # the unsharded gradient goes when _reduce_grad returns
 
     def _grads(self, m: ModelSpec) -> list[tuple[int, int]]:
