@@ -15,7 +15,8 @@ library is used.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 __all__ = ["Graph", "Sz", "T", "const", "per_seq", "per_token", "per_token_sq"]
@@ -185,6 +186,15 @@ class Graph:
         self.stream = 0
 
     # -- memory --------------------------------------------------------------------------------
+    @contextmanager
+    def on_stream(self, stream: int) -> Iterator[None]:
+        """New tensors inside are allocated on CUDA stream `stream` (`T.stream`), as under ``torch.cuda.stream``."""
+        before, self.stream = self.stream, stream
+        try:
+            yield
+        finally:
+            self.stream = before
+
     def alloc(self, n: Sz, dt: int, label: str, rg: bool = False) -> T:
         """A new tensor (one reference, held by the caller)."""
         t = T(n, dt, label, rg, "recomputed" if self.recomputing else self.region, self.phase)

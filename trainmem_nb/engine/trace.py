@@ -66,24 +66,7 @@ def trace_arrays(prog: Program, micro_batch: int, seq_len: int, steps: int = 2,
 def trace_streams(prog: Program, steps: int = 2, first_step: bool = False) -> array | None:
     """The CUDA stream of each of `trace_arrays`'s ops (``array('q')``, 0 for the default stream and for every
     free), or None when the program allocates on the default stream only (`Program.stream_tokens`)."""
-    if not prog.stream_tokens:
-        return None
-    hit = _STREAMS.get((id(prog), steps, first_step))
-    if hit is None or hit[0] is not prog:
-        key = (id(prog), steps, first_step)
-        kept = _MADE_BY.get(key)
-        if kept is None or kept[0] is not prog:  # built before, or evicted since: build the template again
-            _TEMPLATES.pop(key, None)
-            _template(prog, steps, first_step)
-            kept = _MADE_BY[key]
-        on = dict(prog.stream_tokens)
-        hit = _STREAMS[(id(prog), steps, first_step)] = (prog, array("q", [on.get(tok, 0) for tok in kept[1]]))
-        if len(_STREAMS) > 256:
-            _STREAMS.pop(next(iter(_STREAMS)))
-    return hit[1]
-
-
-_STREAMS: dict[tuple[int, int, bool], tuple[Program, array]] = {}
+    return _template_entry(prog, steps, first_step)[4]
 
 
 def trace_length(prog: Program, steps: int = 2) -> int:
@@ -107,7 +90,7 @@ def step_starts(prog: Program, steps: int = 2, first_step: bool = False) -> tupl
     return _template(prog, steps, first_step)[2]
 
 
-_TEMPLATES: dict[tuple[int, int, bool], tuple[Program, list[object], array, tuple[int, ...]]] = {}
+_TEMPLATES: dict[tuple[int, int, bool], tuple[Program, list[object], array, tuple[int, ...], array | None]] = {}
 _STATES = CAT_INDEX["optimizer_states"]
 
 
@@ -115,9 +98,17 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
     """The trace with sizes left symbolic: distinct size expressions, and per event the index of its
     size (a malloc) or ``~allocation`` (a free); built once per program (the compile cache keeps the
     program alive, so its id is a stable key while it is held here)."""
+    _prog, sizes, ops, starts, _streams = _template_entry(prog, steps, first_step)
+    return sizes, ops, starts
+
+
+def _template_entry(prog: Program, steps: int, first_step: bool
+                    ) -> tuple[Program, list[object], array, tuple[int, ...], array | None]:
+    """`_template`'s cached entry: the program, sizes, ops, step starts and each op's stream (None when every
+    malloc is on the default stream)."""
     hit = _TEMPLATES.get((id(prog), steps, first_step))
     if hit is not None and hit[0] is prog:
-        return hit[1], hit[2], hit[3]
+        return hit
     index: dict[object, int] = {}
     sizes: list[object] = []
 
@@ -129,12 +120,13 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
         return i
 
     ops: list[int] = []
-    op_tokens: list[int] = []  # per op, the token of the tensor a malloc makes (0: unnamed, or a free)
+    on = dict(prog.stream_tokens)  # the named tensors made on another stream than the default one
+    streams: list[int] = []  # per op, the stream a malloc allocates on (0 for a free)
     count = [0]
 
     def malloc(i: int, tok: int = 0) -> int:
         ops.append(i)
-        op_tokens.append(tok)
+        streams.append(on.get(tok, 0))
         count[0] += 1
         return count[0] - 1
 
@@ -150,7 +142,7 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
     def free(a: int) -> None:
         freed.add(a)
         ops.append(~a)
-        op_tokens.append(0)
+        streams.append(0)
 
     def free_by_size(i: int) -> None:
         stack = by_size[i]
@@ -206,13 +198,7 @@ def _template(prog: Program, steps: int, first_step: bool = False) -> tuple[list
                 persistent[j] = (i, new(i))
     if len(_TEMPLATES) >= 256:
         _TEMPLATES.pop(next(iter(_TEMPLATES)))
-    ops_q = array("q", ops)  # what the C replay reads (`trace_arrays`)
-    _TEMPLATES[(id(prog), steps, first_step)] = (prog, sizes, ops_q, tuple(starts))
-    if prog.stream_tokens:  # which tensor each malloc makes: `trace_streams` reads their streams from it
-        _MADE_BY[(id(prog), steps, first_step)] = (prog, op_tokens)
-        if len(_MADE_BY) > 256:
-            _MADE_BY.pop(next(iter(_MADE_BY)))
-    return sizes, ops_q, tuple(starts)
-
-
-_MADE_BY: dict[tuple[int, int, bool], tuple[Program, list[int]]] = {}
+    # what the C replay reads (`trace_arrays`, `trace_streams`)
+    entry = (prog, sizes, array("q", ops), tuple(starts), array("q", streams) if any(streams) else None)
+    _TEMPLATES[(id(prog), steps, first_step)] = entry
+    return entry

@@ -78,19 +78,18 @@ class FSDP2Hooks(EngineHooks):
         # amax all-reduced over the ranks (WeightWithDynamicFloat8CastTensor, fsdp_utils.py); the fp8 shards
         # are copied into the all-gather buffer and go, their scales ride along as metadata
         shards, scales = [], []
-        g.stream = ALL_GATHER_COPY_IN_STREAM  # what pre_all_gather makes and the output, until the copy-in is done
-        for q in self._unit(unit):
-            if q.fp8:
-                # the stored shard is cast (fp32 under a MixedPrecisionPolicy: no bf16 copy first)
-                data, scale = fp8_cast(g, const(q.shard), q.dt, const(1), False, f"float8 all-gather {unit}",
-                                       all_reduced=True)
-                data.region = scale.region = "communication"
-                shards.append(data)
-                scales.append(scale)
-        # one flat buffer per unit (uint8 when the unit's dtypes differ): every rank's shards
-        ag = g.alloc(const(sum(self._gathered_bytes(q) for q in self._unit(unit))), 1, label)
-        ag.region, ag.chain = "communication", True
-        g.stream = 0
+        with g.on_stream(ALL_GATHER_COPY_IN_STREAM):  # what pre_all_gather makes, and the output
+            for q in self._unit(unit):
+                if q.fp8:
+                    # the stored shard is cast (fp32 under a MixedPrecisionPolicy: no bf16 copy first)
+                    data, scale = fp8_cast(g, const(q.shard), q.dt, const(1), False, f"float8 all-gather {unit}",
+                                           all_reduced=True)
+                    data.region = scale.region = "communication"
+                    shards.append(data)
+                    scales.append(scale)
+            # one flat buffer per unit (uint8 when the unit's dtypes differ): every rank's shards
+            ag = g.alloc(const(sum(self._gathered_bytes(q) for q in self._unit(unit))), 1, label)
+            ag.region, ag.chain = "communication", True
         g.drop(*reversed(shards))
         if scales:
             self._st(g).setdefault("scales", {})[unit] = scales

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -324,10 +325,7 @@ class _Evaluator:
         `screening` search (what a search reports), else as the caller's context has it."""
         key = (*self._key(p, over), replay)
         if key not in self.estimates:
-            if replay:
-                with replayed():
-                    self.estimates[key] = estimate(self.m, self.training(over), parallel=p)
-            else:
+            with replayed() if replay else nullcontext():
                 self.estimates[key] = estimate(self.m, self.training(over), parallel=p)
         return self.estimates[key]
 

@@ -436,11 +436,7 @@ def _replay_rows(ctx: _PlanContext, rows: list[dict[str, Any]], rejected: list[d
     fewest GPUs that fit, and the time/cost Pareto front (again where replaying moves it). The search screened
     with the churn model, which a replay of each of hundreds of layouts would make several times slower."""
     for _ in range(4):
-        fewest: dict[str, dict[str, Any]] = {}
-        for r in rows:
-            if r["fits"] and (r["gpu"] not in fewest or r["n_gpus"] < fewest[r["gpu"]]["n_gpus"]):
-                fewest[r["gpu"]] = r
-        picked = {id(r) for r in fewest.values()}
+        picked = {id(r) for r in _fewest_per_gpu(rows).values()}
         todo = [i for i, r in enumerate(rows) if not r["reserved_replayed"]
                 and (r["n_gpus"] == 1 or id(r) in picked or (r["fits"] and r.get("pareto")))]
         if not todo:
@@ -456,6 +452,15 @@ def _replay_rows(ctx: _PlanContext, rows: list[dict[str, Any]], rejected: list[d
             else:
                 rows[i] = row
         _mark_pareto(rows)
+
+
+def _fewest_per_gpu(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per GPU type, its first row that fits with the fewest GPUs."""
+    fewest: dict[str, dict[str, Any]] = {}
+    for r in rows:
+        if r["fits"] and (r["gpu"] not in fewest or r["n_gpus"] < fewest[r["gpu"]]["n_gpus"]):
+            fewest[r["gpu"]] = r
+    return fewest
 
 
 def _replayed_fit(ctx: _PlanContext, g: GPU, p: ParallelSpec, over: dict[str, Any], mb: int, ga: int, mx: int
@@ -585,10 +590,7 @@ def _plan_notes(m: ModelSpec, rows: list[dict[str, Any]], gpu_types: list[GPU], 
     if given_gpus is not None and ok:
         notes.append(f"fits {given_gpus} GPUs as given on: {', '.join(dict.fromkeys(r['gpu'] for r in ok))}")
     if given_gpus is None:  # per GPU type, the fewest GPUs that fit; grouped by the scale that needs
-        fewest: dict[str, dict[str, Any]] = {}
-        for r in ok:
-            if r["gpu"] not in fewest or r["n_gpus"] < fewest[r["gpu"]]["n_gpus"]:
-                fewest[r["gpu"]] = r
+        fewest = _fewest_per_gpu(rows)
         first = True
         for scale in ("single GPU", "one NVLink node", "one PCIe node", "multi-node"):
             at = sorted((r for r in fewest.values() if r["scale"] == scale), key=lambda r: (r["n_gpus"], r["gpu"]))

@@ -18,7 +18,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from contextvars import ContextVar
 from typing import NamedTuple
 
@@ -171,14 +171,13 @@ def replay_segments(unrolled: Program, micro_batch: int, seq_len: int, alloc_con
     `trainmem_nb.engine.allocator.segments.segment_summary`: to compare with a GPU run's
     ``torch.cuda.memory._snapshot()`` taken after its measured step (``trainmem measure --device cuda``)."""
     from ..engine.allocator import CachingAllocator, parse_alloc_conf
-    from ..engine.allocator.fast import expand
+    from ..engine.allocator.fast import expand, expand_streams
     from ..engine.allocator.segments import segment_summary
     from ..engine.trace import trace_arrays, trace_streams
 
     a = CachingAllocator(parse_alloc_conf(alloc_conf or None))
-    streams = trace_streams(unrolled, first_step=True)
     a.replay(expand(load, *trace_arrays(unrolled, micro_batch, seq_len, first_step=True)),
-             None if streams is None else (0,) * len(load) + tuple(streams), timeline=False, memo=False)
+             expand_streams(load, trace_streams(unrolled, first_step=True)), timeline=False, memo=False)
     return segment_summary(a.snapshot())
 
 
@@ -224,26 +223,25 @@ _SCREENING: ContextVar[bool] = ContextVar("trainmem_nb_screening", default=False
 
 
 @contextmanager
-def screening() -> Iterator[None]:
+def _screened(on: bool) -> Iterator[None]:
+    token = _SCREENING.set(on)
+    try:
+        yield
+    finally:
+        _SCREENING.reset(token)
+
+
+def screening() -> AbstractContextManager[None]:
     """Estimates inside take reserved bytes from the churn model (`reserved_and_total_over_step` at
     `churn_fraction`) instead of replaying the allocator: for searches that try many steps (the
     planner's micro-batch bisection over every layout) and replay only the ones they report."""
-    token = _SCREENING.set(True)
-    try:
-        yield
-    finally:
-        _SCREENING.reset(token)
+    return _screened(True)
 
 
-@contextmanager
-def replayed() -> Iterator[None]:
+def replayed() -> AbstractContextManager[None]:
     """Estimates inside replay the allocator even within `screening`: what a search reports (a planner's
     rows), once it has screened its candidates with the churn model."""
-    token = _SCREENING.set(False)
-    try:
-        yield
-    finally:
-        _SCREENING.reset(token)
+    return _screened(False)
 
 
 def replaying() -> bool:
