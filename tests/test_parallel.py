@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 from fractions import Fraction
+from typing import Any
 
 import pytest
 
@@ -56,6 +57,54 @@ def test_fsdp_rank_is_byte_exact_against_a_measured_fake_process_group_step(mode
     assert est.peak_phase == measured["peak_phase"]
     for key in ("weights/params", "weights/gathered", "gradients", "optimizer_states", "overhead/communication"):
         assert est.detail_bytes.get(key, 0) == measured["detail"][key], key
+
+
+#: a multimodal Gemma 3 (Gemma3ForConditionalGeneration) whose SigLIP tower a text-only step holds but never runs;
+#: the checkpoints' vocabulary (above the image token id: the model does not clone the input ids)
+GEMMA3_VISION_FULL_VOCAB = dict(family="gemma3", n_layers=3, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256,
+                                vocab=262208, sliding_window=16, max_positions=4096,
+                                layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                                vision={"hidden": 64, "intermediate": 128, "n_layers": 2, "n_heads": 4,
+                                        "image_size": 64, "patch_size": 8})
+
+
+def _fsdp_on_cpu_tensors(model: dict, opts: dict, gpus: int, zero: int) -> tuple[Any, dict]:
+    """FSDP2 rank 0's estimate and its step measured on real CPU tensors over the fake process group."""
+    from trainmem_nb.measure.fsdp import run_fsdp_step
+    from trainmem_nb.measure.step import summarize
+
+    m = ModelSpec.model_validate(model)
+    t = TrainingSpec.model_validate({"micro_batch": 2, "seq_len": 64, "device": "cpu", **opts})
+    p = ParallelSpec(gpus=gpus, engine="fsdp", zero=zero)
+    return simulate(m, t, None, p, backend="gloo"), summarize(run_fsdp_step(m, t, p, rank=0, device="cpu"),
+                                                              timeline_points=0)
+
+
+@pytest.mark.parametrize(("opts", "zero"), [(dict(precision="fp32"), 3), (dict(precision="bf16-mixed"), 2),
+                                            (dict(precision="bf16-true", method="lora"), 3)])
+def test_fsdp_shards_an_idle_vision_tower_with_the_root_and_gathers_it_there_as_measured(opts: dict, zero: int) -> None:
+    """FSDP2 wraps the language model's layers and the root: the vision tower (never run on text) is the root
+    group's, sharded at rest and all-gathered with the embeddings, every layer of it; not held whole on every
+    rank. Byte-exact against rank 0 of a measured step (the measurement's wrap skips the tower's own layers,
+    which it once wrapped instead of the decoder's: they come first in ``named_modules()``)."""
+    pytest.importorskip("torch")
+    est, measured = _fsdp_on_cpu_tensors(GEMMA3_VISION_FULL_VOCAB, opts, 4, zero)
+    assert est.peak_allocated_bytes == measured["peak"]
+    assert est.peak_phase == measured["peak_phase"]
+    assert est.detail_bytes == {k: v for k, v in measured["detail"].items() if v}
+
+
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
+def test_fsdp_mixed_precision_casts_gemmas_fp32_embed_scale_into_a_new_saved_scalar(family: str) -> None:
+    """MixedPrecisionPolicy casts the gathered parameters to bf16 but leaves the buffers fp32, so the scaled
+    embedding's ``embed_scale.to(weight.dtype)`` makes a new scalar its multiply saves (512 B the estimate
+    missed; one GPU under autocast computes in fp32 and makes none)."""
+    pytest.importorskip("torch")
+    model = dict(family=family, n_layers=2, hidden=64, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab=1000,
+                 max_positions=4096)
+    est, measured = _fsdp_on_cpu_tensors(model, dict(precision="bf16-mixed"), 4, 3)
+    assert est.peak_allocated_bytes == measured["peak"]
+    assert est.detail_bytes["activations/embeddings"] == measured["detail"]["activations/embeddings"]
 
 
 #: FSDP1 (FullyShardedDataParallel), as Lightning Fabric runs it: (model, options, gpus, zero), measured on real CPU
@@ -941,6 +990,27 @@ def test_ddp_buckets_hold_a_slot_for_the_vision_tower_a_text_only_step_never_run
     idle = idle_trainable(vision, t)
     assert measured == sum(int(q.numel * dt) * q.count for q, dt in idle) > 0
     assert 0 <= estimated(vision) - estimated(text) - measured <= 512 * sum(q.count for q, _dt in idle)
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_deepspeed_zero2_casts_an_idle_vision_tower_and_keeps_its_master_and_states_on_the_partition(method: str) -> None:
+    """DeepSpeed casts the whole module to bf16, vision tower included, and its flat groups take every parameter
+    that requires a gradient, so the tower (full fine-tuning) or peft's adapters on it (LoRA) have an fp32 master
+    copy and AdamW's moments on the rank's partition though no gradient ever reaches them. Measured: a ZeRO-2 step
+    with and without the tower; the estimate's peak grows by the measured difference within 2 % (it held the tower
+    in fp32, with no state: half of it)."""
+    pytest.importorskip("deepspeed")
+    from trainmem_nb.measure.deepspeed import measure_deepspeed_step
+
+    t = TrainingSpec(micro_batch=1, seq_len=32, device="cpu", precision="bf16-mixed", method=method,
+                     lora_targets="all-linear")
+    p = ParallelSpec(gpus=2, zero=2, engine="deepspeed")
+    vision = ModelSpec.model_validate({**GEMMA3_VISION, "name": "gemma3-vision"})
+    text = ModelSpec.model_validate({**GEMMA3_VISION, "name": "gemma3-text", "vision": None})
+    measured = measure_deepspeed_step(vision, t, p)["peak"] - measure_deepspeed_step(text, t, p)["peak"]
+    estimated = (simulate(vision, t, None, p, backend="nccl").peak_allocated_bytes
+                 - simulate(text, t, None, p, backend="nccl").peak_allocated_bytes)
+    assert abs(estimated / measured - 1) < 0.02
 
 
 @pytest.mark.parametrize(("zero", "precision"), [(1, "bf16-mixed"), (2, "bf16-mixed"), (2, "fp32")])

@@ -82,8 +82,10 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
             f"scores dominate at long sequences{flash}")
     if m.vision is not None:
         where = ("" if p is None or p.gpus == 1 else
-                 "; whole on every rank (sharding it is not modelled); DDP's buckets hold a slot for each of its "
-                 "parameters that requires a gradient")
+                 "; FSDP2 shards it in the root module's group and gathers it with the embeddings; DeepSpeed casts "
+                 "it to the model's 16-bit dtype, partitions it under ZeRO-3 and keeps an fp32 master and optimizer "
+                 "state for what of it requires a gradient; elsewhere whole on every rank, and DDP's buckets hold a "
+                 "slot for each of its parameters that requires a gradient")
         notes.append(f"{m.name}: Gemma3ForConditionalGeneration (what AutoModelForCausalLM builds from a multimodal "
                      "config): its SigLIP vision tower and projector "
                      f"({format_bytes(sum(p.numel * p.count for p in vision_inventory(m)) * t.param_bytes)}"

@@ -26,7 +26,7 @@ from ..model.spec import ModelSpec
 from ..spec.choices import Checkpointing, Precision
 from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec
-from .step import _categorize, _module_context, build, layer_module_names, make_optimizer
+from .step import _categorize, _module_context, build, decoder_layers, layer_module_names, make_optimizer
 from .tracker import StorageTracker
 
 __all__ = ["ResizeAwareTracker", "measure_fsdp1_wrap", "measure_fsdp_gloo", "run_fsdp_step", "spawn_ranks"]
@@ -185,7 +185,7 @@ def _shard_fsdp1(model: nn.Module, p: ParallelSpec, t: TrainingSpec) -> nn.Modul
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    layers = next(mod for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod))
+    layers = _decoder_layers(model)
     layer_cls = type(layers[0])
     checkpointed = t.checkpointing is Checkpointing.FULL
     if checkpointed:  # Fabric checkpoints the wrapped blocks itself (below), not through transformers
@@ -283,6 +283,15 @@ def _flat_grads(model: nn.Module) -> list[torch.Tensor]:
             and mod._handle.flat_param.grad is not None]
 
 
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The transformer layers FSDP wraps one by one: the language model's (`decoder_layers`), never a vision
+    tower's."""
+    found = decoder_layers(model)
+    if found is None:
+        raise ValueError(f"{type(model).__name__} has no repeated layers to wrap")
+    return found[1]
+
+
 def _shard(model: nn.Module, p: ParallelSpec, t: TrainingSpec, mesh: Any) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -291,7 +300,7 @@ def _shard(model: nn.Module, p: ParallelSpec, t: TrainingSpec, mesh: Any) -> Non
         dtype = torch.bfloat16 if t.precision is Precision.BF16_MIXED else torch.float16
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     reshard = p.zero >= 3
-    layers = next(mod for name, mod in model.named_modules() if isinstance(mod, nn.ModuleList) and len(mod))
+    layers = _decoder_layers(model)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)

@@ -149,13 +149,21 @@ def _attn_impl(t: TrainingSpec, m: ModelSpec | None = None) -> str:
     return t.attention.value
 
 
-def layer_module_names(model: nn.Module) -> dict[str, int]:
-    """``{module name: index}`` of the repeated transformer layers (the ModuleList HF checkpoints)."""
+def decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The language model's repeated transformer layers, as ``(name, ModuleList)``: the longest list of one
+    module type outside the modules a text-only step never runs (a multimodal checkpoint's vision tower holds
+    its own, earlier in ``named_modules()``: `IDLE_MODULES`); None where there is none."""
     best: tuple[str, nn.ModuleList] | None = None
     for name, mod in model.named_modules():
         if (isinstance(mod, nn.ModuleList) and len(mod) and (best is None or len(mod) > len(best[1]))
-                and all(type(x) is type(mod[0]) for x in mod)):
+                and not IDLE_MODULES.intersection(name.split(".")) and all(type(x) is type(mod[0]) for x in mod)):
             best = (name, mod)
+    return best
+
+
+def layer_module_names(model: nn.Module) -> dict[str, int]:
+    """``{module name: index}`` of the repeated transformer layers (the ModuleList HF checkpoints)."""
+    best = decoder_layers(model)
     if best is None:
         return {}
     return {f"{best[0]}.{i}": i for i in range(len(best[1]))}

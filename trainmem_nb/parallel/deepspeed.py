@@ -10,7 +10,7 @@ from typing import Any
 
 from ..engine.program import Segment, _round, _segment
 from ..engine.tape import Graph, Sz, T, const
-from ..model.params import ParamTensor, weight_tensors
+from ..model.params import ParamTensor, idle_weights, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.training import TrainingSpec
@@ -120,6 +120,8 @@ class DeepSpeedHooks(EngineHooks):
     grad_scaler: bool = False  # fp16: DeepSpeed's own loss scaler (runtime/fp16/loss_scaler.py)
     ep: int = 1  #: expert parallelism: routed experts are partitioned over ``world / ep`` ranks (`shard_world`)
     partition_numel: int = 0  #: ZeRO-2: elements of the rank's gradient partition (`_partition`)
+    #: the idle weights (a multimodal checkpoint's vision tower) are cast and partitioned as the module's others
+    shards_idle: bool = True
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
@@ -277,13 +279,20 @@ class DeepSpeedHooks(EngineHooks):
         return segs
 
 
+def _with_idle(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, Any, bool]]:
+    """The weights loading makes, in ``named_parameters()`` order: a multimodal checkpoint's vision tower (each
+    tensor of it, frozen: it never gets a gradient) before the language model's (`weight_tensors`)."""
+    idle = [(p._replace(count=1), dt, False) for p, dt in idle_weights(m, t) for _ in range(p.count)]
+    return [*idle, *weight_tensors(m, t)]
+
+
 @lru_cache(maxsize=256)
 def _zero3_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tuple[tuple[int, ...], int]:
     """Rank 0's ZeRO-3 loading trace (`zero3_loading_events` of the weights its pipeline stage holds, in the
     engine's dtype) and its peak bytes; memoised on the model, the step's key (`program_key`) and the hooks."""
     from ..step.load import trace_peak
 
-    weights = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
+    weights = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in _with_idle(m, t) if _held(hooks, p, m)]
     trace = zero3_loading_events(weights, m, hooks.world, hooks.ep, shards_on_host=hooks.offload == "optimizer+params")
     return trace, trace_peak(trace)
 
@@ -297,7 +306,7 @@ def _replicated_load(m: ModelSpec, t: TrainingSpec, hooks: DeepSpeedHooks) -> tu
     as in `loading_events`."""
     from ..step.load import LoadTrace, trace_peak
 
-    held = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
+    held = [(p, hooks.weight_dtype(t, dt), train) for p, dt, train in _with_idle(m, t) if _held(hooks, p, m)]
     adapters = [(p, dt) for p, dt, _train in held if ".lora_" in p.name for _ in range(p.count)]
     trace = LoadTrace()
     for p, dt in [(p, dt) for p, dt, _layer in _named_order(held, m)] + adapters:

@@ -51,6 +51,8 @@ class FSDP2Hooks(EngineHooks):
     pipelined: bool = False
     #: expert parallelism: routed experts are sharded over ``world / ep`` ranks (`shard_world`)
     ep: int = 1
+    #: the idle weights (a multimodal checkpoint's vision tower) are the root group's: sharded, gathered with it
+    shards_idle: bool = True
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     def _unit(self, unit: str) -> tuple[_Param, ...]:
@@ -65,6 +67,10 @@ class FSDP2Hooks(EngineHooks):
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         return self.param_dt or dt
+
+    def buffer_dtype(self, t: TrainingSpec) -> int | None:
+        # MixedPrecisionPolicy casts the parameters it gathers, not the module's buffers (fp32 with the model)
+        return t.param_bytes if self.param_dt and self.param_dt != t.param_bytes else None
 
     def _gathered_bytes(self, q: _Param) -> int:
         # the policy's param_dtype casts floating parameters; QLoRA's packed 4-bit storage (1 B) is gathered as
@@ -108,7 +114,8 @@ class FSDP2Hooks(EngineHooks):
             # fsdp_post_all_gather(out=...) gives each unsharded fp8 weight its new scale; the one it had (the
             # previous gather's, or the previous step's before the first) goes unless a saved weight holds it.
             # The step's parameters of the unit are in the engine's order: both follow the model's weights
-            converted = [w for q, w in zip(self._unit(unit), g.unit_params[unit], strict=True) if q.fp8]
+            step = [q for q in self._unit(unit) if not q.idle]  # the idle weights are not among them
+            converted = [w for q, w in zip(step, g.unit_params[unit], strict=True) if q.fp8]
             for w, scale in zip(converted, scales, strict=True):
                 old = w.fp8_scale
                 if old is None:  # the first gather of the step: the previous step's backward left the scale

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 
 from ..engine.breakdown import DETAIL_KEYS
 from ..engine.tape import Sz
-from ..model.params import ParamTensor, on_stage, routed_expert, trainable_tensors
+from ..model.params import ParamTensor, idle_trainable, on_stage, routed_expert, trainable_tensors
 from ..model.spec import ModelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
@@ -115,6 +115,7 @@ class _Param(NamedTuple):
     numel: int = 0  # elements of the unsharded parameter (its gradient's size)
     world: int = 0  # ranks it is sharded over when not the engine's (a routed expert: `shard_world`)
     fp8: bool = False  # all-gathered in fp8 (torchao's float8 all-gather of a converted linear's weight)
+    idle: bool = False  # held but never run (a multimodal checkpoint's vision tower, in FSDP2's root group)
 
 
 def _held(hooks: EngineHooks, p: ParamTensor, m: ModelSpec) -> bool:
@@ -130,9 +131,12 @@ def _partition(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, world: int) ->
     """Elements of the rank's partition of the trainable parameters when they are flattened and split
     `world` ways (DeepSpeed's and Megatron's optimizers), routed experts over their own group
     (`shard_world`: DeepSpeed keeps expert parameters in groups of their own, partitioned over the expert
-    data-parallel group)."""
+    data-parallel group). The idle parameters that require a gradient (a multimodal checkpoint's vision tower,
+    `idle_trainable`) are in it: the flat groups take every parameter that requires one (measured: their master
+    copy and optimizer state are on the partition though they never get a gradient)."""
     ep = getattr(hooks, "ep", 1)
-    dense = sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t) if not (ep > 1 and routed_expert(p)))
+    idle = sum(p.numel * p.count for p, _dt in idle_trainable(m, t) if _held(hooks, p, m))
+    dense = idle + sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t) if not (ep > 1 and routed_expert(p)))
     experts = sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t) if ep > 1 and routed_expert(p))
     out = -(-dense // world)
     if experts:

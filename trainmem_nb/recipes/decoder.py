@@ -139,7 +139,8 @@ class DecoderRecipe(Recipe):
     def embed_tokens(self, g: Graph, ids: T, p: dict[str, T]) -> T:
         """``embed_tokens(input_ids)``: (tokens, hidden) in the weight's dtype; Gemma's
         ``GemmaTextScaledWordEmbedding`` then multiplies by ``embed_scale.to(weight.dtype)`` (a 0-d
-        buffer already in the model's dtype: no copy), whose multiply saves only the scalar."""
+        buffer, in the model's dtype: no copy, unless the weight is FSDP2's 16-bit gather of an fp32 model, whose
+        buffer the policy leaves fp32: a new scalar, measured), whose multiply saves only the scalar."""
         w = p["embed_tokens.weight"]
         e = ops.embedding(g, ids, w, tok(self.m.hidden), "embed_tokens")
         if self.d.multipliers:  # Granite: ``inputs_embeds = inputs_embeds * self.embedding_multiplier``
@@ -148,6 +149,11 @@ class DecoderRecipe(Recipe):
             return x
         if not self.d.embed_scale:
             return e
+        if self.ctx.buffer_dt not in (None, w.dt):
+            scale = g.alloc(const(1), w.dt, "embed_scale.to(weight.dtype)")
+            x = ops.mul(g, e, scale, "embed_tokens * embed_scale")
+            g.drop(e, scale)
+            return x
         scale = g.external(const(1), w.dt, "embed_scale")
         x = ops.mul(g, e, scale, "embed_tokens * embed_scale")
         g.drop(e)

@@ -77,10 +77,18 @@ class EngineHooks:
     #: FSDP1 with ``use_orig_params=True``: a unit whose FlatParameter trains any parameter computes a
     #: gradient for every parameter in it (they are views of one tensor that requires grad)
     flat_unit_grads: bool = False
+    #: does `init` lay out the idle weights (`trainmem_nb.model.params.idle_weights`, given to it frozen after
+    #: the step's own) as the engine shards them, rather than whole on the rank (FSDP2's root group holds them)
+    shards_idle: bool = False
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         """Bytes per element of the weights the layers compute with."""
         return dt
+
+    def buffer_dtype(self, t: TrainingSpec) -> int | None:
+        """Bytes per element of the model's floating buffers where they differ from the weights the layers
+        compute with (`weight_dtype`); None where they do not."""
+        return None
 
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]] | None:
         """Replace what is alive before the step for weights, states and gradients (None: unchanged)."""
@@ -124,7 +132,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
                   unrolled: bool = False) -> Program:
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1,
-                  causal_lm_loss=t.causal_lm_loss.value, fp8=None if t.fp8 is Fp8Recipe.NONE else t.fp8.value)
+                  causal_lm_loss=t.causal_lm_loss.value, fp8=None if t.fp8 is Fp8Recipe.NONE else t.fp8.value,
+                  buffer_dt=hooks.buffer_dtype(t))
     g = Graph()
     g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
     g.bnb_saves_input = t.bnb_saves_input
@@ -380,7 +389,10 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
 
     # -- what is alive before the step --------------------------------------------------------
     init: list[tuple[int, Sz, int]] = []
-    engine_init = hooks.init(m, t, weights)
+    idle = idle_weights(m, t)  # a multimodal checkpoint's vision tower: held, never run
+    # an engine that shards the idle weights with the root module's (FSDP2) lays them out itself, frozen:
+    # they never get a gradient
+    engine_init = hooks.init(m, t, [*weights, *((p, dt, False) for p, dt in idle)] if hooks.shards_idle else weights)
     if engine_init is None:
         for p, dt, _ in weights:
             init.append((CAT_INDEX["weights/params"], const(p.numel * dt), p.count))
@@ -393,8 +405,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
                     init.append((CAT_INDEX["gradients"], const(p.numel * dt), p.count))
     else:
         init += [(CAT_INDEX[cat], sz, count) for cat, sz, count in engine_init]
-    idle = idle_weights(m, t)  # a multimodal checkpoint's vision tower: held whole on every rank, never run
-    init += [(CAT_INDEX["weights/params"], const(p.numel * dt), p.count) for p, dt in idle]
+    if not hooks.shards_idle:  # whole on every rank
+        init += [(CAT_INDEX["weights/params"], const(p.numel * dt), p.count) for p, dt in idle]
     for _name, buf_bytes, count in buffer_inventory(m):
         init.append((CAT_INDEX["weights/buffers"], const(buf_bytes), count))
     init.append((CAT_INDEX["activations/inputs"], per_token(8), 1))

@@ -88,11 +88,12 @@ def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: f
     trace = LoadTrace()
     malloc = trace.malloc
     qlora = t.method is Method.QLORA
-    # a multimodal checkpoint's vision tower first (``named_parameters()`` order), whole on every rank
-    weights = [(p, dt, 1.0) for p, dt in idle_weights(m, t)] + [(p, pdt, None) for p, pdt, _ in weight_tensors(m, t)]
-    for p, pdt, whole in weights:
+    # a multimodal checkpoint's vision tower first (``named_parameters()`` order), sharded as the rest where a
+    # rank keeps a share (FSDP2's root group holds it)
+    weights = [(p, dt) for p, dt in idle_weights(m, t)] + [(p, pdt) for p, pdt, _ in weight_tensors(m, t)]
+    for p, pdt in weights:
         for _ in range(p.count):
-            numel = max(1, int(p.numel * (whole or (expert_shard if routed_expert(p) else shard))))
+            numel = max(1, int(p.numel * (expert_shard if routed_expert(p) else shard)))
             if qlora and quantized(p):
                 w16 = malloc(numel * 2)  # the checkpoint's 16-bit weight, moved to the GPU
                 blocks = -(-numel // NF4_BLOCK)

@@ -29,6 +29,9 @@ class Ctx:
     causal_lm_loss: str = "labels-shifted"
     #: fp8 training's recipe for the block linears (`trainmem_nb.engine.ops.fp8`): None, "tensorwise", "rowwise"
     fp8: str | None = None
+    #: bytes per element of the model's floating buffers where they differ from the weights the layers compute
+    #: with (FSDP2's MixedPrecisionPolicy casts the gathered parameters only); None: the weights' dtype
+    buffer_dt: int | None = None
     wcache: dict[int, T] = field(default_factory=dict)
 
     @property
