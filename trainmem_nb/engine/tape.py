@@ -184,6 +184,10 @@ class Graph:
         self.merge_scalar_chains = False
         #: the CUDA stream new tensors are allocated on (`T.stream`; an engine sets it around its collectives)
         self.stream = 0
+        #: called in backward with each parameter once the last node that uses it has run (its module's backward
+        #: is done; its gradient, if it gets one, made): an engine that gathers parameters module by module
+        #: releases it there (DeepSpeed ZeRO-3)
+        self.param_released: Callable[[T], None] | None = None
 
     # -- memory --------------------------------------------------------------------------------
     @contextmanager
@@ -325,6 +329,12 @@ class Graph:
         seed = self.alloc(const(1), seed_dt, "ones_like")
         loss.grad = self.hold(seed)
         self._count_reachable_uses(loss)
+        last_use: dict[int, int] = {}  # parameter -> the node that uses it first (the last to run backward)
+        if self.param_released is not None:
+            for index in range(len(self.nodes) - 1, -1, -1):
+                for t in self.nodes[index].ins:
+                    if t.is_param:
+                        last_use[id(t)] = index
         for index in range(len(self.nodes) - 1, -1, -1):
             if on_node is not None:
                 on_node(index)
@@ -337,6 +347,7 @@ class Graph:
                 o.grad = None
             if all(g is None for g in grads_out):
                 self.drop(*node.saved)
+                self._release_params(node, index, last_use)
                 continue
             grads_in = list(node.backward(self, grads_out))
             if node.checkpoint is not None:
@@ -367,11 +378,19 @@ class Graph:
                     self.drop(g)
                     continue
                 self._accumulate(inp, g)
+            self._release_params(node, index, last_use)
         for leaf in self.input_leaves:  # AccumulateGrad of a leaf that is already gone: discarded
             if leaf.grad is not None:
                 self.drop(leaf.grad)
                 leaf.grad = None
         self.drop(seed)
+
+    def _release_params(self, node: Node, index: int, last_use: dict[int, int]) -> None:
+        """`param_released` for each parameter whose last node in backward, `node`, has run."""
+        if self.param_released is not None:
+            for t in node.ins:
+                if t.is_param and last_use.get(id(t)) == index:
+                    self.param_released(t)
 
     def _count_reachable_uses(self, loss: T) -> None:
         """Keep only the parameter uses the loss depends on. The autograd engine runs the nodes

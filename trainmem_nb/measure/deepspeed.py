@@ -95,13 +95,15 @@ def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[
             dist.destroy_process_group()
 
 
-def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> dict[str, Any]:
+def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec,
+                           zero_config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Rank 0 of ``p.shard_degree`` running two DeepSpeed ZeRO-``p.zero`` training steps of `m` (DeepSpeed 0.19 on
     its CPU accelerator over the fake process group; torch's AdamW, bf16/fp16 as `t` says, the model built on
     the host and handed to ``deepspeed.initialize``). Every storage counts from the model's parameters on, in
     the CUDA allocator's 512-B blocks. Keys: ``init_peak`` (what ``deepspeed.initialize`` allocates at most),
     ``peak`` (the second step's), ``phase_peaks`` (the second step's forward, backward and ``step()``) and
-    ``live_at_start`` (before the second step)."""
+    ``live_at_start`` (before the second step). `zero_config`: further ``zero_optimization`` settings (ZeRO-3's
+    ``stage3_*`` limits scaled down, to measure at a small model's scale what they do to a large one)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -109,7 +111,7 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> di
     from .tracker import cuda_round
 
     world = p.shard_degree
-    ds = {"zero_optimization": {"stage": p.zero}, "train_micro_batch_size_per_gpu": t.micro_batch,
+    ds = {"zero_optimization": {"stage": p.zero, **(zero_config or {})}, "train_micro_batch_size_per_gpu": t.micro_batch,
           "gradient_accumulation_steps": t.grad_accum, "bf16": {"enabled": t.precision.value.startswith("bf16")},
           "fp16": {"enabled": t.precision.value.startswith("fp16")},
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}

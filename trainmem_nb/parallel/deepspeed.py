@@ -23,6 +23,7 @@ from .ranks import (
     DS_REDUCE_BUCKET,
     DS_STAGE3_MAX_LIVE,
     DS_STAGE3_PERSISTENCE,
+    DS_STAGE3_PREFETCH,
     _held,
     _partition,
     _trainable,
@@ -113,7 +114,8 @@ class DeepSpeedHooks(EngineHooks):
     zero: int
     model_dt: int  # 2 with a bf16/fp16 recipe, 4 for fp32
     offload: str
-    layer_params: int  # parameters of one layer (ZeRO-3 gathers per layer)
+    #: ZeRO-3: what its parameter coordinator holds gathered through a step (`zero3_gathering`)
+    gathering: Zero3Gathering | None = None
     autocast: bool = False
     first_stage: bool = True
     last_stage: bool = True
@@ -136,19 +138,68 @@ class DeepSpeedHooks(EngineHooks):
         return _zero3_load(m, t, self) if self.zero >= 3 else _replicated_load(m, t, self)
 
     def unit_forward_begin(self, g: Graph, unit: str) -> None:
-        if self.zero >= 3 and unit != "root":
-            st = self.state.setdefault(id(g), {})
-            live = g.alloc(const(min(self.layer_params * 2, DS_STAGE3_MAX_LIVE)), self.model_dt, "ZeRO-3 gathered params")
-            live.region, live.stream = "gathered", ZERO3_ALLGATHER_STREAM
-            st[unit] = live
-
-    def unit_forward_end(self, g: Graph, unit: str) -> None:
+        if unit == "root" and self.zero >= 3:
+            g.param_released = lambda q: self._released(g, q)
+        zg = self.gathering
+        if zg is None:
+            return
+        # ZeRO-3's parameter coordinator (partitioned_param_coordinator.py, fetch_sub_module) gathers each module's
+        # parameters as it runs and, with the step's trace recorded (every step after the first), prefetches the
+        # next ones in trace order, up to ``stage3_prefetch_bucket_size`` elements a module, while fewer than
+        # ``stage3_max_live_parameters`` are gathered; release_sub_module keeps those used again within
+        # ``stage3_max_reuse_distance`` elements. Measured (CPU, tests/test_parallel.py): the gathered elements
+        # climb to the live limit within the first modules and stay there through the turn into backward, until
+        # backward's end empties the trace; a model within one prefetch is gathered whole by its first module
+        # and each weight released once its module's backward is done. The parameters of one prefetch go through
+        # one flat buffer (partition_parameters.py, _all_gather_dtype: ``torch.empty(partition_sz * world_size)``),
+        # each copied out whole (``torch.cat`` of the partitions) as the first of them is waited for
+        # (AllGatherCoalescedHandle.wait); the buffer goes when the last of them is. On the all-gather stream.
         st = self.state.setdefault(id(g), {})
-        if unit in st:
-            g.drop(st.pop(unit))
+        if unit == "root":
+            if zg.buffer:
+                st["flat"] = self._gathered(g, zg.buffer, "ZeRO-3 all-gather flat buffer", "communication")
+            if not zg.at_once:
+                st["window"] = self._gathered(g, zg.window, "ZeRO-3 gathered params (live-parameter window)")
+        if zg.at_once:
+            # a model within one prefetch: every weight was gathered by the first module; each layer's are counted
+            # from its forward here (the same bytes from the last layer on), to go as its backward releases them
+            copies = st.setdefault("copies", {})
+            for q in g.unit_params.get(unit, []):
+                n = self._gathered_numel(q)
+                if n >= DS_STAGE3_PERSISTENCE:
+                    nbytes = n if getattr(q, "nf4", None) else n * self.model_dt
+                    copies[id(q)] = self._gathered(g, nbytes, f"ZeRO-3 gathered {q.label}")
+
+    @staticmethod
+    def _gathered_numel(q: T) -> int:
+        """Elements DeepSpeed counts for parameter `q` (a QLoRA weight's packed uint8 storage)."""
+        n = round(q.n.at(1, 1))
+        return -(-n // 2) if getattr(q, "nf4", None) else n
+
+    def _released(self, g: Graph, q: T) -> None:
+        """A module's backward is done (ZeRO-3's release_sub_module): its gathered weight goes, after the gradient
+        AccumulateGrad made, which ZeRO-3's gradient hook has copied into the reduce bucket (stage3.py
+        reduce_ready_partitions_and_remove_grads; measured in that order)."""
+        if q.final_grad is not None:
+            q.final_grad.is_grad = False
+            g.drop(q.final_grad)
+            q.final_grad = None
+        copy = self.state.setdefault(id(g), {}).get("copies", {}).pop(id(q), None)
+        if copy is not None:
+            g.drop(copy)
+
+    @staticmethod
+    def _gathered(g: Graph, n: int, label: str, region: str = "gathered") -> T:
+        out = g.alloc(const(n), 1, label)
+        out.region, out.stream = region, ZERO3_ALLGATHER_STREAM
+        return out
+
+    def head_begin(self, g: Graph) -> None:
+        st = self.state.setdefault(id(g), {})
+        if self.gathering is not None and self.gathering.at_once and "flat" in st:
+            g.drop(st.pop("flat"))  # the model in one prefetch: the head's weight is the last waited for
 
     def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None:
-        self.unit_forward_begin(g, unit)  # ZeRO-3 gathers the unit again for its backward
         if unit == "root" and self.zero in (1, 2):
             # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) when the first gradients arrive; it goes
             # when backward ends (measured on CPU: not alive before a step, tests/test_parallel.py)
@@ -174,8 +225,9 @@ class DeepSpeedHooks(EngineHooks):
         st["partition"] = part
 
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
-        self.unit_forward_end(g, unit)
         st = self.state.setdefault(id(g), {})
+        if unit == "root":  # backward's last modules release what is left
+            g.drop(*[st.pop(k) for k in ("window", "flat") if k in st], *st.pop("copies", {}).values())
         if unit == "root" and self._partitioned_in_backward() and "partition" not in st:
             self._make_partition(g, st)  # the epilogue's reduction: the bucket never filled
         if unit == "root" and "bucket" in st:
@@ -193,14 +245,30 @@ class DeepSpeedHooks(EngineHooks):
         ``Params4bit`` holds integer (or ``bnb_4bit_quant_storage``) storage, not a floating tensor, and its
         quantization state is no parameter: ZeRO-3 partitions the packed storage, and the state stays whole
         on the GPU (`replicated`)."""
-        def part(numel: int, shard_p: int) -> int:
-            return -(-numel // shard_p) if numel >= DS_STAGE3_PERSISTENCE or shard_p == 1 else numel
-
         out: list[tuple[int, int]] = []
         for p, dt, _train in weights:
             shard_p = shard_world(p, self.world, self.ep) if self.zero >= 3 else 1
             nf4 = nf4_parts(p, dt)
-            out.append((part(nf4[0], shard_p) if nf4 else part(p.numel, shard_p) * self.model_dt, p.count))
+            numel, each = (nf4[0], 1) if nf4 else (p.numel, self.model_dt)
+            if shard_p == 1:
+                out.append((numel * each, p.count))
+                continue
+            out.append((-(-numel // shard_p) * each, p.count))  # the partition (``ds_tensor``)
+            if numel < DS_STAGE3_PERSISTENCE:
+                # a persistent parameter keeps its partition and its whole data (measured: the partitions of a
+                # 3-layer model's attention weights were missing, 592 KB at 2 ranks)
+                out.append((numel * each, p.count))
+        return out
+
+    def _persistent(self, m: ModelSpec, t: TrainingSpec) -> list[tuple[int, int]]:
+        """(bytes, count) of the whole data of the parameters ZeRO-3 keeps gathered (fewer elements than
+        ``stage3_param_persistence_threshold``), of the rank's stage."""
+        out = []
+        for p, dt, _train in _with_idle(m, t):
+            nf4 = nf4_parts(p, dt)
+            numel, each = (nf4[0], 1) if nf4 else (p.numel, self.model_dt)
+            if _held(self, p, m) and numel < DS_STAGE3_PERSISTENCE and shard_world(p, self.world, self.ep) > 1:
+                out.append((numel * each, p.count))
         return out
 
     @staticmethod
@@ -273,6 +341,13 @@ class DeepSpeedHooks(EngineHooks):
         if self.zero in (1, 2):
             ag = min(DS_ALLGATHER_BUCKET, n_train) * self.model_dt
             events += [(temp, 1, const(ag), "all-gather bucket"), (temp, -1, const(ag), "freed")]
+        if self.zero >= 3:
+            # stage3.py step(): ``_partition_all_parameters()`` first releases every gathered parameter, the
+            # persistent ones' whole data too (their partitions stay), and ``_post_step`` all-gathers those again
+            # (measured: a 3-layer model's attention weights, 1.2 MB at 2 ranks, are gone through the update)
+            kept = [(n, c) for n, c in self._persistent(m, t)]
+            events = ([(_CAT["weights/params"], -c, const(n), "persistent parameters released") for n, c in kept]
+                      + events + [(_CAT["weights/params"], c, const(n), "persistent parameters gathered") for n, c in kept])
         segs = [_segment("optimizer", "optimizer step", 1, tuple(events))]
         if self.zero == 0 or (self.zero == 1 and self.offload != "none"):
             segs.append(_segment("zero", "zero_grad", 1, ((_CAT["gradients"], -1, const(grads), "zero_grad"),)))
@@ -284,6 +359,45 @@ def _with_idle(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, Any, bo
     tensor of it, frozen: it never gets a gradient) before the language model's (`weight_tensors`)."""
     idle = [(p._replace(count=1), dt, False) for p, dt in idle_weights(m, t) for _ in range(p.count)]
     return [*idle, *weight_tensors(m, t)]
+
+
+@dataclass(frozen=True)
+class Zero3Gathering:
+    """What ZeRO-3 holds gathered through a step (`zero3_gathering`), in bytes: `window`, the live-parameter
+    window held from the first module to backward's end, and `buffer`, the flat all-gather buffer in flight.
+    `at_once`: the model is within one prefetch, gathered whole by its first module (each weight its own copy,
+    released with its module's backward) through one buffer, freed as the head's weight is waited for."""
+
+    window: int
+    buffer: int
+    at_once: bool = False
+
+
+def zero3_gathering(weights: list[tuple[ParamTensor, Any, bool]], model_dt: int, world: int) -> Zero3Gathering | None:
+    """What ZeRO-3 holds gathered through a step of the rank's `weights` (`DeepSpeedHooks.unit_forward_begin`);
+    None when every parameter is persistent.
+
+    The gathered parameters are those a partition does not keep whole (``stage3_param_persistence_threshold``
+    elements or more), each its own tensor in the model's dtype (QLoRA's NF4 weights as their packed storage,
+    whose uint8 elements DeepSpeed counts), up to ``stage3_max_live_parameters`` elements in all (a model with
+    more gathers that many, at its average bytes per element). A prefetch gathers up to
+    ``stage3_prefetch_bucket_size`` elements through one flat buffer of every rank's padded partitions: a model
+    within it in one buffer; a larger one has about one prefetch's buffer in flight at a time."""
+    max_live, prefetch = DS_STAGE3_MAX_LIVE, DS_STAGE3_PREFETCH
+    numel = held = flat = 0
+    for p, dt, _train in weights:
+        nf4 = nf4_parts(p, dt)
+        n, each = (nf4[0], 1) if nf4 else (p.numel, model_dt)
+        if n >= DS_STAGE3_PERSISTENCE:
+            numel += n * p.count
+            held += _round(n * each) * p.count
+            flat += world * -(-n // world) * each * p.count
+    if not numel:
+        return None
+    if numel <= prefetch:
+        return Zero3Gathering(held, _round(flat), True)
+    window = held if numel <= max_live else _round(held * max_live // numel)
+    return Zero3Gathering(window, _round(flat * prefetch // numel))
 
 
 @lru_cache(maxsize=256)

@@ -19,7 +19,7 @@ from ..step.compile import EngineHooks
 from ..step.optimizers import flat_state_bytes, paged_state_bytes, state_bytes
 from .checks import runs_fsdp1
 from .ddp import DDPHooks
-from .deepspeed import DeepSpeedHooks
+from .deepspeed import DeepSpeedHooks, zero3_gathering
 from .fsdp import FSDP2Hooks
 from .fsdp1 import FSDP1Hooks, flat_units
 from .megatron import MegatronHooks
@@ -150,13 +150,12 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
                           offload=p.offload is not Offload.NONE, pipelined=pipelined,
                           local_grads_accumulate=pipelined and not mixed, ep=p.ep, **stage)
     if p.engine is Engine.DEEPSPEED:
-        # what ZeRO-3 gathers per layer, in 16-bit elements (QLoRA's NF4 weights gather packed); of a model
-        # whose MoE and dense layers differ, its largest layer
         model_dt = 2 if t.precision is not Precision.FP32 else 4
-        layer_params = max((int(sum(w[0].numel * (w[1] / model_dt if w[1] < 1 else 1) for w in ws))
-                            for name, ws in _units(weights, m).items() if name != "root"), default=0)
-        ds = DeepSpeedHooks(world=p.shard_degree if p.zero else p.dp, zero=p.zero, model_dt=model_dt,
-                            offload=p.offload.value, layer_params=layer_params, ep=p.ep, **stage)
+        # what ZeRO-3 holds gathered: the stage's parameters its modules run (not an idle vision tower's)
+        world = p.shard_degree if p.zero else p.dp
+        ds = DeepSpeedHooks(world=world, zero=p.zero, model_dt=model_dt, offload=p.offload.value,
+                            gathering=zero3_gathering(weights, model_dt, world) if p.zero >= 3 else None, ep=p.ep,
+                            **stage)
         # the rank's share of the flat trainable parameters, which ZeRO-2 reduces its gradients into
         return dataclasses.replace(ds, partition_numel=_partition(ds, m, t, ds.world)) if p.zero == 2 else ds
     if p.engine is Engine.MEGATRON:

@@ -105,6 +105,9 @@ class EngineHooks:
     def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None: ...
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None: ...
 
+    def head_begin(self, g: Graph) -> None:
+        """The base model has returned (its final norm applied); the head runs next."""
+
     def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment] | None:
         """Replace the optimizer and zero_grad segments (None: the single-device ones)."""
         return None
@@ -236,6 +239,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     for sh in (*shared.extra, embeds if kept else None, *shared.all_masks(), *shared.rotary_tensors()):
         if sh is not None:
             g.drop(sh)
+    hooks.head_begin(g)
     logits: list[T] = []
     if hooks.last_stage and runs_loss(m, t) is LossImpl.LITGPT:
         # lit-gpt's GPT returns its logits in chunks (its hidden state goes); then the loop runs the loss
