@@ -122,6 +122,7 @@ class DeepSpeedHooks(EngineHooks):
     grad_scaler: bool = False  # fp16: DeepSpeed's own loss scaler (runtime/fp16/loss_scaler.py)
     ep: int = 1  #: expert parallelism: routed experts are partitioned over ``world / ep`` ranks (`shard_world`)
     partition_numel: int = 0  #: ZeRO-2: elements of the rank's gradient partition (`_partition`)
+    reduced_numel: int = 0  #: ZeRO-2: elements of the gradients a step reduces (the stage's, that get one)
     #: the idle weights (a multimodal checkpoint's vision tower) are cast and partitioned as the module's others
     shards_idle: bool = True
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -138,7 +139,7 @@ class DeepSpeedHooks(EngineHooks):
         return _zero3_load(m, t, self) if self.zero >= 3 else _replicated_load(m, t, self)
 
     def unit_forward_begin(self, g: Graph, unit: str) -> None:
-        if unit == "root" and self.zero >= 3:
+        if unit == "root" and (self.zero >= 3 or self._bucket_at_first_gradient()):
             g.param_released = lambda q: self._released(g, q)
         zg = self.gathering
         if zg is None:
@@ -180,7 +181,14 @@ class DeepSpeedHooks(EngineHooks):
         """A module's backward is done (ZeRO-3's release_sub_module): its gathered weight goes, after the gradient
         AccumulateGrad made, which ZeRO-3's gradient hook has copied into the reduce bucket (stage3.py
         reduce_ready_partitions_and_remove_grads; measured in that order)."""
-        if q.final_grad is not None:
+        st = self.state.setdefault(id(g), {})
+        if q.rg and self._bucket_at_first_gradient() and "bucket" not in st:
+            # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) as the first gradient arrives (measured:
+            # after the head's weight gradient is made, before it is copied in)
+            bucket = g.alloc(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
+            bucket.region = "communication"
+            st["bucket"] = bucket
+        if q.final_grad is not None and self.zero >= 2:  # ZeRO-1 keeps .grad to the step
             q.final_grad.is_grad = False
             g.drop(q.final_grad)
             q.final_grad = None
@@ -201,12 +209,14 @@ class DeepSpeedHooks(EngineHooks):
 
     def unit_backward_begin(self, g: Graph, unit: str, prefetch: str | None = None) -> None:
         if unit == "root" and self.zero in (1, 2):
-            # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) when the first gradients arrive; it goes
-            # when backward ends (measured on CPU: not alive before a step, tests/test_parallel.py)
+            # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) when the first gradients arrive (`_released`;
+            # with an offloaded optimizer, as backward starts); it goes when backward ends (measured on CPU: not
+            # alive before a step, tests/test_parallel.py)
             st = self.state.setdefault(id(g), {})
-            bucket = g.alloc(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
-            bucket.region = "communication"
-            st["bucket"] = bucket
+            if not self._bucket_at_first_gradient():
+                bucket = g.alloc(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
+                bucket.region = "communication"
+                st["bucket"] = bucket
             # ZeRO-2's gradient partition (`grads_in_partition`) is made by the first reduction that copies into
             # it (copy_grads_in_partition): when a gradient first overflows the reduce bucket
             # (reduce_independent_p_g_buckets_and_remove_grads), else by the epilogue's reduction at the end of
@@ -215,6 +225,10 @@ class DeepSpeedHooks(EngineHooks):
             # (a layer's events repeat for every layer, so a tensor made once inside one cannot be)
             if self._partitioned_in_backward() and self.partition_numel * self.world > DS_REDUCE_BUCKET:
                 self._make_partition(g, st)
+
+    def _bucket_at_first_gradient(self) -> bool:
+        """ZeRO-1/2 without offload: the reduce bucket is made as the first gradient arrives (measured)."""
+        return self.zero in (1, 2) and self.offload == "none"
 
     def _partitioned_in_backward(self) -> bool:
         return self.zero == 2 and self.offload == "none" and self.partition_numel > 0
@@ -229,7 +243,14 @@ class DeepSpeedHooks(EngineHooks):
         if unit == "root":  # backward's last modules release what is left
             g.drop(*[st.pop(k) for k in ("window", "flat") if k in st], *st.pop("copies", {}).values())
         if unit == "root" and self._partitioned_in_backward() and "partition" not in st:
-            self._make_partition(g, st)  # the epilogue's reduction: the bucket never filled
+            # the epilogue's reduction (the bucket never filled): allreduce_and_scatter flattens the bucket's
+            # gradients into one tensor (``self.flatten``) to reduce them, then copies the rank's part into the
+            # partition it makes (measured: the flat copy, then the partition)
+            flat = g.alloc(const(min(self.reduced_numel, DS_REDUCE_BUCKET)), self.model_dt,
+                           "flattened bucket (allreduce_bucket)")
+            flat.region = "communication"
+            g.drop(flat)
+            self._make_partition(g, st)
         if unit == "root" and "bucket" in st:
             g.drop(st.pop("bucket"))
         if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill

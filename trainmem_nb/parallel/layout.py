@@ -23,7 +23,7 @@ from .deepspeed import DeepSpeedHooks, zero3_gathering
 from .fsdp import FSDP2Hooks
 from .fsdp1 import FSDP1Hooks, flat_units
 from .megatron import MegatronHooks
-from .ranks import _held, _padded_shard, _Param, _partition, _row_shard, _units, nf4_parts, shard_world
+from .ranks import _held, _padded_shard, _Param, _partition, _row_shard, _trainable, _units, nf4_parts, shard_world
 
 
 def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
@@ -157,7 +157,10 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
                             gathering=zero3_gathering(weights, model_dt, world) if p.zero >= 3 else None, ep=p.ep,
                             **stage)
         # the rank's share of the flat trainable parameters, which ZeRO-2 reduces its gradients into
-        return dataclasses.replace(ds, partition_numel=_partition(ds, m, t, ds.world)) if p.zero == 2 else ds
+        if p.zero != 2:
+            return ds
+        return dataclasses.replace(ds, partition_numel=_partition(ds, m, t, ds.world),
+                                   reduced_numel=sum(q.numel * q.count for q, _dt in _trainable(ds, m, t)))
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, ep=p.ep,
                              **stage)
