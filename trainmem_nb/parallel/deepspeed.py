@@ -362,7 +362,7 @@ class DeepSpeedHooks(EngineHooks):
         if self.zero in (1, 2):
             ag = min(DS_ALLGATHER_BUCKET, n_train) * self.model_dt
             events += [(temp, 1, const(ag), "all-gather bucket"), (temp, -1, const(ag), "freed")]
-        if self.zero >= 3:
+        if self.zero >= 3 and self.offload != "optimizer+params":  # (offloaded parameters: none on the device)
             # stage3.py step(): ``_partition_all_parameters()`` first releases every gathered parameter, the
             # persistent ones' whole data too (their partitions stay), and ``_post_step`` all-gathers those again
             # (measured: a 3-layer model's attention weights, 1.2 MB at 2 ranks, are gone through the update)
