@@ -272,6 +272,26 @@ def test_deepspeed_step_is_within_one_percent_of_a_measured_one_whose_buckets_do
     assert abs(est.peak_allocated_bytes / measured["peak"] - 1) < 0.01
 
 
+@pytest.mark.parametrize("zero", [1, 2])
+def test_deepspeed_zero12_gradient_accumulation_keeps_what_stage_1_and_2_keeps_between_micro_steps(zero: int) -> None:
+    """Over 2 micro-steps (measured): ZeRO-1 keeps the reduce bucket the first one made until the boundary's
+    reduction, and adds each new gradient into ``.grad``; ZeRO-2 frees its bucket every micro-step and keeps the
+    partition it reduced into, whose successor the next micro-step makes before the earlier one goes; that
+    partition holds rank 0's parameters whole (the one crossing its end in full). The step's peak and its
+    backward phase to the byte (they read 1.0 MB / 3.3 MB under)."""
+    pytest.importorskip("deepspeed")
+    from trainmem_nb.engine.program import evaluate
+    from trainmem_nb.measure.deepspeed import measure_deepspeed_step
+
+    m = ModelSpec.model_validate(SMALL_LLAMA)
+    t = TrainingSpec(micro_batch=2, seq_len=64, device="cpu", precision="bf16-mixed", grad_accum=2)
+    p = ParallelSpec(gpus=2, zero=zero, engine="deepspeed")
+    measured = measure_deepspeed_step(m, t, p)
+    est = simulate(m, t, None, p, backend="nccl")
+    assert est.peak_allocated_bytes == measured["peak"]
+    assert evaluate(est.rank_programs[0], 2, 64).phase_peaks["backward"] == measured["phase_peaks"]["backward"]
+
+
 def _deepspeed_phases(opts: dict, zero_config: dict | None = None) -> tuple[dict, dict]:
     """(estimated, measured) peak bytes of each phase of the second of two ZeRO-3 steps of `SMALL_LLAMA` on 2 ranks."""
     from trainmem_nb.engine.program import evaluate

@@ -121,8 +121,9 @@ class DeepSpeedHooks(EngineHooks):
     last_stage: bool = True
     grad_scaler: bool = False  # fp16: DeepSpeed's own loss scaler (runtime/fp16/loss_scaler.py)
     ep: int = 1  #: expert parallelism: routed experts are partitioned over ``world / ep`` ranks (`shard_world`)
-    partition_numel: int = 0  #: ZeRO-2: elements of the rank's gradient partition (`_partition`)
+    partition_numel: int = 0  #: ZeRO-2: elements of the rank's gradient partition (`zero2_grad_partition_numel`)
     reduced_numel: int = 0  #: ZeRO-2: elements of the gradients a step reduces (the stage's, that get one)
+    accumulating: bool = False  #: a later micro-step of gradient accumulation (the earlier ones' partition exists)
     #: the idle weights (a multimodal checkpoint's vision tower) are cast and partitioned as the module's others
     shards_idle: bool = True
     state: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -141,6 +142,16 @@ class DeepSpeedHooks(EngineHooks):
     def unit_forward_begin(self, g: Graph, unit: str) -> None:
         if unit == "root" and (self.zero >= 3 or self._bucket_at_first_gradient()):
             g.param_released = lambda q: self._released(g, q)
+        if unit == "root" and self._bucket_kept():
+            # ZeRO-1 accumulating: the bucket the first micro-step made stays until the boundary's reduction (`init`)
+            bucket = g.external(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
+            bucket.region = "communication"
+            self.state.setdefault(id(g), {})["bucket"] = bucket
+        if unit == "root" and self._partitioned_in_backward() and self.accumulating:
+            # the partition the earlier micro-steps reduced into (`init`), alive until this one makes its own
+            earlier = g.external(const(self.partition_numel), self.model_dt, "earlier micro-steps' gradient partition")
+            earlier.is_grad = True
+            self.state.setdefault(id(g), {})["earlier"] = earlier
         zg = self.gathering
         if zg is None:
             return
@@ -223,12 +234,17 @@ class DeepSpeedHooks(EngineHooks):
             # backward (measured on CPU, tests/test_parallel.py); it goes once step() has its fp32 copy. A model
             # whose gradients overflow the bucket makes it a few layers into backward: here, as backward starts
             # (a layer's events repeat for every layer, so a tensor made once inside one cannot be)
-            if self._partitioned_in_backward() and self.partition_numel * self.world > DS_REDUCE_BUCKET:
+            if self._partitioned_in_backward() and self.reduced_numel > DS_REDUCE_BUCKET:
                 self._make_partition(g, st)
 
     def _bucket_at_first_gradient(self) -> bool:
         """ZeRO-1/2 without offload: the reduce bucket is made as the first gradient arrives (measured)."""
         return self.zero in (1, 2) and self.offload == "none"
+
+    def _bucket_kept(self) -> bool:
+        """ZeRO-1 in a later micro-step of gradient accumulation: the first micro-step's bucket is still there
+        (measured: it goes with the boundary's reduction; ZeRO-2 frees and makes it again every micro-step)."""
+        return self.zero == 1 and self.offload == "none" and self.accumulating
 
     def _partitioned_in_backward(self) -> bool:
         return self.zero == 2 and self.offload == "none" and self.partition_numel > 0
@@ -251,6 +267,12 @@ class DeepSpeedHooks(EngineHooks):
             flat.region = "communication"
             g.drop(flat)
             self._make_partition(g, st)
+        if unit == "root" and "earlier" in st:
+            # a later micro-step: the reduction makes a new partition, adds the earlier ones' into it, and the
+            # earlier partition goes once the bucket has (measured, gradient accumulation over 2 micro-steps)
+            if "bucket" in st:
+                g.drop(st.pop("bucket"))
+            g.drop(st.pop("earlier"))
         if unit == "root" and "bucket" in st:
             g.drop(st.pop("bucket"))
         if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill
@@ -304,6 +326,11 @@ class DeepSpeedHooks(EngineHooks):
         if self.offload != "optimizer+params":  # ZeRO-Infinity's offload_param: partitions on the host
             out += [("weights/params", const(n), c) for n, c in self.param_partitions(weights)]
         out += [("weights/params", const(n), c) for n, c in self.replicated(weights)]
+        if self._bucket_kept():
+            out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
+        if self._partitioned_in_backward() and self.accumulating:
+            # ZeRO-2: the earlier micro-steps' gradients, reduced into the rank's partition (`grads_in_partition`)
+            out.append(("gradients", const(self.partition_numel * self.model_dt), 1))
         if self.zero < 2 and t.grad_accum > 1:
             # ZeRO-0/1 accumulate into the 16-bit ``.grad`` of every trained parameter over the
             # micro-steps (`local_grads_accumulate`): a later micro-step starts with all of them, which
@@ -373,6 +400,29 @@ class DeepSpeedHooks(EngineHooks):
         if self.zero == 0 or (self.zero == 1 and self.offload != "none"):
             segs.append(_segment("zero", "zero_grad", 1, ((_CAT["gradients"], -1, const(grads), "zero_grad"),)))
         return segs
+
+
+def zero2_grad_partition_numel(hooks: DeepSpeedHooks, m: ModelSpec, t: TrainingSpec) -> int:
+    """Elements of ZeRO-2's gradient partition on rank 0 (``grads_in_partition``): stage_1_and_2.py sizes it as
+    the parameters in the rank's part of the flat group, each whole (``sum(p.numel() for p in
+    self.params_in_partition[i])``), so the one that crosses the part's end counts in full (measured: 1,632,768
+    elements where the part is 1,436,672). The flat group takes the trainable parameters in
+    ``named_parameters()`` order: a multimodal checkpoint's vision tower, then the model's."""
+    from ..model.params import idle_trainable
+
+    idle = [(p, dt, True) for p, dt in idle_trainable(m, t) for _ in range(p.count)]
+    held = [w for w in weight_tensors(m, t) if _held(hooks, w[0], m)]
+    ordered = [(p, dt) for p, dt, _layer in _named_order([w for w in held if w[2]], m)]
+    adapters = [(p, dt) for p, dt, train in held if train and ".lora_" in p.name for _ in range(p.count)]
+    tensors = [(p.numel, p) for p, _dt, _t in idle] + [(p.numel, p) for p, _dt in ordered + adapters]
+    part = _partition(hooks, m, t, hooks.world)
+    start = total = 0
+    for numel, _p in tensors:
+        if start >= part:
+            break
+        total += numel
+        start += numel
+    return total
 
 
 def _with_idle(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, Any, bool]]:

@@ -41,6 +41,8 @@ def _category(t: T, fwd_end: int) -> str:
         return "overhead/communication"
     if t.region == "gathered":
         return "weights/gathered"
+    if t.phase == "init" and t.is_grad:  # a gradient alive before the step, freed in it (`Graph.external`)
+        return "gradients"
     if t.phase == "forward":
         if 0 <= t.freed < fwd_end:
             return "transient/forward"
