@@ -20,8 +20,8 @@ if TYPE_CHECKING:  # annotations only: ModelSpec reads its parameter count from 
     from .spec import ModelSpec
 
 __all__ = [
-    "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "idle_trainable", "idle_weights", "lora_inventory",
-    "lora_modules",
+    "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "idle_tensors", "idle_trainable", "idle_weights",
+    "lora_inventory", "lora_modules",
     "lora_moe_params", "nf4_bytes", "on_stage", "param_inventory", "quantized", "routed_expert", "trainable_tensors",
     "weight_tensors",
 ]
@@ -435,6 +435,13 @@ def idle_weights(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, float
                     (ParamTensor(f"{mod}.lora_B.weight", (p.shape[0], t.lora_rank), p.count, True, False, idle=True),
                      t.adapter_bytes)]
     return out
+
+
+def idle_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, float, bool]]:
+    """`idle_weights` as `weight_tensors` gives weights, one entry per tensor (a repeated one's `count` split),
+    frozen (none gets a gradient): what an engine that lays them out itself takes, in ``named_parameters()``
+    order."""
+    return [(p._replace(count=1), dt, False) for p, dt in idle_weights(m, t) for _ in range(p.count)]
 
 
 def idle_trainable(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, float]]:

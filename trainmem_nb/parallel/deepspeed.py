@@ -10,7 +10,7 @@ from typing import Any
 
 from ..engine.program import Segment, _round, _segment
 from ..engine.tape import Graph, Sz, T, const
-from ..model.params import ParamTensor, idle_weights, weight_tensors
+from ..model.params import ParamTensor, idle_tensors, idle_trainable, weight_tensors
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
 from ..spec.training import TrainingSpec
@@ -203,7 +203,7 @@ class DeepSpeedHooks(EngineHooks):
             q.final_grad.is_grad = False
             g.drop(q.final_grad)
             q.final_grad = None
-        copy = self.state.setdefault(id(g), {}).get("copies", {}).pop(id(q), None)
+        copy = st.get("copies", {}).pop(id(q), None)
         if copy is not None:
             g.drop(copy)
 
@@ -267,14 +267,10 @@ class DeepSpeedHooks(EngineHooks):
             flat.region = "communication"
             g.drop(flat)
             self._make_partition(g, st)
-        if unit == "root" and "earlier" in st:
-            # a later micro-step: the reduction makes a new partition, adds the earlier ones' into it, and the
-            # earlier partition goes once the bucket has (measured, gradient accumulation over 2 micro-steps)
-            if "bucket" in st:
-                g.drop(st.pop("bucket"))
-            g.drop(st.pop("earlier"))
-        if unit == "root" and "bucket" in st:
-            g.drop(st.pop("bucket"))
+        if unit == "root":
+            # the bucket goes; in a later micro-step the earlier micro-steps' partition then goes too, added into
+            # the one this reduction made (measured, gradient accumulation over 2 micro-steps)
+            g.drop(*[st.pop(k) for k in ("bucket", "earlier") if k in st])
         if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill
             for grad in grads:
                 grad.is_grad = False
@@ -291,8 +287,7 @@ class DeepSpeedHooks(EngineHooks):
         out: list[tuple[int, int]] = []
         for p, dt, _train in weights:
             shard_p = shard_world(p, self.world, self.ep) if self.zero >= 3 else 1
-            nf4 = nf4_parts(p, dt)
-            numel, each = (nf4[0], 1) if nf4 else (p.numel, self.model_dt)
+            numel, each = _elements(p, dt, self.model_dt)
             if shard_p == 1:
                 out.append((numel * each, p.count))
                 continue
@@ -308,8 +303,7 @@ class DeepSpeedHooks(EngineHooks):
         ``stage3_param_persistence_threshold``), of the rank's stage."""
         out = []
         for p, dt, _train in _with_idle(m, t):
-            nf4 = nf4_parts(p, dt)
-            numel, each = (nf4[0], 1) if nf4 else (p.numel, self.model_dt)
+            numel, each = _elements(p, dt, self.model_dt)
             if _held(self, p, m) and numel < DS_STAGE3_PERSISTENCE and shard_world(p, self.world, self.ep) > 1:
                 out.append((numel * each, p.count))
         return out
@@ -393,7 +387,7 @@ class DeepSpeedHooks(EngineHooks):
             # stage3.py step(): ``_partition_all_parameters()`` first releases every gathered parameter, the
             # persistent ones' whole data too (their partitions stay), and ``_post_step`` all-gathers those again
             # (measured: a 3-layer model's attention weights, 1.2 MB at 2 ranks, are gone through the update)
-            kept = [(n, c) for n, c in self._persistent(m, t)]
+            kept = self._persistent(m, t)
             events = ([(_CAT["weights/params"], -c, const(n), "persistent parameters released") for n, c in kept]
                       + events + [(_CAT["weights/params"], c, const(n), "persistent parameters gathered") for n, c in kept])
         segs = [_segment("optimizer", "optimizer step", 1, tuple(events))]
@@ -402,34 +396,36 @@ class DeepSpeedHooks(EngineHooks):
         return segs
 
 
+def _elements(p: ParamTensor, dt: float, model_dt: int) -> tuple[int, int]:
+    """(elements DeepSpeed counts, bytes each) of parameter `p` stored at `dt` bytes per element in a model cast to
+    `model_dt`: a QLoRA NF4 weight as its packed uint8 storage (`nf4_parts`), any other in the model's dtype."""
+    nf4 = nf4_parts(p, dt)
+    return (nf4[0], 1) if nf4 else (p.numel, model_dt)
+
+
 def zero2_grad_partition_numel(hooks: DeepSpeedHooks, m: ModelSpec, t: TrainingSpec) -> int:
     """Elements of ZeRO-2's gradient partition on rank 0 (``grads_in_partition``): stage_1_and_2.py sizes it as
     the parameters in the rank's part of the flat group, each whole (``sum(p.numel() for p in
     self.params_in_partition[i])``), so the one that crosses the part's end counts in full (measured: 1,632,768
     elements where the part is 1,436,672). The flat group takes the trainable parameters in
     ``named_parameters()`` order: a multimodal checkpoint's vision tower, then the model's."""
-    from ..model.params import idle_trainable
-
-    idle = [(p, dt, True) for p, dt in idle_trainable(m, t) for _ in range(p.count)]
-    held = [w for w in weight_tensors(m, t) if _held(hooks, w[0], m)]
-    ordered = [(p, dt) for p, dt, _layer in _named_order([w for w in held if w[2]], m)]
-    adapters = [(p, dt) for p, dt, train in held if train and ".lora_" in p.name for _ in range(p.count)]
-    tensors = [(p.numel, p) for p, _dt, _t in idle] + [(p.numel, p) for p, _dt in ordered + adapters]
+    held = [w for w in weight_tensors(m, t) if _held(hooks, w[0], m) and w[2]]
+    sizes = [p.numel for p, _dt in idle_trainable(m, t) for _ in range(p.count)]
+    sizes += [p.numel for p, _dt, _layer in _named_order(held, m)]
+    sizes += [p.numel for p, _dt, _train in held if ".lora_" in p.name for _ in range(p.count)]
     part = _partition(hooks, m, t, hooks.world)
-    start = total = 0
-    for numel, _p in tensors:
-        if start >= part:
+    total = 0
+    for numel in sizes:  # every parameter that starts inside rank 0's part, whole
+        if total >= part:
             break
         total += numel
-        start += numel
     return total
 
 
 def _with_idle(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, Any, bool]]:
     """The weights loading makes, in ``named_parameters()`` order: a multimodal checkpoint's vision tower (each
     tensor of it, frozen: it never gets a gradient) before the language model's (`weight_tensors`)."""
-    idle = [(p._replace(count=1), dt, False) for p, dt in idle_weights(m, t) for _ in range(p.count)]
-    return [*idle, *weight_tensors(m, t)]
+    return [*idle_tensors(m, t), *weight_tensors(m, t)]
 
 
 @dataclass(frozen=True)
@@ -457,8 +453,7 @@ def zero3_gathering(weights: list[tuple[ParamTensor, Any, bool]], model_dt: int,
     max_live, prefetch = DS_STAGE3_MAX_LIVE, DS_STAGE3_PREFETCH
     numel = held = flat = 0
     for p, dt, _train in weights:
-        nf4 = nf4_parts(p, dt)
-        n, each = (nf4[0], 1) if nf4 else (p.numel, model_dt)
+        n, each = _elements(p, dt, model_dt)
         if n >= DS_STAGE3_PERSISTENCE:
             numel += n * p.count
             held += _round(n * each) * p.count

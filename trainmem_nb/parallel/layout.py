@@ -9,7 +9,7 @@ from typing import Any
 
 from ..engine.program import CAT_INDEX, Program, Segment, _round, _segment
 from ..engine.tape import Sz
-from ..model.params import ParamTensor, idle_weights, on_stage, weight_tensors
+from ..model.params import ParamTensor, idle_tensors, on_stage, weight_tensors
 from ..model.spec import ModelSpec
 from ..recipes.base import fp8_weight
 from ..spec.choices import Checkpointing, Device, Precision
@@ -136,8 +136,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
         # the idle weights (a multimodal checkpoint's vision tower, never run on text) are outside the layers:
         # the root module's group shards them and gathers them with its own (measured)
         # (each tensor of a repeated one: the group gathers every tensor it holds)
-        idle: list[tuple[ParamTensor, Any, bool]] = [(q._replace(count=1), dt, False) for q, dt in idle_weights(m, t)
-                                                      if on_stage(q, m, first, last) for _ in range(q.count)]
+        idle: list[tuple[ParamTensor, Any, bool]] = [w for w in idle_tensors(m, t) if on_stage(w[0], m, first, last)]
         units = tuple((name, tuple(_fsdp_param(w, world, p.ep, fp8_gathered and fp8_weight(w[0], m)) for w in ws))
                       for name, ws in _units([*weights, *idle], m).items())
         # torch.distributed.pipelining with FSDP2 stages (not with CPU offload, which is not modelled there)
@@ -191,8 +190,7 @@ def _host_bytes(hooks: EngineHooks, m: ModelSpec, t: TrainingSpec, p: ParallelSp
     host = 0
     if p.offload is Offload.OPTIMIZER_PARAMS:
         # both engines lay out the idle weights (a multimodal checkpoint's vision tower) as their others
-        idle = [(q, dt, False) for q, dt in idle_weights(m, t)]
-        weights = [w for w in [*weight_tensors(m, t), *idle] if _held(hooks, w[0], m)]
+        weights = [w for w in [*weight_tensors(m, t), *idle_tensors(m, t)] if _held(hooks, w[0], m)]
         assert isinstance(hooks, (FSDP2Hooks, DeepSpeedHooks))
         shards = hooks.param_shards(weights) if isinstance(hooks, FSDP2Hooks) else hooks.param_partitions(weights)
         host = sum(_round(n) * c for n, c in shards)

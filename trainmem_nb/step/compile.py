@@ -15,7 +15,7 @@ from ..device import CUBLAS_HANDLES_PER_STEP, CUBLAS_WORKSPACE_BYTES
 from ..engine import ops
 from ..engine.program import CAT_INDEX, Program, Segment, _segment
 from ..engine.tape import Graph, Sz, T, const, per_token
-from ..model.params import buffer_inventory, idle_weights, on_stage, quantized, weight_tensors
+from ..model.params import buffer_inventory, idle_tensors, idle_weights, on_stage, quantized, weight_tensors
 from ..model.spec import ModelSpec
 from ..recipes.head import (
     LITGPT_CHUNK,
@@ -398,7 +398,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     idle = idle_weights(m, t)  # a multimodal checkpoint's vision tower: held, never run
     # an engine that shards the idle weights with the root module's (FSDP2) lays them out itself, frozen:
     # they never get a gradient
-    engine_init = hooks.init(m, t, [*weights, *((p, dt, False) for p, dt in idle)] if hooks.shards_idle else weights)
+    engine_init = hooks.init(m, t, [*weights, *idle_tensors(m, t)] if hooks.shards_idle else weights)
     if engine_init is None:
         for p, dt, _ in weights:
             init.append((CAT_INDEX["weights/params"], const(p.numel * dt), p.count))
