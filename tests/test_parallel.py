@@ -1135,3 +1135,48 @@ def test_deepspeed_zero2_makes_its_gradient_partition_at_the_first_reduction_as_
     ours = evaluate(est.rank_programs[0], *est.rank_shape).phase_peaks
     assert abs(ours["backward"] - measured["backward"]) < 1 << 20
     assert ours["optimizer"] == measured["optimizer"]
+
+
+@pytest.mark.parametrize(("bucket", "grad_accum"), [(300_000, 1), (1_000_000, 1), (600_000, 2)])
+def test_deepspeed_zero2_last_rank_makes_its_partition_when_a_gradient_first_overflows_the_bucket(
+        monkeypatch: pytest.MonkeyPatch, bucket: int, grad_accum: int) -> None:
+    """Gradients that overflow the reduce bucket are reduced in backward: the last rank, whose part of the flat group
+    holds the head, makes its gradient partition at that first reduction, when a gradient would overflow the bucket
+    (rank 0, holding the embeddings and first layers, reduces into its own late). Measured on rank 1 of 2 with the
+    bucket scaled down (300k elements: the first overflow in the last layer; 1M: in the one before): the estimate's
+    backward lies above it by less than one MLP weight, the partition's size difference (the estimate's is rank
+    0's, which counts the parameter crossing the parts' border whole); accumulating over 2 micro-steps, with the
+    earlier micro-steps' partition alive too, by less than two. Made as backward started, it read 1.0-1.8 MB over,
+    the head's logit gradients under it."""
+    pytest.importorskip("deepspeed")
+    import trainmem_nb.parallel.deepspeed as ds
+    from trainmem_nb.engine.program import evaluate
+    from trainmem_nb.measure.deepspeed import measure_deepspeed_step
+
+    monkeypatch.setattr(ds, "DS_REDUCE_BUCKET", bucket)
+    m = ModelSpec.model_validate(SMALL_LLAMA)
+    t = TrainingSpec(micro_batch=2, seq_len=64, device="cpu", precision="bf16-mixed", grad_accum=grad_accum)
+    p = ParallelSpec(gpus=2, zero=2, engine="deepspeed")
+    measured = measure_deepspeed_step(m, t, p, {"reduce_bucket_size": bucket}, rank=1)["phase_peaks"]
+    est = simulate(m, t, None, p, backend="nccl")
+    ours = evaluate(est.rank_programs[0], *est.rank_shape).phase_peaks
+    assert 0 <= ours["backward"] - measured["backward"] < grad_accum * m.hidden * m.ffn * 2
+    assert ours["optimizer"] == measured["optimizer"]
+
+
+def test_deepspeed_zero2_partition_made_in_the_repeated_layers_is_made_as_they_start() -> None:
+    """Where the first overflow falls among the repeated layers (whose events the folded program repeats for every
+    layer), the partition is made as backward turns to them: a little early, never late. Every layer simulated
+    (the allocator's unrolled program) makes it at the overflowing gradient itself, some layers later: with
+    checkpointing the folded peak is higher by those layers' saved inputs, no more."""
+    from trainmem_nb.engine.program import evaluate
+    from trainmem_nb.parallel.layout import _hooks
+    from trainmem_nb.step.compile import compile_step, program_key
+
+    m = tm.get_model("tinyllama-1.1b")  # 22 layers of 44M parameters: the 5e8-element bucket overflows ~9 layers in
+    t = TrainingSpec(micro_batch=1, seq_len=2048, device="cuda", precision="bf16-mixed", checkpointing="full")
+    p = ParallelSpec(gpus=8, zero=2, engine="deepspeed")
+    hooks = _hooks(m, t, p, None, first=True, last=True)
+    folded, unrolled = (evaluate(compile_step(m, program_key(t, m), hooks, unrolled=u), 1, 2048) for u in (False, True))
+    assert 0 < folded.peak - unrolled.peak <= m.n_layers // 2 * 2048 * m.hidden * 2
+    assert folded.phase_peaks["optimizer"] == unrolled.phase_peaks["optimizer"]

@@ -179,6 +179,9 @@ class Graph:
         self.softmax_saves_input = False
         #: each FSDP unit's parameters, in the order of the model's weights (engines that gather per unit)
         self.unit_params: dict[str, list[T]] = {}
+        #: the units of the repeated period (`trainmem_nb.step.layers.LayerPlan.block`), whose events the program
+        #: repeats for every layer: a tensor an engine makes once cannot be made inside them
+        self.repeated_units: frozenset[str] = frozenset()
         #: a run of same-size scalar temporaries may be one event of their blocks (the folded program, whose
         #: peak bytes it keeps; never the unrolled one, whose every malloc the caching allocator replays)
         self.merge_scalar_chains = False

@@ -26,9 +26,9 @@ from .tracker import StorageTracker
 __all__ = ["measure_deepspeed_step", "measure_zero3_load"]
 
 
-def _environment(world: int) -> Any:
-    """What DeepSpeed reads from a launcher's environment, for rank 0 of `world` on its CPU accelerator."""
-    return mock.patch.dict(os.environ, {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": "0", "RANK": "0",
+def _environment(world: int, rank: int = 0) -> Any:
+    """What DeepSpeed reads from a launcher's environment, for `rank` of `world` on its CPU accelerator."""
+    return mock.patch.dict(os.environ, {"DS_ACCELERATOR": "cpu", "LOCAL_RANK": str(rank), "RANK": str(rank),
                                         "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"})
 
 
@@ -96,14 +96,15 @@ def measure_zero3_load(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> tuple[
 
 
 def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec,
-                           zero_config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rank 0 of ``p.shard_degree`` running two DeepSpeed ZeRO-``p.zero`` training steps of `m` (DeepSpeed 0.19 on
+                           zero_config: dict[str, Any] | None = None, rank: int = 0) -> dict[str, Any]:
+    """`rank` (0: the first) of ``p.shard_degree`` running two DeepSpeed ZeRO-``p.zero`` training steps of `m` (DeepSpeed 0.19 on
     its CPU accelerator over the fake process group; torch's AdamW, bf16/fp16 as `t` says, the model built on
     the host and handed to ``deepspeed.initialize``). Every storage counts from the model's parameters on, in
     the CUDA allocator's 512-B blocks. Keys: ``init_peak`` (what ``deepspeed.initialize`` allocates at most),
     ``peak`` (the second step's), ``phase_peaks`` (the second step's forward, backward and ``step()``) and
     ``live_at_start`` (before the second step). `zero_config`: further ``zero_optimization`` settings (ZeRO-3's
-    ``stage3_*`` limits scaled down, to measure at a small model's scale what they do to a large one)."""
+    ``stage3_*`` limits, a reduce bucket, scaled down to measure at a small model's scale what they do to a large
+    one)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -119,7 +120,7 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec,
     if client:
         del ds["optimizer"]
         ds["zero_allow_untested_optimizer"] = True
-    with _environment(world), _torch_functions_kept(), warnings.catch_warnings():
+    with _environment(world, rank), _torch_functions_kept(), warnings.catch_warnings():
         # DeepSpeed 0.19's own use of APIs torch 2.13 deprecates (torch.jit.script_method, all_gather_into_tensor)
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", FutureWarning)
@@ -127,7 +128,7 @@ def measure_deepspeed_step(m: ModelSpec, t: TrainingSpec, p: ParallelSpec,
 
         if dist.is_initialized():
             dist.destroy_process_group()
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
         try:
             deepspeed.init_distributed(dist_backend="gloo")
             model, inputs = build(m, t.model_copy(update={"precision": t.precision.__class__("fp32")}), "cpu")

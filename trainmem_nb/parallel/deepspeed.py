@@ -191,7 +191,8 @@ class DeepSpeedHooks(EngineHooks):
     def _released(self, g: Graph, q: T) -> None:
         """A module's backward is done (ZeRO-3's release_sub_module): its gathered weight goes, after the gradient
         AccumulateGrad made, which ZeRO-3's gradient hook has copied into the reduce bucket (stage3.py
-        reduce_ready_partitions_and_remove_grads; measured in that order)."""
+        reduce_ready_partitions_and_remove_grads; measured in that order). ZeRO-1/2: its gradient has arrived in
+        the reduce bucket, which is made by the first and reduced when the next would overflow it."""
         st = self.state.setdefault(id(g), {})
         if q.rg and self._bucket_at_first_gradient() and "bucket" not in st:
             # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) as the first gradient arrives (measured:
@@ -199,6 +200,13 @@ class DeepSpeedHooks(EngineHooks):
             bucket = g.alloc(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
             bucket.region = "communication"
             st["bucket"] = bucket
+        if q.rg and self._partitioned_in_backward() and "counted" in st and "partition" not in st:
+            # a gradient that would overflow the bucket's elements reduces the bucket first (ZeRO-2's first
+            # reduction: the partition), unless the bucket is empty (it then holds the one gradient alone)
+            numel = self._gathered_numel(q)
+            if st["counted"] and st["counted"] + numel > DS_REDUCE_BUCKET:
+                self._make_partition(g, st)
+            st["counted"] += numel
         if q.final_grad is not None and self.zero >= 2:  # ZeRO-1 keeps .grad to the step
             q.final_grad.is_grad = False
             g.drop(q.final_grad)
@@ -229,13 +237,13 @@ class DeepSpeedHooks(EngineHooks):
                 bucket.region = "communication"
                 st["bucket"] = bucket
             # ZeRO-2's gradient partition (`grads_in_partition`) is made by the first reduction that copies into
-            # it (copy_grads_in_partition): when a gradient first overflows the reduce bucket
-            # (reduce_independent_p_g_buckets_and_remove_grads), else by the epilogue's reduction at the end of
-            # backward (measured on CPU, tests/test_parallel.py); it goes once step() has its fp32 copy. A model
-            # whose gradients overflow the bucket makes it a few layers into backward: here, as backward starts
-            # (a layer's events repeat for every layer, so a tensor made once inside one cannot be)
-            if self._partitioned_in_backward() and self.reduced_numel > DS_REDUCE_BUCKET:
-                self._make_partition(g, st)
+            # it (copy_grads_in_partition), else by the epilogue's reduction at the end of backward; it goes once
+            # step() has its fp32 copy. The modelled rank is the last one, whose part of the flat group holds the
+            # head: its first reduction is the first time a gradient overflows the reduce bucket
+            # (reduce_independent_p_g_buckets_and_remove_grads), counted in `_released` (rank 0's part, the
+            # embeddings and first layers, is reduced late in backward). Measured on CPU, tests/test_parallel.py
+            if self._partitioned_in_backward():
+                st["counted"] = 0
 
     def _bucket_at_first_gradient(self) -> bool:
         """ZeRO-1/2 without offload: the reduce bucket is made as the first gradient arrives (measured)."""
@@ -256,6 +264,15 @@ class DeepSpeedHooks(EngineHooks):
 
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
         st = self.state.setdefault(id(g), {})
+        if "counted" in st and unit != "root":
+            units = list(g.unit_params)  # "root", then the layers' units in forward order
+            if units[units.index(unit) - 1] in g.repeated_units:
+                # backward turns to the repeated layers, whose events the program repeats for every layer: their
+                # gradients cannot be counted one by one, so a partition their reductions would make a few layers
+                # in is made as they start (a little early: the estimate errs high)
+                if "partition" not in st and self.reduced_numel > DS_REDUCE_BUCKET:
+                    self._make_partition(g, st)
+                del st["counted"]
         if unit == "root":  # backward's last modules release what is left
             g.drop(*[st.pop(k) for k in ("window", "flat") if k in st], *st.pop("copies", {}).values())
         if unit == "root" and self._partitioned_in_backward() and "partition" not in st:
@@ -271,6 +288,7 @@ class DeepSpeedHooks(EngineHooks):
             # the bucket goes; in a later micro-step the earlier micro-steps' partition then goes too, added into
             # the one this reduction made (measured, gradient accumulation over 2 micro-steps)
             g.drop(*[st.pop(k) for k in ("bucket", "earlier") if k in st])
+            st.pop("counted", None)
         if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill
             for grad in grads:
                 grad.is_grad = False

@@ -179,6 +179,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
             other[p.name] = g.param(const(p.numel), dt, p.name, trainable or "root" in trains)
             unit_params["root"].append(other[p.name])
     g.unit_params = unit_params
+    g.repeated_units = frozenset(units[plan.block[0]:plan.block[1]])
     g.merge_scalar_chains = not unrolled
     recipe = recipe_for(m, t, ctx)
     # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
