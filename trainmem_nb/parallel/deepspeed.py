@@ -123,6 +123,11 @@ class DeepSpeedHooks(EngineHooks):
     ep: int = 1  #: expert parallelism: routed experts are partitioned over ``world / ep`` ranks (`shard_world`)
     partition_numel: int = 0  #: ZeRO-2: elements of the rank's gradient partition (`zero2_grad_partition_numel`)
     reduced_numel: int = 0  #: ZeRO-2: elements of the gradients a step reduces (the stage's, that get one)
+    #: ZeRO-2: gradient elements backward makes before it crosses from the last rank's part of the flat group into
+    #: the part before (the last part's elements: its gradients come first, the head's)
+    border_numel: int = 0
+    #: elements of ZeRO-1/2's reduce bucket (``reduce_bucket_size``)
+    reduce_bucket: int = DS_REDUCE_BUCKET
     accumulating: bool = False  #: a later micro-step of gradient accumulation (the earlier ones' partition exists)
     #: the idle weights (a multimodal checkpoint's vision tower) are cast and partitioned as the module's others
     shards_idle: bool = True
@@ -144,7 +149,7 @@ class DeepSpeedHooks(EngineHooks):
             g.param_released = lambda q: self._released(g, q)
         if unit == "root" and self._bucket_kept():
             # ZeRO-1 accumulating: the bucket the first micro-step made stays until the boundary's reduction (`init`)
-            bucket = g.external(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
+            bucket = g.external(const(self.reduce_bucket), self.model_dt, "reduce bucket (ipg_buffer)")
             bucket.region = "communication"
             self.state.setdefault(id(g), {})["bucket"] = bucket
         if unit == "root" and self._partitioned_in_backward() and self.accumulating:
@@ -197,15 +202,16 @@ class DeepSpeedHooks(EngineHooks):
         if q.rg and self._bucket_at_first_gradient() and "bucket" not in st:
             # stage_1_and_2.py makes its reduce bucket (`ipg_buffer`) as the first gradient arrives (measured:
             # after the head's weight gradient is made, before it is copied in)
-            bucket = g.alloc(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
+            bucket = g.alloc(const(self.reduce_bucket), self.model_dt, "reduce bucket (ipg_buffer)")
             bucket.region = "communication"
             st["bucket"] = bucket
-        if q.rg and self._partitioned_in_backward() and "counted" in st and "partition" not in st:
-            # a gradient that would overflow the bucket's elements reduces the bucket first (ZeRO-2's first
-            # reduction: the partition), unless the bucket is empty (it then holds the one gradient alone)
+        if q.rg and self._partitioned_in_backward() and "counted" in st:
+            # a gradient that would overflow the bucket's elements reduces the bucket first, unless the bucket is
+            # empty (it then holds the one gradient alone)
             numel = self._gathered_numel(q)
-            if st["counted"] and st["counted"] + numel > DS_REDUCE_BUCKET:
-                self._make_partition(g, st)
+            if st["in_bucket"] and st["in_bucket"] + numel > self.reduce_bucket:
+                self._reduce(g, st)
+            st["in_bucket"] += numel
             st["counted"] += numel
         if q.final_grad is not None and self.zero >= 2:  # ZeRO-1 keeps .grad to the step
             q.final_grad.is_grad = False
@@ -233,7 +239,7 @@ class DeepSpeedHooks(EngineHooks):
             # alive before a step, tests/test_parallel.py)
             st = self.state.setdefault(id(g), {})
             if not self._bucket_at_first_gradient():
-                bucket = g.alloc(const(DS_REDUCE_BUCKET), self.model_dt, "reduce bucket (ipg_buffer)")
+                bucket = g.alloc(const(self.reduce_bucket), self.model_dt, "reduce bucket (ipg_buffer)")
                 bucket.region = "communication"
                 st["bucket"] = bucket
             # ZeRO-2's gradient partition (`grads_in_partition`) is made by the first reduction that copies into
@@ -243,7 +249,7 @@ class DeepSpeedHooks(EngineHooks):
             # (reduce_independent_p_g_buckets_and_remove_grads), counted in `_released` (rank 0's part, the
             # embeddings and first layers, is reduced late in backward). Measured on CPU, tests/test_parallel.py
             if self._partitioned_in_backward():
-                st["counted"] = 0
+                st["counted"] = st["in_bucket"] = 0
 
     def _bucket_at_first_gradient(self) -> bool:
         """ZeRO-1/2 without offload: the reduce bucket is made as the first gradient arrives (measured)."""
@@ -257,6 +263,22 @@ class DeepSpeedHooks(EngineHooks):
     def _partitioned_in_backward(self) -> bool:
         return self.zero == 2 and self.offload == "none" and self.partition_numel > 0
 
+    def _reduce(self, g: Graph, st: dict[str, Any]) -> None:
+        """One reduction of the bucket's gradients in backward (stage_1_and_2.py reduce_ipg_grads), on the last rank.
+        average_tensor slices the bucket by the rank whose part each gradient is in, merging neighbours of one rank;
+        with more than one slice, allreduce_bucket flattens them into one tensor (``self.flatten``: a copy of the
+        bucket's gradients), so the reduction across the last rank's border with the part before copies (measured:
+        none in the reductions within a part); the first reduction then makes the rank's partition
+        (copy_grads_in_partition)."""
+        start = st["counted"] - st["in_bucket"]
+        if start < self.border_numel < st["counted"]:
+            flat = g.alloc(const(st["in_bucket"]), self.model_dt, "flattened bucket (allreduce_bucket)")
+            flat.region = "communication"
+            g.drop(flat)
+        if "partition" not in st:
+            self._make_partition(g, st)
+        st["in_bucket"] = 0
+
     def _make_partition(self, g: Graph, st: dict[str, Any]) -> None:
         part = g.alloc(const(self.partition_numel), self.model_dt, "gradient partition (grads_in_partition)")
         part.is_grad = True
@@ -268,27 +290,30 @@ class DeepSpeedHooks(EngineHooks):
             units = list(g.unit_params)  # "root", then the layers' units in forward order
             if units[units.index(unit) - 1] in g.repeated_units:
                 # backward turns to the repeated layers, whose events the program repeats for every layer: their
-                # gradients cannot be counted one by one, so a partition their reductions would make a few layers
-                # in is made as they start (a little early: the estimate errs high)
-                if "partition" not in st and self.reduced_numel > DS_REDUCE_BUCKET:
-                    self._make_partition(g, st)
-                del st["counted"]
+                # gradients cannot be counted one by one, so what their reductions make a few layers in (the
+                # partition, the flattened bucket across the border) is made as they start: a little early, the
+                # estimate errs high
+                if self.reduced_numel > self.reduce_bucket:
+                    if st["counted"] < self.border_numel:
+                        flat = g.alloc(const(min(self.reduced_numel, self.reduce_bucket)), self.model_dt,
+                                       "flattened bucket (allreduce_bucket)")
+                        flat.region = "communication"
+                        g.drop(flat)
+                    if "partition" not in st:
+                        self._make_partition(g, st)
+                del st["counted"], st["in_bucket"]
         if unit == "root":  # backward's last modules release what is left
             g.drop(*[st.pop(k) for k in ("window", "flat") if k in st], *st.pop("copies", {}).values())
-        if unit == "root" and self._partitioned_in_backward() and "partition" not in st:
-            # the epilogue's reduction (the bucket never filled): allreduce_and_scatter flattens the bucket's
-            # gradients into one tensor (``self.flatten``) to reduce them, then copies the rank's part into the
-            # partition it makes (measured: the flat copy, then the partition)
-            flat = g.alloc(const(min(self.reduced_numel, DS_REDUCE_BUCKET)), self.model_dt,
-                           "flattened bucket (allreduce_bucket)")
-            flat.region = "communication"
-            g.drop(flat)
+        if unit == "root" and self._partitioned_in_backward() and "counted" in st:
+            self._reduce(g, st)  # the epilogue's reduction of what is left in the bucket (measured)
+        elif unit == "root" and self._partitioned_in_backward() and "partition" not in st:
             self._make_partition(g, st)
         if unit == "root":
             # the bucket goes; in a later micro-step the earlier micro-steps' partition then goes too, added into
             # the one this reduction made (measured, gradient accumulation over 2 micro-steps)
             g.drop(*[st.pop(k) for k in ("bucket", "earlier") if k in st])
             st.pop("counted", None)
+            st.pop("in_bucket", None)
         if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill
             for grad in grads:
                 grad.is_grad = False
@@ -339,7 +364,7 @@ class DeepSpeedHooks(EngineHooks):
             out += [("weights/params", const(n), c) for n, c in self.param_partitions(weights)]
         out += [("weights/params", const(n), c) for n, c in self.replicated(weights)]
         if self._bucket_kept():
-            out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
+            out.append(("overhead/communication", const(self.reduce_bucket * self.model_dt), 1))
         if self._partitioned_in_backward() and self.accumulating:
             # ZeRO-2: the earlier micro-steps' gradients, reduced into the rank's partition (`grads_in_partition`)
             out.append(("gradients", const(self.partition_numel * self.model_dt), 1))
@@ -359,7 +384,7 @@ class DeepSpeedHooks(EngineHooks):
                 out.append(("optimizer_states", const(round(_partition(self, m, t, world if self.zero >= 1 else 1) * per)),
                             1))
         if self.zero not in (1, 2):  # ZeRO-1/2 make their reduce bucket in backward (`unit_backward_begin`)
-            out.append(("overhead/communication", const(DS_REDUCE_BUCKET * self.model_dt), 1))
+            out.append(("overhead/communication", const(self.reduce_bucket * self.model_dt), 1))
         if self.zero >= 3 and self.offload == "none":
             # the rank's gradient partition; with an offloaded optimizer it is on the host instead
             # (stage_1_and_2.py copy_grads_in_partition returns before allocating grads_in_partition
@@ -438,6 +463,15 @@ def zero2_grad_partition_numel(hooks: DeepSpeedHooks, m: ModelSpec, t: TrainingS
             break
         total += numel
     return total
+
+
+def zero2_last_part_numel(hooks: DeepSpeedHooks, m: ModelSpec, t: TrainingSpec) -> int:
+    """Elements of the last rank's part of ZeRO-2's flat group: the parts are ``ceil(total / world)`` elements
+    (stage_1_and_2.py pads the group to that), the last one what is left. Backward makes its gradients first (the
+    head's), so the reduction that crosses into the part before comes after about this many."""
+    idle = sum(p.numel * p.count for p, _dt in idle_trainable(m, t) if _held(hooks, p, m))
+    total = idle + sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t))
+    return max(0, total - (hooks.world - 1) * -(-total // hooks.world))
 
 
 def _with_idle(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, Any, bool]]:

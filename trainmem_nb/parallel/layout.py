@@ -19,7 +19,7 @@ from ..step.compile import EngineHooks
 from ..step.optimizers import flat_state_bytes, paged_state_bytes, state_bytes
 from .checks import runs_fsdp1
 from .ddp import DDPHooks
-from .deepspeed import DeepSpeedHooks, zero2_grad_partition_numel, zero3_gathering
+from .deepspeed import DeepSpeedHooks, zero2_grad_partition_numel, zero2_last_part_numel, zero3_gathering
 from .fsdp import FSDP2Hooks
 from .fsdp1 import FSDP1Hooks, flat_units
 from .megatron import MegatronHooks
@@ -162,7 +162,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
             return ds
         return dataclasses.replace(ds, partition_numel=zero2_grad_partition_numel(ds, m, t),
                                    reduced_numel=sum(q.numel * q.count for q, _dt in _trainable(ds, m, t)),
-                                   accumulating=t.grad_accum > 1)
+                                   border_numel=zero2_last_part_numel(ds, m, t), accumulating=t.grad_accum > 1)
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, ep=p.ep,
                              **stage)
