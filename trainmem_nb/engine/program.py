@@ -100,6 +100,9 @@ class Program:
     #: ``(token, stream)`` of the tensors allocated on another CUDA stream than the default one (an engine's
     #: communication streams, `trainmem_nb.engine.tape.T.stream`): the allocator replay pools them apart
     stream_tokens: tuple[tuple[int, int], ...] = ()
+    #: an engine made some of its tensors where the repeated layers begin instead of a few layers into them
+    #: (`trainmem_nb.engine.tape.Graph.approximated`): the program with every layer (``unrolled=True``) is exact
+    approximated: bool = False
     #: per segment, the index of the first segment with the same events (a layer's first, middle and last
     #: repetitions usually are): `evaluate` computes their bytes once
     same_as: tuple[int, ...] = field(init=False, repr=False, compare=False)

@@ -182,6 +182,10 @@ class Graph:
         #: the units of the repeated period (`trainmem_nb.step.layers.LayerPlan.block`), whose events the program
         #: repeats for every layer: a tensor an engine makes once cannot be made inside them
         self.repeated_units: frozenset[str] = frozenset()
+        self.repeats = 0  #: how many layers' worth of events those units' events stand for
+        #: set by an engine that made a tensor where the repeated units begin though it belongs a few layers in
+        #: (`trainmem_nb.engine.program.Program.approximated`)
+        self.approximated = False
         #: a run of same-size scalar temporaries may be one event of their blocks (the folded program, whose
         #: peak bytes it keeps; never the unrolled one, whose every malloc the caching allocator replays)
         self.merge_scalar_chains = False

@@ -4,9 +4,10 @@ ZeRO-3's live parameters.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..engine.program import Segment, _round, _segment
 from ..engine.tape import Graph, Sz, T, const
@@ -106,6 +107,46 @@ def zero3_loading_events(weights: list[tuple[ParamTensor, int, bool]], m: ModelS
 ZERO3_ALLGATHER_STREAM = 1
 
 
+class Reduction(NamedTuple):
+    """One reduction of the reduce bucket: its gradients' elements, the same padded to a multiple of the ranks each
+    (ZeRO-3's reduce-scatter), how many gradients, and how many elements backward had made before the first."""
+
+    elements: int
+    padded: int
+    tensors: int
+    start: int
+
+
+@dataclass
+class _BucketCount:
+    """The gradients in ZeRO's reduce bucket as backward makes them: one that would overflow its `size` elements
+    reduces the bucket first, unless the bucket is empty (it then holds the one gradient alone): stage_1_and_2.py
+    reduce_independent_p_g_buckets_and_remove_grads, stage3.py __add_grad_to_ipg_bucket."""
+
+    size: int
+    counted: int = 0
+    elements: int = 0
+    padded: int = 0
+    tensors: int = 0
+
+    def add(self, numel: int, world: int) -> Reduction | None:
+        """Count one gradient of `numel` elements; the reduction it sets off first, if any."""
+        out = self.flush() if self.elements and self.elements + numel > self.size else None
+        self.counted += numel
+        self.elements += numel
+        self.padded += -(-numel // world) * world
+        self.tensors += 1
+        return out
+
+    def flush(self) -> Reduction | None:
+        """Reduce what the bucket holds (None when empty)."""
+        if not self.elements:
+            return None
+        out = Reduction(self.elements, self.padded, self.tensors, self.counted - self.elements)
+        self.elements = self.padded = self.tensors = 0
+        return out
+
+
 @dataclass(frozen=True)
 class DeepSpeedHooks(EngineHooks):
     """DeepSpeed ZeRO stages 0-3 with its 16-bit optimizer (fp32 master + moments: 12 B/param)."""
@@ -122,10 +163,8 @@ class DeepSpeedHooks(EngineHooks):
     grad_scaler: bool = False  # fp16: DeepSpeed's own loss scaler (runtime/fp16/loss_scaler.py)
     ep: int = 1  #: expert parallelism: routed experts are partitioned over ``world / ep`` ranks (`shard_world`)
     partition_numel: int = 0  #: ZeRO-2: elements of the rank's gradient partition (`zero2_grad_partition_numel`)
-    reduced_numel: int = 0  #: ZeRO-2: elements of the gradients a step reduces (the stage's, that get one)
-    #: ZeRO-2: gradient elements backward makes before it crosses from the last rank's part of the flat group into
-    #: the part before (the last part's elements: its gradients come first, the head's)
-    border_numel: int = 0
+    #: ZeRO-2: elements of the flat group of trainable parameters the ranks' parts split (`zero2_flat_numel`)
+    flat_numel: int = 0
     #: elements of ZeRO-1/2's reduce bucket (``reduce_bucket_size``)
     reduce_bucket: int = DS_REDUCE_BUCKET
     accumulating: bool = False  #: a later micro-step of gradient accumulation (the earlier ones' partition exists)
@@ -205,14 +244,13 @@ class DeepSpeedHooks(EngineHooks):
             bucket = g.alloc(const(self.reduce_bucket), self.model_dt, "reduce bucket (ipg_buffer)")
             bucket.region = "communication"
             st["bucket"] = bucket
-        if q.rg and self._partitioned_in_backward() and "counted" in st:
-            # a gradient that would overflow the bucket's elements reduces the bucket first, unless the bucket is
-            # empty (it then holds the one gradient alone)
-            numel = self._gathered_numel(q)
-            if st["in_bucket"] and st["in_bucket"] + numel > self.reduce_bucket:
-                self._reduce(g, st)
-            st["in_bucket"] += numel
-            st["counted"] += numel
+        count = st.get("count")
+        if q.rg and count is not None and id(q) in st["repeated"]:
+            st.setdefault("period", []).append(self._gathered_numel(q))  # counted as the repeated layers end
+        elif q.rg and count is not None:
+            reduction = count.add(self._gathered_numel(q), self.world)
+            if reduction is not None:
+                self._reduce(g, st, reduction)
         if q.final_grad is not None and self.zero >= 2:  # ZeRO-1 keeps .grad to the step
             q.final_grad.is_grad = False
             g.drop(q.final_grad)
@@ -248,8 +286,12 @@ class DeepSpeedHooks(EngineHooks):
             # head: its first reduction is the first time a gradient overflows the reduce bucket
             # (reduce_independent_p_g_buckets_and_remove_grads), counted in `_released` (rank 0's part, the
             # embeddings and first layers, is reduced late in backward). Measured on CPU, tests/test_parallel.py
-            if self._partitioned_in_backward():
-                st["counted"] = st["in_bucket"] = 0
+        if unit == "root" and self._counts_reductions():
+            st = self.state.setdefault(id(g), {})
+            st["count"] = _BucketCount(self.reduce_bucket)
+            st["repeated"] = {id(q) for u in g.repeated_units for q in g.unit_params[u]}
+        elif unit not in g.repeated_units and "before_period" in self.state.get(id(g), {}):
+            self._count_repeated(g, self.state[id(g)])
 
     def _bucket_at_first_gradient(self) -> bool:
         """ZeRO-1/2 without offload: the reduce bucket is made as the first gradient arrives (measured)."""
@@ -263,21 +305,89 @@ class DeepSpeedHooks(EngineHooks):
     def _partitioned_in_backward(self) -> bool:
         return self.zero == 2 and self.offload == "none" and self.partition_numel > 0
 
-    def _reduce(self, g: Graph, st: dict[str, Any]) -> None:
-        """One reduction of the bucket's gradients in backward (stage_1_and_2.py reduce_ipg_grads), on the last rank.
-        average_tensor slices the bucket by the rank whose part each gradient is in, merging neighbours of one rank;
-        with more than one slice, allreduce_bucket flattens them into one tensor (``self.flatten``: a copy of the
-        bucket's gradients), so the reduction across the last rank's border with the part before copies (measured:
-        none in the reductions within a part); the first reduction then makes the rank's partition
-        (copy_grads_in_partition)."""
-        start = st["counted"] - st["in_bucket"]
-        if start < self.border_numel < st["counted"]:
-            flat = g.alloc(const(st["in_bucket"]), self.model_dt, "flattened bucket (allreduce_bucket)")
+    def _gathered_at_epilogue(self, g: Graph) -> T | None:
+        """ZeRO-3 holding its live-parameter window: the model's first module's weight (the embeddings, reused first
+        by the next forward) is still gathered when the epilogue reduces the bucket, and goes after it, as the
+        coordinator's trace is reset (measured: the rest of the window before)."""
+        zg = self.gathering
+        root = g.unit_params.get("root") or []
+        if zg is None or zg.at_once or not root or self._gathered_numel(root[0]) < DS_STAGE3_PERSISTENCE:
+            return None
+        return self._gathered(g, self._gathered_numel(root[0]) * self.model_dt, f"ZeRO-3 gathered {root[0].label}")
+
+    def _counts_reductions(self) -> bool:
+        """Whether the bucket's reductions in backward make tensors this models: ZeRO-2's partition and flattened
+        bucket (stage_1_and_2.py; with an offloaded optimizer its own path), ZeRO-3's flattened reduce-scatter
+        buffer. ZeRO-1's are not modelled (measured with a bucket scaled down: its last rank none, where a
+        flattened bucket would be; rank 0 1.4-1.9 MB above the estimate)."""
+        return self._partitioned_in_backward() or self.zero >= 3
+
+    def _reduce(self, g: Graph, st: dict[str, Any], r: Reduction) -> None:
+        """One reduction of the bucket's gradients in backward, as the modelled rank runs it.
+
+        ZeRO-2 (stage_1_and_2.py reduce_ipg_grads), on the last rank: average_tensor slices the bucket by the rank
+        whose part each gradient is in, merging neighbours of one rank, and hands every rank's slices to one
+        all-reduce (``use_multi_rank_bucket_allreduce``); with more than one slice, allreduce_bucket flattens them
+        into one tensor (``self.flatten``: a copy of the bucket's gradients), so a reduction across a border between
+        two ranks' parts copies (measured: none in the reductions within a part); the first reduction then makes
+        the rank's partition (copy_grads_in_partition).
+        ZeRO-3 (stage3.py __avg_scatter_grads): reduce_scatter_coalesced interleaves every gradient's padded
+        partitions into one flat buffer (``torch.cat``), kept until partition_grads has copied the rank's part out
+        (measured), unless the bucket holds one gradient that divides evenly."""
+        if self.zero >= 3:
+            if r.tensors > 1 or r.elements % self.world:
+                flat = g.alloc(const(r.padded), self.model_dt, "flattened gradients (reduce_scatter_coalesced)")
+                flat.region = "communication"
+                g.drop(flat)
+            return
+        if self._crosses_parts(r):
+            flat = g.alloc(const(r.elements), self.model_dt, "flattened bucket (allreduce_bucket)")
             flat.region = "communication"
             g.drop(flat)
-        if "partition" not in st:
+        if "partition" not in st and self._partitioned_in_backward():
             self._make_partition(g, st)
-        st["in_bucket"] = 0
+
+    def _reduce_repeated(self, g: Graph, st: dict[str, Any]) -> None:
+        """Backward turns to the repeated layers, whose events the program repeats for every layer: what their
+        reductions make is made as they start (a few layers early: the estimate errs high), the largest flat copy
+        for all, from their gradients counted in their parameters' reverse order, every repetition. As they end,
+        the count is redone in the order their gradients came (`_count_repeated`) and goes on exactly."""
+        units = [u for u in g.unit_params if u in g.repeated_units]
+        numels = [self._gathered_numel(q) for u in reversed(units) for q in reversed(g.unit_params[u]) if q.rg]
+        st["before_period"] = dataclasses.replace(st["count"])
+        count: _BucketCount = st["count"]
+        reductions = [r for _ in range(g.repeats) for n in numels if (r := count.add(n, self.world)) is not None]
+        if not reductions:
+            return
+        g.approximated = True
+        if self.zero >= 3:
+            self._reduce(g, st, max(reductions, key=lambda r: r.padded))
+            return
+        first = reductions[0] if "partition" not in st and self._partitioned_in_backward() else None
+        if first is not None:
+            self._reduce(g, st, first)  # the partition (and a flat copy, where it crosses a border)
+        copies = [r for r in reductions if r is not first and self._crosses_parts(r)]
+        if copies:
+            self._reduce(g, st, max(copies, key=lambda r: r.elements))
+
+    def _count_repeated(self, g: Graph, st: dict[str, Any]) -> None:
+        """The repeated layers are done: count their gradients again from where they began, in the order they came,
+        every repetition (nothing is made here: `_reduce_repeated` made it)."""
+        count: _BucketCount = st.pop("before_period")
+        order = st.pop("period", [])
+        for _ in range(g.repeats):
+            for n in order:
+                count.add(n, self.world)
+        st["count"] = count
+
+    def _crosses_parts(self, r: Reduction) -> bool:
+        """Does ZeRO-2 reduction `r` hold gradients of more than one rank's part of the flat group? Backward makes the
+        gradients from the group's end (the head's), so its elements ``start .. start + elements`` counted from
+        the end hold a border between parts (every ``ceil(flat / world)`` elements from the group's start)."""
+        part = -(-self.flat_numel // self.world)
+        lo, hi = self.flat_numel - r.start - r.elements, self.flat_numel - r.start  # from the group's start
+        first = lo // part + 1  # the first border above lo
+        return part > 0 and first < self.world and first * part < hi
 
     def _make_partition(self, g: Graph, st: dict[str, Any]) -> None:
         part = g.alloc(const(self.partition_numel), self.model_dt, "gradient partition (grads_in_partition)")
@@ -286,34 +396,30 @@ class DeepSpeedHooks(EngineHooks):
 
     def unit_backward_end(self, g: Graph, unit: str, grads: list[T]) -> None:
         st = self.state.setdefault(id(g), {})
-        if "counted" in st and unit != "root":
+        if "count" in st and unit != "root":
             units = list(g.unit_params)  # "root", then the layers' units in forward order
             if units[units.index(unit) - 1] in g.repeated_units:
-                # backward turns to the repeated layers, whose events the program repeats for every layer: their
-                # gradients cannot be counted one by one, so what their reductions make a few layers in (the
-                # partition, the flattened bucket across the border) is made as they start: a little early, the
-                # estimate errs high
-                if self.reduced_numel > self.reduce_bucket:
-                    if st["counted"] < self.border_numel:
-                        flat = g.alloc(const(min(self.reduced_numel, self.reduce_bucket)), self.model_dt,
-                                       "flattened bucket (allreduce_bucket)")
-                        flat.region = "communication"
-                        g.drop(flat)
-                    if "partition" not in st:
-                        self._make_partition(g, st)
-                del st["counted"], st["in_bucket"]
+                self._reduce_repeated(g, st)
+        kept = None
         if unit == "root":  # backward's last modules release what is left
             g.drop(*[st.pop(k) for k in ("window", "flat") if k in st], *st.pop("copies", {}).values())
-        if unit == "root" and self._partitioned_in_backward() and "counted" in st:
-            self._reduce(g, st)  # the epilogue's reduction of what is left in the bucket (measured)
-        elif unit == "root" and self._partitioned_in_backward() and "partition" not in st:
+            kept = self._gathered_at_epilogue(g)
+        if unit == "root" and "before_period" in st:
+            self._count_repeated(g, st)
+        if unit == "root" and "count" in st:
+            # the epilogue's reduction of what is left in the bucket (measured)
+            last = st.pop("count").flush()
+            if last is not None:
+                self._reduce(g, st, last)
+            del st["repeated"]
+        if kept is not None:
+            g.drop(kept)
+        if unit == "root" and self._partitioned_in_backward() and "partition" not in st:
             self._make_partition(g, st)
         if unit == "root":
             # the bucket goes; in a later micro-step the earlier micro-steps' partition then goes too, added into
             # the one this reduction made (measured, gradient accumulation over 2 micro-steps)
             g.drop(*[st.pop(k) for k in ("bucket", "earlier") if k in st])
-            st.pop("counted", None)
-            st.pop("in_bucket", None)
         if self.zero >= 2:  # gradients are reduced into the rank's partition as buckets fill
             for grad in grads:
                 grad.is_grad = False
@@ -465,13 +571,18 @@ def zero2_grad_partition_numel(hooks: DeepSpeedHooks, m: ModelSpec, t: TrainingS
     return total
 
 
-def zero2_last_part_numel(hooks: DeepSpeedHooks, m: ModelSpec, t: TrainingSpec) -> int:
-    """Elements of the last rank's part of ZeRO-2's flat group: the parts are ``ceil(total / world)`` elements
-    (stage_1_and_2.py pads the group to that), the last one what is left. Backward makes its gradients first (the
-    head's), so the reduction that crosses into the part before comes after about this many."""
+@lru_cache(maxsize=256)
+def zero2_elements(hooks: DeepSpeedHooks, m: ModelSpec, t: TrainingSpec) -> tuple[int, int]:
+    """Elements of ZeRO-2's gradient partition (`zero2_grad_partition_numel`) and flat group (`zero2_flat_numel`)
+    for `hooks`; memoised: every estimate asks for them."""
+    return zero2_grad_partition_numel(hooks, m, t), zero2_flat_numel(hooks, m, t)
+
+
+def zero2_flat_numel(hooks: DeepSpeedHooks, m: ModelSpec, t: TrainingSpec) -> int:
+    """Elements of ZeRO-2's flat group of trainable parameters (a multimodal checkpoint's vision tower first), which
+    stage_1_and_2.py pads to a multiple of the ranks and splits into ``ceil(flat / world)``-element parts."""
     idle = sum(p.numel * p.count for p, _dt in idle_trainable(m, t) if _held(hooks, p, m))
-    total = idle + sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t))
-    return max(0, total - (hooks.world - 1) * -(-total // hooks.world))
+    return idle + sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t))
 
 
 def _with_idle(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, Any, bool]]:

@@ -15,15 +15,15 @@ from ..recipes.base import fp8_weight
 from ..spec.choices import Checkpointing, Device, Precision
 from ..spec.parallel import Engine, Offload, ParallelSpec
 from ..spec.training import TrainingSpec
-from ..step.compile import EngineHooks
+from ..step.compile import EngineHooks, program_key
 from ..step.optimizers import flat_state_bytes, paged_state_bytes, state_bytes
 from .checks import runs_fsdp1
 from .ddp import DDPHooks
-from .deepspeed import DeepSpeedHooks, zero2_grad_partition_numel, zero2_last_part_numel, zero3_gathering
+from .deepspeed import DeepSpeedHooks, zero2_elements, zero3_gathering
 from .fsdp import FSDP2Hooks
 from .fsdp1 import FSDP1Hooks, flat_units
 from .megatron import MegatronHooks
-from .ranks import _held, _padded_shard, _Param, _partition, _row_shard, _trainable, _units, nf4_parts, shard_world
+from .ranks import _held, _padded_shard, _Param, _partition, _row_shard, _units, nf4_parts, shard_world
 
 
 def _tp_model(m: ModelSpec, p: ParallelSpec) -> ModelSpec:
@@ -160,9 +160,8 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
             return dataclasses.replace(ds, accumulating=t.grad_accum > 1)
         if p.zero != 2:
             return ds
-        return dataclasses.replace(ds, partition_numel=zero2_grad_partition_numel(ds, m, t),
-                                   reduced_numel=sum(q.numel * q.count for q, _dt in _trainable(ds, m, t)),
-                                   border_numel=zero2_last_part_numel(ds, m, t), accumulating=t.grad_accum > 1)
+        partition, flat = zero2_elements(ds, m, program_key(t, m))
+        return dataclasses.replace(ds, partition_numel=partition, flat_numel=flat, accumulating=t.grad_accum > 1)
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, ep=p.ep,
                              **stage)

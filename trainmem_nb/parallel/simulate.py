@@ -83,7 +83,10 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
         # the saved activations read one accounting: the sequence split by context parallelism (`shape`),
         # sequence parallelism's saving, offloaded states left out of the engine's `init`, and the other
         # micro-batches a pipeline stage keeps in flight
-        prog = prepare(compile_step(stage_model, program_key(t, stage_model), hooks, workspace))
+        prog = compile_step(stage_model, program_key(t, stage_model), hooks, workspace)
+        if prog.approximated:  # the engine's tensors where they belong, every layer simulated
+            prog = compile_step(stage_model, program_key(t, stage_model), hooks, workspace, unrolled=True)
+        prog = prepare(prog)
         if isinstance(hooks, FSDP2Hooks) and hooks.pipelined:
             prog, fullest = _fsdp_pipeline_program(stage_model, t, p, hooks, prog, stage, shape, workspace, prepare)
         else:  # other micro-batches' (interleaved: model chunks') saved activations on this stage

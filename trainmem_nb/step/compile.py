@@ -179,7 +179,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
             other[p.name] = g.param(const(p.numel), dt, p.name, trainable or "root" in trains)
             unit_params["root"].append(other[p.name])
     g.unit_params = unit_params
-    g.repeated_units = frozenset(units[plan.block[0]:plan.block[1]])
+    g.repeated_units, g.repeats = frozenset(units[plan.block[0]:plan.block[1]]), plan.reps
     g.merge_scalar_chains = not unrolled
     recipe = recipe_for(m, t, ctx)
     # with gradient accumulation the costliest micro-step is a later one: every .grad exists from its
@@ -429,7 +429,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     n_train = sum(p.numel * p.count for p, _, trainable in weights if trainable)
     chain = frozenset(n for tt, n in tokens.items() if tt.chain)
     streams = tuple((n, tt.stream) for tt, n in tokens.items() if tt.stream)
-    return Program(tuple(init), tuple(segs), n_params, n_train, chain, streams)
+    return Program(tuple(init), tuple(segs), n_params, n_train, chain, streams, g.approximated)
 
 
 def _grad_scaler_steps(opt: list[Segment]) -> list[Segment]:
