@@ -297,6 +297,33 @@ class DeepSpeedHooks(EngineHooks):
         """ZeRO-1/2 without offload: the reduce bucket is made as the first gradient arrives (measured)."""
         return self.zero in (1, 2) and self.offload == "none"
 
+    def _zero1_epilogue(self, g: Graph, st: dict[str, Any]) -> None:
+        """ZeRO-1 reduces at the end of backward (no gradient hooks without ``overlap_comm``: reduce_gradients walks
+        the parameters in the flat group's order), on rank 0, whose part comes first. Each gradient is copied into
+        the reduce bucket and its own storage goes; within one bucket, the reduction flattens the bucket (its
+        slices span the ranks' parts) and then makes the partition it copies rank 0's part into
+        (copy_grads_in_partition): measured to the byte. With more gradients than the bucket holds, the first
+        reduction makes the partition after a bucket's worth of them has gone: made here on top of them all (the
+        estimate errs high by up to a bucket; the later reductions' flat copies are not modelled). Accumulating,
+        the earlier micro-steps' gradients, held in place, go as the step begins (`optimizer`)."""
+        grads = [q.final_grad for u in g.unit_params.values() for q in u if q.final_grad is not None]
+        for q in (q for u in g.unit_params.values() for q in u):
+            q.final_grad = None
+        if self.flat_numel > self.reduce_bucket:
+            self._make_partition(g, st)
+            g.drop(*grads)
+            return
+        g.drop(*grads)
+        if self.world > 1:
+            flat = g.alloc(const(self.flat_numel), self.model_dt, "flattened bucket (allreduce_bucket)")
+            flat.region = "communication"
+            g.drop(flat)
+        self._make_partition(g, st)
+
+    def _zero1_partition(self) -> bool:
+        """ZeRO-1 without offload: its epilogue makes a gradient partition of rank 0's part (measured)."""
+        return self.zero == 1 and self.offload == "none" and self.partition_numel > 0
+
     def _bucket_kept(self) -> bool:
         """ZeRO-1 in a later micro-step of gradient accumulation: the first micro-step's bucket is still there
         (measured: it goes with the boundary's reduction; ZeRO-2 frees and makes it again every micro-step)."""
@@ -416,6 +443,8 @@ class DeepSpeedHooks(EngineHooks):
             g.drop(kept)
         if unit == "root" and self._partitioned_in_backward() and "partition" not in st:
             self._make_partition(g, st)
+        if unit == "root" and self._zero1_partition():
+            self._zero1_epilogue(g, st)
         if unit == "root":
             # the bucket goes; in a later micro-step the earlier micro-steps' partition then goes too, added into
             # the one this reduction made (measured, gradient accumulation over 2 micro-steps)
@@ -504,6 +533,8 @@ class DeepSpeedHooks(EngineHooks):
         temp = _CAT["transient/optimizer"]
         events: list[tuple[int, int, Sz, str]] = []
         grads = sum(_round(p.numel * self.model_dt) * p.count for p, _dt in _trainable(self, m, t))
+        if self._zero1_partition() and self.accumulating:
+            events.append((_CAT["gradients"], -1, const(grads), "accumulated gradients released"))
         if self.offload == "none":
             # stage_1_and_2.py / stage3.py step(), measured on CPU (tests/test_parallel.py): the global norm casts
             # each gradient of the partition to fp64 in turn (get_grad_norm_direct: `g.data.to(get_norm_dtype())`,
@@ -521,7 +552,7 @@ class DeepSpeedHooks(EngineHooks):
                 events.append((temp, -1, const(flat), "flattened copy freed"))
             # "release all the gradient since we have already created a necessary copy" (stage_1_and_2.py step:
             # free_grad_in_param_list, _release_preflattened_grad_buffers): ZeRO-2's partition, ZeRO-1's .grad
-            if self.zero == 2 and self.partition_numel:
+            if self.zero in (1, 2) and self.partition_numel:
                 events.append((_CAT["gradients"], -1, const(_round(self.partition_numel * self.model_dt)),
                                "gradient partition released"))
             elif self.zero == 1:

@@ -156,11 +156,11 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
                             gathering=zero3_gathering(weights, model_dt, world) if p.zero >= 3 else None, ep=p.ep,
                             **stage)
         # the rank's share of the flat trainable parameters, which ZeRO-2 reduces its gradients into
-        if p.zero == 1:
-            return dataclasses.replace(ds, accumulating=t.grad_accum > 1)
-        if p.zero != 2:
+        if p.zero not in (1, 2):
             return ds
         partition, flat = zero2_elements(ds, m, program_key(t, m))
+        if p.zero == 1:
+            return dataclasses.replace(ds, partition_numel=partition, flat_numel=flat, accumulating=t.grad_accum > 1)
         return dataclasses.replace(ds, partition_numel=partition, flat_numel=flat, accumulating=t.grad_accum > 1)
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, ep=p.ep,
