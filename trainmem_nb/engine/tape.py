@@ -179,6 +179,8 @@ class Graph:
         self.softmax_saves_input = False
         #: each FSDP unit's parameters, in the order of the model's weights (engines that gather per unit)
         self.unit_params: dict[str, list[T]] = {}
+        #: how many of the root's parameters come before the layers' in the model's order (the embeddings)
+        self.root_before_layers = 0
         #: the units of the repeated period (`trainmem_nb.step.layers.LayerPlan.block`), whose events the program
         #: repeats for every layer: a tensor an engine makes once cannot be made inside them
         self.repeated_units: frozenset[str] = frozenset()

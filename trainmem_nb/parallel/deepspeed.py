@@ -303,13 +303,25 @@ class DeepSpeedHooks(EngineHooks):
         the reduce bucket and its own storage goes; within one bucket, the reduction flattens the bucket (its
         slices span the ranks' parts) and then makes the partition it copies rank 0's part into
         (copy_grads_in_partition): measured to the byte. With more gradients than the bucket holds, the first
-        reduction makes the partition after a bucket's worth of them has gone: made here on top of them all (the
-        estimate errs high by up to a bucket; the later reductions' flat copies are not modelled). Accumulating,
-        the earlier micro-steps' gradients, held in place, go as the step begins (`optimizer`)."""
-        grads = [q.final_grad for u in g.unit_params.values() for q in u if q.final_grad is not None]
-        for q in (q for u in g.unit_params.values() for q in u):
+        reduction makes the partition once a bucket's worth of them has gone (here those up to the repeated
+        layers, whose gradients stand for every layer's: with fewer gone, the estimate errs high; the later
+        reductions' flat copies are not modelled). Accumulating, the earlier micro-steps' gradients, held in
+        place, go as the step begins (`optimizer`)."""
+        root, k = g.unit_params.get("root", []), g.root_before_layers
+        layers = [q for u, params in g.unit_params.items() if u != "root" for q in params]
+        params = [q for q in (*root[:k], *layers, *root[k:]) if q.final_grad is not None]  # the flat group's order
+        grads = [q.final_grad for q in params if q.final_grad is not None]
+        for q in params:
             q.final_grad = None
         if self.flat_numel > self.reduce_bucket:
+            repeated = {id(q) for u in g.repeated_units for q in g.unit_params[u]}
+            moved = 0
+            for q in params:
+                n = self._gathered_numel(q)
+                if (moved and moved + n > self.reduce_bucket) or id(q) in repeated:
+                    break
+                g.drop(grads.pop(0))
+                moved += n
             self._make_partition(g, st)
             g.drop(*grads)
             return

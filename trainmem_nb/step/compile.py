@@ -167,6 +167,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
         if id(p) not in held:  # on another pipeline stage: the recipe may name it, nothing trains it
             other[p.name] = g.param(const(p.numel), dt, p.name, False)
         elif p.in_layer:
+            if not g.root_before_layers and not any(unit_params[u] for u in units):
+                g.root_before_layers = len(unit_params["root"])
             short = p.name[len("layers."):]
             for i, kind in enumerate(plan.kinds):
                 if not in_layer_of(p, kind):
