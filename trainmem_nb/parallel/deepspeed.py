@@ -285,7 +285,8 @@ class DeepSpeedHooks(EngineHooks):
             # step() has its fp32 copy. The modelled rank is the last one, whose part of the flat group holds the
             # head: its first reduction is the first time a gradient overflows the reduce bucket
             # (reduce_independent_p_g_buckets_and_remove_grads), counted in `_released` (rank 0's part, the
-            # embeddings and first layers, is reduced late in backward). Measured on CPU, tests/test_parallel.py
+            # embeddings and first layers, is reduced late in backward). Measured on CPU, tests/test_parallel.py.
+            # ZeRO-1 reduces at the end of backward (`_zero1_epilogue`), ZeRO-3 as its bucket fills (`_reduce`)
         if unit == "root" and self._counts_reductions():
             st = self.state.setdefault(id(g), {})
             st["count"] = _BucketCount(self.reduce_bucket)
