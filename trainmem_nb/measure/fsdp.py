@@ -247,7 +247,13 @@ def measure_fsdp1_wrap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int
               # bucket copies run on the process group the measurement plays
               mock.patch.object(_init_utils, "_check_module_states_for_sync_module_states", lambda *_a, **_k: None),
               tracker, _follow_fsdp1_resizes(tracker)):
-            model = _shard_fsdp1(model, p, t)
+            # no collection but `synced`'s: one the interpreter starts on its own (its thresholds depend on what the
+            # process allocated before) would drop a cycle's wrappers wherever it runs, moving their frees
+            gc.disable()
+            try:
+                model = _shard_fsdp1(model, p, t)
+            finally:
+                gc.enable()
         del model
         return before, tracker.loading_trace(_on_host)
     finally:
