@@ -290,7 +290,7 @@ class DeepSpeedHooks(EngineHooks):
         if unit == "root" and self._counts_reductions():
             st = self.state.setdefault(id(g), {})
             st["count"] = _BucketCount(self.reduce_bucket)
-            st["repeated"] = {id(q) for u in g.repeated_units for q in g.unit_params[u]}
+            st["repeated"] = self._repeated_params(g)
         elif unit not in g.repeated_units and "before_period" in self.state.get(id(g), {}):
             self._count_repeated(g, self.state[id(g)])
 
@@ -310,12 +310,13 @@ class DeepSpeedHooks(EngineHooks):
         place, go as the step begins (`optimizer`)."""
         root, k = g.unit_params.get("root", []), g.root_before_layers
         layers = [q for u, params in g.unit_params.items() if u != "root" for q in params]
-        params = [q for q in (*root[:k], *layers, *root[k:]) if q.final_grad is not None]  # the flat group's order
-        grads = [q.final_grad for q in params if q.final_grad is not None]
+        # each parameter with a gradient and that gradient, in the flat group's order
+        pairs = [(q, q.final_grad) for q in (*root[:k], *layers, *root[k:]) if q.final_grad is not None]
+        params, grads = [q for q, _ in pairs], [grad for _, grad in pairs]
         for q in params:
             q.final_grad = None
         if self.flat_numel > self.reduce_bucket:
-            repeated = {id(q) for u in g.repeated_units for q in g.unit_params[u]}
+            repeated = self._repeated_params(g)
             moved = 0
             for q in params:
                 n = self._gathered_numel(q)
@@ -328,9 +329,7 @@ class DeepSpeedHooks(EngineHooks):
             return
         g.drop(*grads)
         if self.world > 1:
-            flat = g.alloc(const(self.flat_numel), self.model_dt, "flattened bucket (allreduce_bucket)")
-            flat.region = "communication"
-            g.drop(flat)
+            self._flat_copy(g, self.flat_numel, "flattened bucket (allreduce_bucket)")
         self._make_partition(g, st)
 
     def _zero1_partition(self) -> bool:
@@ -356,10 +355,9 @@ class DeepSpeedHooks(EngineHooks):
         return self._gathered(g, self._gathered_numel(root[0]) * self.model_dt, f"ZeRO-3 gathered {root[0].label}")
 
     def _counts_reductions(self) -> bool:
-        """Whether the bucket's reductions in backward make tensors this models: ZeRO-2's partition and flattened
-        bucket (stage_1_and_2.py; with an offloaded optimizer its own path), ZeRO-3's flattened reduce-scatter
-        buffer. ZeRO-1's are not modelled (measured with a bucket scaled down: its last rank none, where a
-        flattened bucket would be; rank 0 1.4-1.9 MB above the estimate)."""
+        """Whether backward's gradients are counted into the bucket as they come, for what its reductions make:
+        ZeRO-2's partition and flattened bucket (stage_1_and_2.py; with an offloaded optimizer its own path),
+        ZeRO-3's flattened reduce-scatter buffer. ZeRO-1 reduces at the end of backward (`_zero1_epilogue`)."""
         return self._partitioned_in_backward() or self.zero >= 3
 
     def _reduce(self, g: Graph, st: dict[str, Any], r: Reduction) -> None:
@@ -376,14 +374,10 @@ class DeepSpeedHooks(EngineHooks):
         (measured), unless the bucket holds one gradient that divides evenly."""
         if self.zero >= 3:
             if r.tensors > 1 or r.elements % self.world:
-                flat = g.alloc(const(r.padded), self.model_dt, "flattened gradients (reduce_scatter_coalesced)")
-                flat.region = "communication"
-                g.drop(flat)
+                self._flat_copy(g, r.padded, "flattened gradients (reduce_scatter_coalesced)")
             return
         if self._crosses_parts(r):
-            flat = g.alloc(const(r.elements), self.model_dt, "flattened bucket (allreduce_bucket)")
-            flat.region = "communication"
-            g.drop(flat)
+            self._flat_copy(g, r.elements, "flattened bucket (allreduce_bucket)")
         if "partition" not in st and self._partitioned_in_backward():
             self._make_partition(g, st)
 
@@ -428,6 +422,17 @@ class DeepSpeedHooks(EngineHooks):
         lo, hi = self.flat_numel - r.start - r.elements, self.flat_numel - r.start  # from the group's start
         first = lo // part + 1  # the first border above lo
         return part > 0 and first < self.world and first * part < hi
+
+    def _flat_copy(self, g: Graph, numel: int, label: str) -> None:
+        """A reduction's flattened copy of gradients: made and freed at once, in the model's dtype."""
+        flat = g.alloc(const(numel), self.model_dt, label)
+        flat.region = "communication"
+        g.drop(flat)
+
+    @staticmethod
+    def _repeated_params(g: Graph) -> set[int]:
+        """The parameters of the repeated layers (`Graph.repeated_units`), by id."""
+        return {id(q) for u in g.repeated_units for q in g.unit_params[u]}
 
     def _make_partition(self, g: Graph, st: dict[str, Any]) -> None:
         part = g.alloc(const(self.partition_numel), self.model_dt, "gradient partition (grads_in_partition)")
