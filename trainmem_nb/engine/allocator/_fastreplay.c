@@ -159,7 +159,7 @@ static Py_ssize_t sp_addr_index(const Bucket *bk, int64_t addr) {
 
 static void sp_remove_at(SPool *p, Pos pos) {
     Bucket *bk = &p->b[pos.c];
-    for (int32_t j = (int32_t)pos.i; j < bk->n - 1; j++) bk->e[j] = bk->e[j + 1];
+    memmove(bk->e + pos.i, bk->e + pos.i + 1, (size_t)(bk->n - 1 - pos.i) * sizeof(Entry));
     if (--bk->n > 0) return;
     p->spare[p->nspare++] = *bk; /* room kept by sp_insert */
     memmove(p->b + pos.c, p->b + pos.c + 1, (size_t)(p->n - pos.c - 1) * sizeof(Bucket));
@@ -206,7 +206,7 @@ static int sp_insert(SPool *p, int64_t size, int64_t addr, int32_t blk) {
         bk->cap = cap;
     }
     Py_ssize_t i = sp_addr_index(bk, addr);
-    for (Py_ssize_t j = bk->n; j > i; j--) bk->e[j] = bk->e[j - 1];
+    memmove(bk->e + i + 1, bk->e + i, (size_t)(bk->n - i) * sizeof(Entry));
     bk->e[i].addr = addr;
     bk->e[i].blk = blk;
     bk->n++;
