@@ -88,8 +88,10 @@ def test_precision_fp8_means_a_bf16_model_with_tensorwise_fp8_unless_a_recipe_is
     ({"fp8": "tensorwise", "precision": "fp16-mixed"}, "or 'bf16-mixed' with FSDP2"),
     ({"precision": "fp8", "method": "lora"}, "use method='full'"),
     ({"precision": "fp8", "checkpointing": "selective"}, "use checkpointing='none' or 'full'"),
-    ({"fp8": "columnwise"}, "valid values: none, tensorwise, rowwise"),
-    ({"precision": "fp8", "parallel": {"engine": "megatron", "gpus": 2, "tp": 2}}, "Transformer Engine"),
+    ({"fp8": "columnwise"}, "valid values: none, tensorwise, rowwise, delayed"),
+    ({"fp8": "rowwise", "parallel": {"engine": "megatron", "gpus": 2, "tp": 2}}, "use fp8='delayed' or 'tensorwise'"),
+    ({"fp8": "delayed", "precision": "bf16-true"}, "modelled under engine='megatron'"),
+    ({"fp8": "delayed", "parallel": {"engine": "fsdp", "gpus": 2, "zero": 3}}, "modelled under engine='megatron'"),
     ({"precision": "fp8", "parallel": {"engine": "fsdp", "gpus": 2, "zero": 3, "tp": 2}}, "use tp=1"),
     ({"precision": "fp8", "fsdp_version": 1, "parallel": {"engine": "fsdp", "gpus": 2, "zero": 3}}, "fsdp_version=2"),
 ])
@@ -211,7 +213,8 @@ def test_the_planner_keeps_fp8_in_every_option_and_leaves_out_gpus_without_it() 
     assert pl.rows and {(r["precision"], r["fp8"]) for r in pl.rows} == {("bf16-true", "tensorwise")}
     assert {r["gpu"] for r in pl.rows} == {"H100 SXM 80GB"}
     assert any("no fp8 tensor cores" in r["reason"] for r in pl.rejected if r["gpu"].startswith("A100"))
-    assert not any(r["engine"] in ("megatron", "deepspeed") for r in pl.rows)  # not modelled with fp8
+    assert not any(r["engine"] == "deepspeed" for r in pl.rows)  # not modelled with fp8
+    assert any(r["engine"] == "megatron" for r in pl.rows)  # Transformer Engine's fp8
 
 
 def test_an_fp8_launch_export_writes_the_torchrun_line_with_the_flags_that_switch_fp8_on(tmp_path: Any) -> None:
@@ -256,3 +259,80 @@ def test_the_folded_program_merges_scalar_temporaries_without_changing_a_byte(re
     if recipe == "tensorwise":
         count = sum(len(seg.events) * seg.repeat for seg in folded.segments)
         assert count < sum(len(seg.events) * seg.repeat for seg in unrolled.segments)
+
+
+# -- Transformer Engine's fp8 under Megatron (`trainmem_nb.engine.ops.te_fp8`) ------------------------------------
+MEGATRON_TP2 = {"engine": "megatron", "gpus": 2, "tp": 2}
+
+
+def _te(model: ModelSpec, **options: Any) -> Any:
+    return tm.estimate(model, micro_batch=2, seq_len=128, parallel=MEGATRON_TP2, **options)
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_te_fp8_keeps_an_fp8_weight_and_its_transpose_for_every_block_linear(recipe: str) -> None:
+    m, tp = SMALL, 2
+    q, kv = m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    per_layer = (m.hidden * q + 2 * m.hidden * kv + q * m.hidden + 3 * m.hidden * m.ffn) // tp  # a rank's slices
+    fp8 = _te(m, fp8=recipe).detail_bytes
+    assert fp8["weights/fp8_workspaces"] == 2 * m.n_layers * per_layer  # one byte each, data and transpose
+    assert _te(m).detail_bytes.get("weights/fp8_workspaces", 0) == 0
+
+
+def test_te_fp8_saves_each_linear_input_as_a_one_byte_transpose_instead_of_its_16_bit_input() -> None:
+    m, tp, tokens = SMALL, 2, 2 * 128
+    bf16, fp8 = _te(m), _te(m, fp8="delayed")
+    # per layer and token: the two norm outputs (read by q/k/v and by gate/up) and the MLP's product (down_proj's
+    # input, ffn / tp wide) drop from 2 bytes to 1; o_proj's input stays saved in 16 bits by attention and gains
+    # its 1-byte transpose
+    per_token = m.hidden + m.hidden + m.ffn // tp - m.n_heads * m.head_dim // tp
+    assert bf16.saved_activations_bytes - fp8.saved_activations_bytes == m.n_layers * tokens * per_token
+    ckpt = {"checkpointing": "full"}  # only the layers' inputs are kept: nothing for fp8 to change
+    assert _te(m, fp8="delayed", **ckpt).saved_activations_bytes == _te(m, **ckpt).saved_activations_bytes
+
+
+def test_te_fp8_shares_one_cast_of_an_input_among_the_projections_that_read_it() -> None:
+    t = TrainingSpec(micro_batch=2, seq_len=64, fp8="delayed")
+    from trainmem_nb.parallel.layout import _hooks
+    from trainmem_nb.spec.parallel import ParallelSpec
+
+    hooks = _hooks(SMALL, t, ParallelSpec(**MEGATRON_TP2))
+    labels = [label for seg in compile_step(SMALL, program_key(t, SMALL), hooks).segments for *_r, label in seg.events]
+    casts = {label for label in labels if label.endswith("input fp8 transpose")}
+    # q, k and v read one norm output (Megatron's fused linear_qkv), gate and up another (linear_fc1)
+    assert casts == {f"{mod} input fp8 transpose" for mod in ("self_attn.q_proj", "self_attn.o_proj",
+                                                                "mlp.gate_proj", "mlp.down_proj")}
+    assert not any(label.endswith((" amax", " scaled")) for label in labels)  # none of torchao's cast chains
+
+
+def test_te_fp8_is_refused_for_a_mixture_of_experts_model_under_megatron() -> None:
+    with pytest.raises(SpecError, match="grouped expert linears"):
+        tm.estimate(MOE16, micro_batch=2, seq_len=64, fp8="delayed", parallel=MEGATRON_TP2)
+
+
+def test_te_fp8_under_sequence_parallelism_splits_one_byte_norm_outputs() -> None:
+    from trainmem_nb.parallel.layout import _sequence_parallel_saving_per_token
+    from trainmem_nb.spec.parallel import ParallelSpec
+
+    p = ParallelSpec(engine="megatron", gpus=2, tp=2, sp=True)
+    bf16 = _sequence_parallel_saving_per_token(SMALL, TrainingSpec(), p)
+    fp8 = _sequence_parallel_saving_per_token(SMALL, TrainingSpec(fp8="delayed"), p)
+    assert bf16 - fp8 == SMALL.n_layers * 2 * SMALL.hidden * (1 - 1 / 2)  # two norm outputs, one byte less each
+
+
+def test_te_fp8_is_explained_in_the_notes_and_exported_with_megatrons_flags(tmp_path: Any) -> None:
+    from trainmem_nb.planning.launch import write_launch_files
+
+    est = _te(SMALL, fp8="delayed")
+    assert "Transformer Engine's DelayedScaling" in est.summary()
+    written = write_launch_files(est, tmp_path / "out")
+    assert "--fp8-recipe delayed" in written[0].read_text()
+
+
+def test_the_cli_takes_te_fp8_under_megatron(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainmem_nb.cli.main import main
+
+    assert main(["estimate", "--model", "llama-3.2-1b", "--engine", "megatron", "--gpus", "2", "--tp", "2",
+                 "--fp8", "delayed", "--seq-len", "512", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["training"]["fp8"] == "delayed" and out["detail_bytes"]["weights/fp8_workspaces"] > 0

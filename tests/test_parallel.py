@@ -1028,6 +1028,38 @@ def test_megatron_takes_the_optimizers_it_has_and_refuses_the_others() -> None:
             tm.estimate(**opts, optimizer=opt)
 
 
+def test_megatron_linears_add_their_weight_gradients_into_main_grad_unless_the_fusion_is_off() -> None:
+    """gradient_accumulation_fusion (Megatron-LM's default): a linear's weight-gradient GEMM accumulates into the
+    fp32 ``main_grad`` buffer, so backward makes no 16-bit weight gradient; ``--no-gradient-accumulation-fusion``
+    (grad_accum_fusion=False) makes one per linear, added into main_grad at the layer's end. The lm head's is the
+    largest: vocab / tp x hidden in bf16."""
+    from trainmem_nb.model.presets import get_model
+    from trainmem_nb.parallel.layout import _hooks, _tp_model
+    from trainmem_nb.step.compile import compile_step, program_key
+
+    m, t = get_model("llama-3.2-1b"), TrainingSpec(micro_batch=1, seq_len=1024)
+
+    def grads_made(fused: bool) -> list[str]:
+        p = ParallelSpec(gpus=2, engine="megatron", tp=2, grad_accum_fusion=fused)
+        rm = _tp_model(m, p)
+        prog = compile_step(rm, program_key(t, rm), _hooks(rm, t, p))
+        return [label for seg in prog.segments if seg.phase == "backward" for _c, k, _sz, label in seg.events
+                if k > 0 and ((label.startswith("grad ") and label.endswith(".weight")) or label.endswith("grad w"))]
+
+    fused, unfused = grads_made(True), grads_made(False)
+    assert "lm_head grad w" in unfused and any(g.endswith("proj.weight") for g in unfused)
+    assert not any("proj" in g or "lm_head" in g for g in fused)
+    # what is left are the norms' and the (tied) embedding's gradients, which no linear makes
+    assert fused and all("norm" in g or "embed_tokens" in g for g in fused), fused
+    # a model whose peak is in the layers' backward (a small vocabulary): the unfused gradients raise it
+    wide = ModelSpec(family="llama", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=4096, vocab=128)
+    on = tm.estimate(wide, t, gpus=2, engine="megatron", tp=2)
+    off = tm.estimate(wide, t, gpus=2, engine="megatron", tp=2, grad_accum_fusion=False)
+    assert off.peak_allocated_bytes > on.peak_allocated_bytes
+    with pytest.raises(tm.SpecError, match="use engine='megatron'"):
+        tm.estimate(m, t, gpus=2, engine="fsdp", zero=3, grad_accum_fusion=False)
+
+
 GEMMA3_VISION = dict(family="gemma3", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab=500,
                      sliding_window=16, vision=dict(hidden=64, intermediate=96, n_layers=2, n_heads=4, image_size=48,
                                                     patch_size=8))

@@ -64,7 +64,8 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                         "bf16-true with --fp8 tensorwise")
     g.add_argument("--fp8", default=None, metavar="|".join(_choices(Fp8Recipe)),
                    help="fp8 matmuls in the transformer blocks' linears (torchao Float8Linear, eager) with tensorwise "
-                        "or rowwise scaling (default: none)")
+                        "or rowwise scaling; with --engine megatron Transformer Engine's delayed or tensorwise "
+                        "(current) scaling (default: none)")
     g.add_argument("--fp8-all-gather", action="store_true",
                    help="with --fp8 tensorwise under FSDP2: all-gather the converted weights in fp8 (torchao's "
                         "enable_fsdp_float8_all_gather)")
@@ -108,6 +109,9 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                    help="DDP gradient_as_bucket_view: gradients are views into the all-reduce buckets")
     p.add_argument("--no-pp-return-outputs", action="store_true",
                    help="the pipeline loop passes return_outputs=False: the last stage keeps no micro-batch's logits")
+    p.add_argument("--no-grad-accum-fusion", action="store_true",
+                   help="--engine megatron: --no-gradient-accumulation-fusion (each linear makes a 16-bit weight "
+                        "gradient before adding it into main_grad)")
     p.add_argument("--fsdp-version", type=int, default=None, choices=[1, 2],
                    help="--engine fsdp: 2 fully_shard, 1 FullyShardedDataParallel (default: the stack's, else 2)")
     p.add_argument("--no-use-orig-params", action="store_true",
@@ -192,4 +196,5 @@ def parallel_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "pp_schedule": args.pp_schedule, "virtual_stages": args.virtual_stages, "cp": args.cp, "ep": args.ep,
         "offload": args.offload, "ddp_bucket_view": args.ddp_bucket_view,
         "pp_return_outputs": None if args.no_pp_return_outputs is None else not args.no_pp_return_outputs,
+        "grad_accum_fusion": None if args.no_grad_accum_fusion is None else not args.no_grad_accum_fusion,
     }

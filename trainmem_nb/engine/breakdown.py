@@ -32,6 +32,7 @@ DETAIL_KEYS: tuple[str, ...] = (
     "transient/optimizer",  # temporaries inside optimizer.step (e.g. foreach AdamW's sqrt(v))
     "overhead/workspaces",  # cuBLAS workspaces PyTorch allocates through its caching allocator (cuda)
     "overhead/communication",  # all-gather, reduce-scatter and gradient-bucket buffers of data parallelism
+    "weights/fp8_workspaces",  # Transformer Engine's cached fp8 weights and their transposes (Megatron fp8)
 )
 
 

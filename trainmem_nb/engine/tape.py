@@ -177,6 +177,9 @@ class Graph:
         #: torch < 1.11: ``softmax`` and ``log_softmax`` keep their input for backward as well as their result
         #: (their derivatives passed ``self`` to ``_softmax_backward_data``: pytorch/pytorch#64000)
         self.softmax_saves_input = False
+        #: Megatron's gradient_accumulation_fusion: a linear's weight-gradient matmul adds into the parameter's
+        #: fp32 ``main_grad`` (an engine buffer), so the node makes no weight gradient (`ops.linear`)
+        self.wgrad_fused = False
         #: each FSDP unit's parameters, in the order of the model's weights (engines that gather per unit)
         self.unit_params: dict[str, list[T]] = {}
         #: how many of the root's parameters come before the layers' in the model's order (the embeddings)
@@ -426,8 +429,15 @@ class Graph:
             self.drop(inp.grad, g)
             inp.grad = total
         if inp.is_param:
+            self.param_grad_done(inp)
+
+    def param_grad_done(self, inp: T) -> None:
+        """One of parameter `inp`'s uses has given its gradient (into its input buffer, or, with
+        `wgrad_fused`, into an engine's buffer inside the node); the buffer becomes its ``.grad`` once
+        every use has (AccumulateGrad steals it)."""
+        if inp.is_param:
             inp.uses -= 1
-            if inp.uses == 0:
+            if inp.uses == 0 and inp.grad is not None:
                 if self.grads_exist:
                     # AccumulateGrad: `param.grad += new_grad` in place, then the new gradient goes
                     self.drop(inp.grad)

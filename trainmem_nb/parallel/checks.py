@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..errors import SpecError
 from ..model.spec import ModelSpec
-from ..spec.choices import Method
+from ..spec.choices import Fp8Recipe, Method
 from ..spec.parallel import Engine, ParallelSpec, PipelineSchedule
 from ..spec.training import TrainingSpec
 
@@ -34,7 +34,7 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
     if t is not None:
         _check_context_parallel(t, p)
         _check_fsdp1(m, t, p)
-        _check_fp8(t, p)
+        _check_fp8(m, t, p)
         if p.engine is Engine.MEGATRON and t.optimizer.value in ("adafactor", "adamw-8bit", "lion"):
             # megatron/training/arguments.py: ``--optimizer`` chooses 'adam' or 'sgd' (with --sgd-momentum); a paged
             # AdamW is counted as Megatron's own Adam (its states on the device)
@@ -88,9 +88,9 @@ def check_layout(m: ModelSpec, p: ParallelSpec, t: TrainingSpec | None = None) -
                             "shards over shard_degree / ep ranks; use an ep that divides it")
 
 
-def _check_fp8(t: TrainingSpec, p: ParallelSpec) -> None:
-    """fp8 is modelled as torchao's Float8Linear on each rank of a data-parallel layout (DDP, FSDP2, ZeRO); the
-    layouts that bring their own fp8 linears are refused, saying which."""
+def _check_fp8(m: ModelSpec, t: TrainingSpec, p: ParallelSpec) -> None:
+    """fp8 is modelled as torchao's Float8Linear on each rank of a data-parallel layout (DDP, FSDP2, ZeRO), and
+    as Transformer Engine's linears under Megatron; what neither models is refused, saying which."""
     if t.fp8_all_gather and not (p.engine is Engine.FSDP and p.zero >= 2 and t.fsdp_version == 2 and p.pp == 1
                                  and p.offload.value == "none"):
         raise SpecError(f"fp8_all_gather=True (FSDP2's float8 all-gather) is modelled for engine='fsdp' with zero 2 or 3, "
@@ -99,10 +99,19 @@ def _check_fp8(t: TrainingSpec, p: ParallelSpec) -> None:
     if t.fp8.value == "none":
         return
     how = f"fp8={t.fp8.value!r}"
-    if p.engine is Engine.MEGATRON:
-        raise SpecError(f"{how} with engine='megatron': Megatron trains fp8 with Transformer Engine's layers (fp8 weight "
-                        "copies and saved fp8 inputs), which is not modelled; use engine='fsdp' (torchao, as torchtitan "
-                        "runs it) or fp8='none'")
+    if p.engine is Engine.MEGATRON:  # Transformer Engine's linears (`trainmem_nb.engine.ops.te_fp8`)
+        if t.fp8 is Fp8Recipe.ROWWISE:
+            raise SpecError(f"{how} is torchao's recipe; under engine='megatron' Transformer Engine's 'delayed' "
+                            "(DelayedScaling, Megatron's default) and 'tensorwise' (Float8CurrentScaling) are modelled, "
+                            "not its mxfp8 or blockwise recipes: use fp8='delayed' or 'tensorwise'")
+        if m.n_experts:
+            raise SpecError(f"{how} with engine='megatron' and a mixture-of-experts model: Transformer Engine's grouped "
+                            "expert linears in fp8 are not modelled; use fp8='none', or engine='fsdp' (torchao leaves "
+                            "the expert stacks in bf16)")
+        return
+    if t.fp8 is Fp8Recipe.DELAYED:
+        raise SpecError(f"{how} is Transformer Engine's DelayedScaling, modelled under engine='megatron'; torchao's "
+                        f"recipes (engine={p.engine.value!r}) are 'tensorwise' and 'rowwise'")
     if t.mixed and not (p.engine is Engine.FSDP and p.zero >= 2 and t.fsdp_version == 2):
         # under autocast Float8Linear casts its input to the GPU's autocast dtype (float8_linear.py: a check of
         # CUDA's autocast only); FSDP2's MixedPrecisionPolicy instead gathers the fp32 weights in bf16

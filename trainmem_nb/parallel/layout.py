@@ -12,7 +12,7 @@ from ..engine.tape import Sz
 from ..model.params import ParamTensor, idle_tensors, on_stage, weight_tensors
 from ..model.spec import ModelSpec
 from ..recipes.base import fp8_weight
-from ..spec.choices import Checkpointing, Device, Precision
+from ..spec.choices import Checkpointing, Device, Fp8Recipe, Precision
 from ..spec.parallel import Engine, Offload, ParallelSpec
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks, program_key
@@ -79,7 +79,12 @@ def _sequence_parallel_saving_per_token(m: ModelSpec, t: TrainingSpec, p: Parall
         dropout = (t.dropout if t.dropout is not None else m.hidden_dropout) > 0
         per_layer = 4 + (2 if dropout else 0)
     act_dt = 4 if t.precision is Precision.FP32 else 2
-    return m.n_layers * per_layer * m.hidden * act_dt * (1 - 1 / p.tp)
+    per_layer_bytes = per_layer * act_dt
+    if p.engine is Engine.MEGATRON and t.fp8 is not Fp8Recipe.NONE and t.checkpointing is not Checkpointing.FULL:
+        # Transformer Engine saves the two norm outputs (the inputs of linear_qkv and linear_fc1) as one byte
+        # each (`trainmem_nb.engine.ops.te_fp8`), so splitting them saves half as much
+        per_layer_bytes -= 2 * (act_dt - 1)
+    return m.n_layers * per_layer_bytes * m.hidden * (1 - 1 / p.tp)
 
 
 def _per_token(sz: Sz) -> bool:
@@ -164,7 +169,7 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
         return dataclasses.replace(ds, partition_numel=partition, flat_numel=flat, accumulating=t.grad_accum > 1)
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, ep=p.ep,
-                             **stage)
+                             wgrad_fused=p.grad_accum_fusion, **stage)
     zero = p.zero if p.engine is Engine.DDP else 0
     return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, ep=p.ep, **stage)
 

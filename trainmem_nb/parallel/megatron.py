@@ -1,4 +1,5 @@
-"""Megatron-LM: its fp32 gradient buffer and distributed optimizer.
+"""Megatron-LM: its fp32 gradient buffer and distributed optimizer, the linears' weight gradients added into
+it (gradient_accumulation_fusion), and Transformer Engine's fp8 weight workspaces.
 """
 
 from __future__ import annotations
@@ -9,10 +10,16 @@ from typing import Any
 from ..engine.program import Segment
 from ..engine.tape import Graph, Sz, T, const
 from ..model.spec import ModelSpec
+from ..recipes.base import fp8_weight
+from ..spec.choices import Fp8Recipe
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.optimizers import flat_state_bytes
 from .ranks import _partition, _trainable
+
+#: bytes per parameter of a Transformer Engine fp8 weight workspace on Hopper: the row-wise fp8 data and its
+#: transpose (transformer_engine/pytorch/tensor/float8_tensor.py:423-427, ``_data`` and ``_transpose``)
+TE_FP8_WEIGHT_BYTES = 2
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,10 @@ class MegatronHooks(EngineHooks):
     last_stage: bool = True
     grad_scaler: bool = False  # fp16: Megatron's own loss scaler (megatron/core/optimizer/grad_scaler.py)
     ep: int = 1  #: expert parallelism: the distributed optimizer shards routed experts over ``world / ep`` ranks
+    #: gradient_accumulation_fusion (megatron/training/arguments.py ``--no-gradient-accumulation-fusion``,
+    #: ``store_false``: on by default): each linear's weight-gradient GEMM accumulates into ``main_grad``
+    wgrad_fused: bool = True
+    fp8_kernels = "te"  # fp8 runs Transformer Engine's linears (megatron/core/extensions/transformer_engine.py)
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         return self.model_dt
@@ -42,6 +53,11 @@ class MegatronHooks(EngineHooks):
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
         out: list[tuple[str, Sz, int]] = [("weights/params", const(p.numel * self.model_dt), p.count)
                                           for p, _dt, _train in weights]
+        if t.fp8 is not Fp8Recipe.NONE:
+            # Transformer Engine's cached fp8 weight and its transpose (Hopper), made on the first micro-batch and
+            # kept on the module (`trainmem_nb.engine.ops.te_fp8`)
+            out += [("weights/fp8_workspaces", const(TE_FP8_WEIGHT_BYTES * p.numel), p.count)
+                    for p, _dt, _train in weights if fp8_weight(p, m, te=True)]
         n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
         out.append(("gradients", const(4 * n_train), 1))  # the contiguous fp32 grad buffer
         if not t.first_step:  # fp32 main parameters and the optimizer's state, on the rank's partition

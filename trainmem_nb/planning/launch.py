@@ -80,7 +80,7 @@ class _Launch:
     checkpointing: str
     family: str | None  # None: the option names none (only the FSDP config needs it)
     ep: int = 1  # expert parallelism: no DeepSpeed JSON or accelerate FSDP config expresses it
-    fp8: str = "none"  # torchao's fp8 recipe (`TrainingSpec.fp8`): set in the training code, not in these configs
+    fp8: str = "none"  # the fp8 recipe (`TrainingSpec.fp8`): set in the training code, not in these configs
     fp8_all_gather: bool = False
 
     @property
@@ -124,6 +124,9 @@ def _fp8_launch_note(s: _Launch) -> str:
     (torchtitan's flags, or ``convert_to_float8_training`` in your script)."""
     if s.fp8 == "none":
         return ""
+    if s.engine == "megatron":  # megatron/training/arguments.py: --fp8-format, --fp8-recipe
+        return (f"fp8={s.fp8!r} is Transformer Engine's fp8 under Megatron, which its training script switches on "
+                f"(pretrain_gpt.py: --fp8-format hybrid --fp8-recipe {s.fp8})")
     flags = f"--model.converters float8 --float8.recipe_name {s.fp8}"
     if s.fp8_all_gather:
         flags += " --float8.enable_fsdp_float8_all_gather"

@@ -80,11 +80,12 @@ def fp8_converted(module: str, in_features: int, out_features: int) -> bool:
     return in_features % 16 == 0 and out_features % 16 == 0 and module not in FP8_SKIPPED
 
 
-def fp8_weight(p: ParamTensor, m: ModelSpec) -> bool:
+def fp8_weight(p: ParamTensor, m: ModelSpec, te: bool = False) -> bool:
     """Is `p` the weight of a projection fp8 training converts (`fp8_converted`): the weight of an ``nn.Linear``
     in a layer (`quantized`'s set: not a router, which transformers 5 holds in a custom module, nor a 3-D expert
-    stack; gpt2's projections are Conv1D, which torchao leaves as they are)."""
-    if m.family.value == "gpt2" or not quantized(p):
+    stack; gpt2's projections are Conv1D, which torchao leaves as they are, and which Megatron's GPT runs as
+    Transformer Engine linears: `te`)."""
+    if (m.family.value == "gpt2" and not te) or not quantized(p):
         return False
     module = p.name[len("layers."):-len(".weight")]
     return fp8_converted(module, p.shape[1], p.shape[0])
@@ -107,8 +108,9 @@ class Recipe:
         """A projection layer (``nn.Linear``/``Conv1D``) by its module name in the layer: the plain
         matmul, or peft's LoRA-wrapped forward when an adapter targets it."""
         if self.fp8_linear(module, in_features, out_features):
-            return ops.fp8_linear(g, self.ctx, x, p[f"{module}.weight"], in_features, out_features,
-                                  p.get(f"{module}.bias"), module)
+            fp8 = ops.te_fp8_linear if self.ctx.fp8_kernels == "te" else ops.fp8_linear
+            return fp8(g, self.ctx, x, p[f"{module}.weight"], in_features, out_features, p.get(f"{module}.bias"),
+                       module)
         a_w = p.get(f"{module}.lora_A.weight")
         if a_w is not None:
             return ops.lora_linear(g, self.ctx, x, p[f"{module}.weight"], p.get(f"{module}.bias"), a_w,

@@ -124,11 +124,13 @@ class LossImpl(_Choice):
 
 class Fp8Recipe(_Choice):
     """fp8 matmuls in the transformer blocks' linears: torchao's Float8 training recipes
-    (``Float8LinearConfig.from_recipe_name``; `trainmem_nb.engine.ops.fp8`)."""
+    (``Float8LinearConfig.from_recipe_name``; `trainmem_nb.engine.ops.fp8`), or under engine='megatron'
+    Transformer Engine's (Megatron's ``--fp8-recipe``; `trainmem_nb.engine.ops.te_fp8`)."""
 
     NONE = "none"  #: 16/32-bit matmuls (no fp8)
-    TENSORWISE = "tensorwise"  #: one scale per tensor (torchao's default recipe)
-    ROWWISE = "rowwise"  #: one scale per row, rounded to powers of two
+    TENSORWISE = "tensorwise"  #: one scale per tensor (torchao's default recipe; TE's Float8CurrentScaling)
+    ROWWISE = "rowwise"  #: one scale per row, rounded to powers of two (torchao)
+    DELAYED = "delayed"  #: TE's DelayedScaling, scales from an amax history (Megatron's default fp8 recipe)
 
 
 class CausalLMLoss(_Choice):

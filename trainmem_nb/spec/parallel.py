@@ -76,6 +76,10 @@ class ParallelSpec(SpecModel):
     pp_return_outputs: bool = Field(
         default=True, description="pipeline schedule.step(return_outputs=...): torch's default True keeps the last "
         "stage's outputs (logits) of every micro-batch until the step ends; torchtitan keeps the default")
+    grad_accum_fusion: bool = Field(
+        default=True, description="engine='megatron': gradient_accumulation_fusion, Megatron-LM's default "
+        "(--no-gradient-accumulation-fusion turns it off): the linears' weight-gradient matmuls add into the fp32 "
+        "main_grad buffer, no 16-bit weight gradient is made")
 
     @model_validator(mode="before")
     @classmethod
@@ -141,6 +145,9 @@ class ParallelSpec(SpecModel):
             raise SpecError(f"virtual_stages={self.virtual_stages} splits each stage into model chunks, which only "
                             f"the interleaved schedule runs (pp_schedule={self.pp_schedule.value!r}): use "
                             "pp_schedule='interleaved', or virtual_stages=1")
+        if not self.grad_accum_fusion and self.engine is not Engine.MEGATRON:
+            raise SpecError(f"grad_accum_fusion=False is Megatron's --no-gradient-accumulation-fusion: use "
+                            f"engine='megatron' (engine={self.engine.value!r} has no such option)")
         if self.ddp_bucket_view and self.engine is not Engine.DDP:
             raise SpecError(f"ddp_bucket_view=True is DistributedDataParallel's gradient_as_bucket_view: use "
                             f"engine='ddp' (engine={self.engine.value!r} has its own gradient buffers)")

@@ -55,7 +55,8 @@ class TrainingSpec(SpecModel):
         "base, fp32 adapters) for lora and qlora, as peft users run them")
     fp8: Fp8Recipe = Field(
         default=Fp8Recipe.NONE, description="fp8 matmuls in the transformer blocks' linears (torchao Float8Linear, "
-        "eager): 'tensorwise' or 'rowwise' scaling; precision='fp8' means bf16-true with fp8='tensorwise'")
+        "eager): 'tensorwise' or 'rowwise' scaling; under engine='megatron' Transformer Engine's: 'delayed' or "
+        "'tensorwise' (current scaling); precision='fp8' means bf16-true with fp8='tensorwise'")
     fp8_all_gather: bool = Field(
         default=False, description="FSDP2 all-gathers the fp8-converted weights in fp8 (torchao's "
         "enable_fsdp_float8_all_gather, tensorwise only, as torchtitan's float8 option turns on)")

@@ -79,6 +79,11 @@ class EngineHooks:
     #: FSDP1 with ``use_orig_params=True``: a unit whose FlatParameter trains any parameter computes a
     #: gradient for every parameter in it (they are views of one tensor that requires grad)
     flat_unit_grads: bool = False
+    #: whose fp8 linears the engine runs (`trainmem_nb.engine.ops.Ctx.fp8_kernels`): torchao's, or Transformer Engine's
+    fp8_kernels: str = "torchao"
+    #: Megatron's gradient_accumulation_fusion: linears add their weight gradients into the engine's fp32 buffer
+    #: (`trainmem_nb.engine.tape.Graph.wgrad_fused`)
+    wgrad_fused: bool = False
     #: does `init` lay out the idle weights (`trainmem_nb.model.params.idle_weights`, given to it frozen after
     #: the step's own) as the engine shards them, rather than whole on the rank (FSDP2's root group holds them)
     shards_idle: bool = False
@@ -138,11 +143,12 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1,
                   causal_lm_loss=t.causal_lm_loss.value, fp8=None if t.fp8 is Fp8Recipe.NONE else t.fp8.value,
-                  buffer_dt=hooks.buffer_dtype(t))
+                  buffer_dt=hooks.buffer_dtype(t), fp8_kernels=hooks.fp8_kernels)
     g = Graph()
     g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
     g.bnb_saves_input = t.bnb_saves_input
     g.softmax_saves_input = t.softmax_saves_input
+    g.wgrad_fused = hooks.wgrad_fused
     all_weights = weight_tensors(m, t)
     weights = [w for w in all_weights if on_stage(w[0], m, hooks.first_stage, hooks.last_stage)]
     held = {id(w[0]) for w in weights}

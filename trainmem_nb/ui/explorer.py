@@ -176,8 +176,10 @@ class Explorer:
                                     description="precision"),
             "fp8": w.ToggleButtons(options=[x.value for x in Fp8Recipe], value=t["fp8"], description="fp8",
                                    style={"button_width": "6.5em"},
-                                   tooltips=["16-bit matmuls", "torchao Float8Linear, one scale per tensor",
-                                             "torchao Float8Linear, one scale per row"]),
+                                   tooltips=["16-bit matmuls", "torchao Float8Linear, one scale per tensor (engine "
+                                             "megatron: Transformer Engine's current scaling)",
+                                             "torchao Float8Linear, one scale per row",
+                                             "Transformer Engine's delayed scaling (engine megatron)"]),
             "optimizer": w.Dropdown(options=[o.value for o in OptimizerName], value=t["optimizer"],
                                     description="optimizer"),
             "checkpointing": w.ToggleButtons(options=[(CHECKPOINT_LABELS.get(c.value, c.value), c.value)
@@ -401,9 +403,12 @@ class Explorer:
             elif owner is c["method"]:
                 self._sync_lora()
             elif owner is c["fp8"] and change["new"] != Fp8Recipe.NONE.value:
-                # fp8 is modelled over a bf16 model, or over fp32 shards FSDP2 gathers in bf16 (bf16-mixed)
-                fsdp2 = c["engine"].value == "fsdp" and c["zero"].value >= 2
-                if not (c["precision"].value == Precision.BF16_MIXED.value and fsdp2):
+                if change["new"] == Fp8Recipe.DELAYED.value:  # Transformer Engine's recipe: Megatron's
+                    c["engine"].value = "megatron"
+                # fp8 is modelled over a bf16 model, or over fp32 shards FSDP2 gathers in bf16 (bf16-mixed), or
+                # under Megatron over its 16-bit model (bf16-mixed: fp32 main parameters)
+                mixed_ok = c["engine"].value == "megatron" or (c["engine"].value == "fsdp" and c["zero"].value >= 2)
+                if not (c["precision"].value == Precision.BF16_MIXED.value and mixed_ok):
                     c["precision"].value = Precision.BF16_TRUE.value
                 c["method"].value = Method.FULL.value
             elif owner is c["fp8_all_gather"] and change["new"]:  # FSDP2's, with tensorwise fp8

@@ -58,6 +58,7 @@ from .shape import (
     split,
     topk,
 )
+from .te_fp8 import te_fp8_linear
 
 __all__ = [
     "BOOL", "F16", "F32", "I64", "ONE", "Ctx", "activation", "add", "addmm", "alias_view", "autocast_weight",
@@ -72,4 +73,4 @@ __all__ += ["add_", "clamp", "mul_reduce_cast", "sub"]  # gpt_oss
 __all__ += ["copy_into_new", "expand_view"]  # deepseek_v3
 __all__ += ["index_pairs"]  # sequence classification
 __all__ += ["all_to_all", "index_put_new"]  # expert parallelism
-__all__ += ["fp8_linear"]  # fp8 training
+__all__ += ["fp8_linear", "te_fp8_linear"]  # fp8 training

@@ -32,7 +32,12 @@ class Ctx:
     #: bytes per element of the model's floating buffers where they differ from the weights the layers compute
     #: with (FSDP2's MixedPrecisionPolicy casts the gathered parameters only); None: the weights' dtype
     buffer_dt: int | None = None
+    #: whose fp8 linears (`fp8`): "torchao" (``Float8Linear``, `trainmem_nb.engine.ops.fp8`) or "te" (Transformer
+    #: Engine's under Megatron, `trainmem_nb.engine.ops.te_fp8`)
+    fp8_kernels: str = "torchao"
     wcache: dict[int, T] = field(default_factory=dict)
+    #: Transformer Engine: each input's fp8 cast (the input, its saved transpose), shared by the projections reading it
+    fp8_inputs: dict[int, tuple[T, T]] = field(default_factory=dict)
 
     @property
     def cuda(self) -> bool:

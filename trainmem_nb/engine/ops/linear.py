@@ -45,11 +45,11 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         gx = gw = gb = None
         if w_first and wc.rg:
-            gw = g.alloc(wc.n, wc.dt, f"{label} grad w")
+            gw = weight_grad(g, wc, label)
         if xc.rg:
             gx = g.alloc(xc.n, xc.dt, f"{label} grad x")
         if not w_first and wc.rg:
-            gw = g.alloc(wc.n, wc.dt, f"{label} grad w")
+            gw = weight_grad(g, wc, label)
         if has_bias and bc is not None and bc.rg:
             gb = g.hold(go[0]) if bias_grad_reduced and go[0] is not None else g.alloc(bc.n, bc.dt, f"{label} grad b")
         return [gx, gw] + ([gb] if has_bias else [])
@@ -57,6 +57,17 @@ def linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, 
     g.record(label, ins, [out], saved, bwd)
     g.drop(xc, wc, bc)
     return out
+
+
+def weight_grad(g: Graph, w: T, label: str) -> T | None:
+    """A linear's weight gradient: a new tensor of the weight's size, or, under Megatron's
+    gradient_accumulation_fusion (`Graph.wgrad_fused`), none: the matmul adds into the parameter's fp32
+    ``main_grad`` (megatron/core/tensor_parallel/layers.py ``wgrad_gemm_accum_fp32``; Transformer Engine's
+    ``fuse_wgrad_accumulation``), which counts as that use's gradient."""
+    if g.wgrad_fused and w.is_param:
+        g.param_grad_done(w)
+        return None
+    return g.alloc(w.n, w.dt, f"{label} grad w")
 
 
 def _cached_input_cast(g: Graph, ctx: Ctx, x: T, label: str) -> T:
@@ -174,7 +185,7 @@ def addmm(g: Graph, ctx: Ctx, x: T, w: T, b: T, in_features: int, out_features: 
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
         gx = g.alloc(xc.n, xc.dt, f"{label} grad x") if xc.rg else None
-        gw = g.alloc(wc.n, wc.dt, f"{label} grad w") if wc.rg else None
+        gw = weight_grad(g, wc, label) if wc.rg else None
         gb = g.hold(go[0]) if bc.rg and go[0] is not None else None
         return [gx, gw, gb]
 

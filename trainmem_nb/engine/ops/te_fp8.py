@@ -1,0 +1,77 @@
+"""fp8 linears as Transformer Engine runs them under Megatron-LM (``transformer_engine/pytorch/module/linear.py``
+and ``layernorm_linear.py``, main of 2026-08; Megatron's ``TELinear`` / ``TELayerNormColumnParallelLinear``), on a
+Hopper GPU with the delayed (``DelayedScaling``) or current (``Float8CurrentScaling``) tensorwise recipe.
+
+Unlike torchao's eager ``Float8Linear`` (`trainmem_nb.engine.ops.fp8`), TE keeps fp8 tensors for backward:
+
+- forward: the input is cast to fp8 with both usages (``input_quantizer.set_usage(rowwise=True,
+  columnwise=backward_needs_input)``, linear.py:428-437). On Hopper a ``Float8Tensor``'s column-wise data is a
+  transposed copy (``_transpose``; float8_tensor.py:423-427: only where ``is_non_tn_fp8_gemm_supported()`` is
+  false, so Blackwell keeps one copy), so the cast makes two bytes per element. After the GEMM the row-wise data
+  is discarded (``inputmat.update_usage(rowwise_usage=False, columnwise_usage=True)``, linear.py:616) and the
+  transpose, one byte per element, is what the linear saves: not the 16-bit input.
+- the weight's fp8 copy and its transpose are a workspace cached on the module across micro-batches and steps
+  (``self._fp8_workspaces["weight"]`` when Megatron passes ``is_first_microbatch``, linear.py:1958-2071): a
+  persistent 2 bytes per parameter, which `trainmem_nb.parallel.megatron` holds; the linear saves that workspace.
+- the bias is added in the GEMM's epilogue (no separate add).
+- backward: the output gradient is cast to fp8 with both usages (``grad_output_quantizer.set_usage(rowwise=True,
+  columnwise=True)``, linear.py:905, its bias gradient fused in the cast), the input gradient comes out in 16 bits
+  (``out_dtype=activation_dtype``), and the weight gradient's GEMM adds into Megatron's ``main_grad``
+  (``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``) or makes a 16-bit gradient.
+
+Megatron fuses q, k and v into one ``linear_qkv`` and the gate and up projections into one ``linear_fc1``, each a
+``LayerNormLinear`` whose norm writes the fp8 input directly (``with_quantized_norm``, layernorm_linear.py:244).
+The recipes run them as separate projections on one input, so the input's fp8 cast is made once and shared by
+every projection that reads it (`Ctx.fp8_inputs`); the norm's 16-bit output, which TE never makes, stays a
+transient until those projections have run. Not modelled: the scales (a 4-byte ``scale_inv`` per fp8 tensor and
+the amax history), Blackwell's single copy, and the row-wise copy sequence parallelism keeps for its all-gather.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..tape import Graph, T
+from .core import Ctx
+from .linear import weight_grad
+
+__all__ = ["te_fp8_linear"]
+
+FP8 = 1
+
+
+def te_fp8_linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, b: T | None,
+                  label: str) -> T:
+    """Transformer Engine's fp8 ``Linear(x)``: `x` (tokens, in) in the 16-bit activation dtype, `w` the (out, in)
+    16-bit weight (its fp8 workspace is the engine's, outside the step); the output (tokens, out) in x's dtype,
+    the bias added in the GEMM. Saves the input's fp8 transpose, shared by the projections reading `x`."""
+    dt = x.dt
+    out_n = x.n * (out_features / in_features)
+    xc, wc = g.hold(x), g.hold(w)
+    bc = g.hold(b) if b is not None else None
+    shared = ctx.fp8_inputs.get(id(x))
+    if shared is not None and shared[0] is x and shared[1].freed < 0:  # another projection of x: its cast, reused
+        rowwise = None
+        xt = g.hold(shared[1])
+    else:  # cast_transpose: the row-wise fp8 data and its transpose
+        rowwise = g.alloc(x.n, FP8, f"{label} input fp8")
+        xt = g.alloc(x.n, FP8, f"{label} input fp8 transpose")
+        ctx.fp8_inputs[id(x)] = (x, xt)  # x kept referenced: its id is not reused while the entry stands
+    ins = [xc, wc] + ([bc] if bc is not None else [])
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, dt, label),), "other")
+    g.drop(rowwise)  # update_usage(rowwise_usage=False): the transpose alone is kept
+    has_bias = bc is not None
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        # grad_output_preprocess: the output gradient cast with both usages (its bias gradient fused in)
+        go8 = g.alloc(out_n, FP8, f"{label} grad output fp8")
+        got = g.alloc(out_n, FP8, f"{label} grad output fp8 transpose") if wc.rg else None
+        gb = g.alloc(bc.n, bc.dt, f"{label} grad b") if has_bias and bc is not None and bc.rg else None
+        gx = g.alloc(x.n, dt, f"{label} grad x") if xc.rg else None  # dgrad first (linear.py:1000-1070)
+        gw = weight_grad(g, wc, label) if wc.rg else None  # then wgrad, into main_grad under Megatron's fusion
+        g.drop(go8, got)
+        return [gx, gw] + ([gb] if has_bias else [])
+
+    g.record(label, ins, [out], [xt if wc.rg else None], bwd)
+    g.drop(xc, wc, bc, xt)
+    return out
