@@ -128,3 +128,12 @@ def test_the_loss_toggle_estimates_with_that_loss_or_says_why_not(app: Explorer)
     assert "loss_impl='liger' on gpt2 is not modelled" in app.message
     app.set(loss_impl="standard")
     assert app.message == "" and app.estimate.model.name == "gpt2" and before > 0
+
+
+def test_choosing_transformer_engines_delayed_fp8_runs_it_under_megatron(app: Explorer) -> None:
+    app.set(gpus=2, tp=2)
+    app.controls["fp8"].value = "delayed"  # TE's recipe: the engine follows, the estimate has its workspaces
+    assert app.message == "" and app.controls["engine"].value == "megatron"
+    assert app.estimate.training.fp8.value == "delayed" and app.estimate.detail_bytes["weights/fp8_workspaces"] > 0
+    app.controls["engine"].value = "fsdp"  # torchao has no delayed scaling: said in the UI, the chart kept
+    assert "modelled under engine='megatron'" in app.message

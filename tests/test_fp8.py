@@ -287,6 +287,10 @@ def test_te_fp8_saves_each_linear_input_as_a_one_byte_transpose_instead_of_its_1
     # its 1-byte transpose
     per_token = m.hidden + m.hidden + m.ffn // tp - m.n_heads * m.head_dim // tp
     assert bf16.saved_activations_bytes - fp8.saved_activations_bytes == m.n_layers * tokens * per_token
+    # current scaling: Megatron has o_proj save its original input (attention's output, saved anyway), no fp8 copy
+    current = _te(m, fp8="tensorwise")
+    assert bf16.saved_activations_bytes - current.saved_activations_bytes == m.n_layers * tokens * (
+        m.hidden + m.hidden + m.ffn // tp)
     ckpt = {"checkpointing": "full"}  # only the layers' inputs are kept: nothing for fp8 to change
     assert _te(m, fp8="delayed", **ckpt).saved_activations_bytes == _te(m, **ckpt).saved_activations_bytes
 

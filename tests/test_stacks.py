@@ -158,6 +158,27 @@ def test_old_bitsandbytes_keeps_each_4bit_linears_input_for_backward() -> None:
         "training": tm.estimate(m, bnb_saves_input=True, **lora).to_dict()["training"]}
 
 
+def test_fabrics_qlora_quantizes_the_untied_head_and_from_fp16() -> None:
+    """Lightning Fabric's BitsandbytesPrecision (litgpt) replaces every nn.Linear, the head included
+    (`qlora_head`), and quantizes each from an fp16 copy (`bnb_fp16_state`), so every ``dequantize_4bit`` makes
+    an fp16 weight that MatMul4Bit copies to bf16: two copies of the head at once where there was one."""
+    # a wide head on few tokens: its dequantized copies in backward set the peak
+    m = tm.ModelSpec.model_validate(dict(HEAVY_HEAD, hidden=512, ffn=1024))
+    opts = dict(micro_batch=1, seq_len=64, method="qlora", lora_targets="qv", precision="bf16-true")
+    plain, head = tm.estimate(m, **opts), tm.estimate(m, qlora_head=True, **opts)
+    head_bf16 = round_block(m.vocab * m.hidden * 2)
+    head_nf4 = round_block(m.vocab * m.hidden // 2) + round_block(m.vocab * m.hidden // 64)  # packed + uint8 absmax
+    assert plain.detail_bytes["weights/params"] - head.detail_bytes["weights/params"] >= head_bf16 - 2 * head_nf4
+    both = tm.estimate(m, qlora_head=True, bnb_fp16_state=True, **opts)
+    # the head's backward: the fp16 and bf16 copies together, where the bf16 copy and then the input gradient were
+    grad_x = round_block(64 * m.hidden * 2)
+    assert both.peak_allocated_bytes - head.peak_allocated_bytes == head_bf16 - grad_x
+    assert tm.TrainingSpec(stack="litgpt").qlora_head and tm.TrainingSpec(stack="litgpt").bnb_fp16_state
+    tied = tm.ModelSpec.model_validate(dict(HEAVY_HEAD, tie_embeddings=True))  # an embedding is no Linear
+    assert tm.estimate(tied, qlora_head=True, **opts).to_dict()["detail_bytes"] == \
+        tm.estimate(tied, **opts).to_dict()["detail_bytes"]
+
+
 def test_the_transformers_version_decides_where_the_logits_are_upcast_and_shifted() -> None:
     m = tm.ModelSpec.model_validate(HEAVY_HEAD)
     opts = dict(micro_batch=2, seq_len=256, method="lora", precision="bf16-mixed")

@@ -177,6 +177,9 @@ class Graph:
         #: torch < 1.11: ``softmax`` and ``log_softmax`` keep their input for backward as well as their result
         #: (their derivatives passed ``self`` to ``_softmax_backward_data``: pytorch/pytorch#64000)
         self.softmax_saves_input = False
+        #: QLoRA under Lightning Fabric: the NF4 quantization state is fp16, so ``dequantize_4bit`` makes an fp16
+        #: weight that ``MatMul4Bit`` copies to the compute dtype (`ops.linear_4bit`)
+        self.bnb_fp16_state = False
         #: Megatron's gradient_accumulation_fusion: a linear's weight-gradient matmul adds into the parameter's
         #: fp32 ``main_grad`` (an engine buffer), so the node makes no weight gradient (`ops.linear`)
         self.wgrad_fused = False

@@ -652,11 +652,15 @@ def nf4_bytes(numel: int, double_quant: bool = True) -> float:
     return float(total)
 
 
-def quantized(p: ParamTensor) -> bool:
+def quantized(p: ParamTensor, head: bool = False) -> bool:
     """Does QLoRA quantize `p`? transformers' bitsandbytes integration replaces the ``nn.Linear``
     layers inside the transformer blocks; embeddings, norms and the LM head (``lm_head`` is in
     ``get_keys_to_not_convert``) stay in the model's dtype, as do mixtral's 3-D expert tensors and its
-    router's weight (``MixtralTopKRouter`` is not an nn.Linear in transformers 5)."""
+    router's weight (``MixtralTopKRouter`` is not an nn.Linear in transformers 5). With `head`
+    (`TrainingSpec.qlora_head`: Lightning Fabric's BitsandbytesPrecision replaces every ``nn.Linear``) the
+    untied head's weight too."""
+    if head and p.name == "lm_head.weight":
+        return True
     return ((p.in_layer or p.idle) and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", *_ROUTERS))
             and ".lora_" not in p.name)
 
@@ -668,7 +672,8 @@ def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int
     ``lora_dtype='base'``."""
     full = t.method is Method.FULL
     if t.method is Method.QLORA:
-        qout = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p) else (4 if p.fp32 else t.param_bytes),
+        qout = [(p, nf4_bytes(p.numel, t.qlora_double_quant) / p.numel if quantized(p, t.qlora_head)
+                 else (4 if p.fp32 else t.param_bytes),
                  False) for p in param_inventory(m)]
         qout += [(p, t.adapter_bytes, True) for p in lora_inventory(m, t.lora_targets, t.lora_rank)]
         # NF4 weights' bytes per element are fractional: the tape's `dt` is typed int (a float works at run time)

@@ -11,7 +11,7 @@ from ..engine.program import Segment
 from ..engine.tape import Graph, Sz, T, const
 from ..model.spec import ModelSpec
 from ..recipes.base import fp8_weight
-from ..spec.choices import Fp8Recipe
+from ..spec.choices import Device, Fp8Recipe
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.optimizers import flat_state_bytes
@@ -20,6 +20,32 @@ from .ranks import _partition, _trainable
 #: bytes per parameter of a Transformer Engine fp8 weight workspace on Hopper: the row-wise fp8 data and its
 #: transpose (transformer_engine/pytorch/tensor/float8_tensor.py:423-427, ``_data`` and ``_transpose``)
 TE_FP8_WEIGHT_BYTES = 2
+#: Transformer Engine's own cuBLAS workspace, made at its first GEMM and cached (transformer_engine/pytorch/
+#: cpp_extensions/gemm.py:40-67, ``get_cublas_workspace``: "32 MiB if using hopper", plus 1024 B)
+TE_CUBLAS_WORKSPACE_BYTES = 32 * 1024 * 1024 + 1024
+
+
+def dummy_wgrad_shapes(m: ModelSpec, weights: list[Any], last_stage: bool) -> set[tuple[int, int]]:
+    """The weight shapes for which gradient_accumulation_fusion leaves a "dummy" gradient on the GPU: with
+    Megatron's DDP every parameter has ``grad_added_to_main_grad``, so a fused linear returns
+    ``get_dummy_wgrad(shape, dtype)``, a tensor cached per shape and never freed (transformer_engine/pytorch/
+    module/linear.py:1354-1375, base.py:134-148; the output layer's: megatron/core/tensor_parallel/layers.py:733-762).
+    Megatron's layers fuse the projections of one block that read the same input (``linear_qkv``, ``linear_fc1``):
+    within the attention or the MLP, the trained linear weights of one input width are one weight."""
+    shapes: set[tuple[int, int]] = set()
+    for kind in {p.kind for p, _dt, _train in weights if p.in_layer}:
+        fused: dict[tuple[str, int], int] = {}
+        for p, _dt, train in weights:
+            if not (train and p.in_layer and p.kind == kind and p.matmul and len(p.shape) == 2
+                    and p.name.endswith(".weight") and ".lora_" not in p.name):
+                continue
+            block = "attn" if ("attn" in p.name or "attention" in p.name) else "mlp"
+            fused[(block, p.shape[1])] = fused.get((block, p.shape[1]), 0) + p.shape[0]
+        shapes.update((rows, cols) for (_block, cols), rows in fused.items())
+    head = (m.vocab, m.hidden)  # the output layer's weight: its own or the shared embedding's
+    if last_stage and any(train and not p.in_layer and p.shape == head for p, _dt, train in weights):
+        shapes.add(head)
+    return shapes
 
 
 @dataclass(frozen=True)
@@ -60,6 +86,11 @@ class MegatronHooks(EngineHooks):
                     for p, _dt, _train in weights if fp8_weight(p, m, te=True)]
         n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
         out.append(("gradients", const(4 * n_train), 1))  # the contiguous fp32 grad buffer
+        if self.wgrad_fused:  # the cached dummy weight gradients, one per shape, from the first backward
+            out += [("gradients", const(rows * cols * self.model_dt), 1)
+                    for rows, cols in sorted(dummy_wgrad_shapes(m, weights, self.last_stage))]
+        if t.device is Device.CUDA:  # the layers' GEMMs are Transformer Engine's (--transformer-impl's default)
+            out.append(("overhead/workspaces", const(TE_CUBLAS_WORKSPACE_BYTES), 1))
         if not t.first_step:  # fp32 main parameters and the optimizer's state, on the rank's partition
             per = (4 if t.optimizer.value != "none" else 0) + flat_state_bytes(t)
             if per:

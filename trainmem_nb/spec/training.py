@@ -111,6 +111,12 @@ class TrainingSpec(SpecModel):
         "them between steps (torch < 2.0's default)")
     bnb_saves_input: bool = Field(
         default=False, description="QLoRA: bitsandbytes' MatMul4Bit saves its input for backward (bitsandbytes < 0.43.2)")
+    qlora_head: bool = Field(
+        default=False, description="QLoRA quantizes the output head too (Lightning Fabric's BitsandbytesPrecision "
+        "replaces every nn.Linear, as litgpt runs it; transformers keeps lm_head in 16 bits); a tied head stays 16-bit")
+    bnb_fp16_state: bool = Field(
+        default=False, description="QLoRA: the NF4 weights were quantized from an fp16 copy (Fabric's BitsandbytesPrecision), "
+        "so each dequantize_4bit makes an fp16 weight that MatMul4Bit then copies to the compute dtype")
     softmax_saves_input: bool = Field(
         default=False, description="softmax and log_softmax keep their input for backward besides their result "
         "(torch < 1.11)")
@@ -139,7 +145,8 @@ class TrainingSpec(SpecModel):
 
     #: The options a stack may set (`trainmem_nb.spec.stack`); the others are the user's alone.
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
-        "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input",
+        "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input", "qlora_head",
+        "bnb_fp16_state",
         "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params",
         "sync_module_states", "adafactor", "softmax_saves_input", "qlora_quant_storage", "optimizer_impl"})
 

@@ -148,6 +148,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
     g.bnb_saves_input = t.bnb_saves_input
     g.softmax_saves_input = t.softmax_saves_input
+    g.bnb_fp16_state = t.bnb_fp16_state
     g.wgrad_fused = hooks.wgrad_fused
     all_weights = weight_tensors(m, t)
     weights = [w for w in all_weights if on_stage(w[0], m, hooks.first_stage, hooks.last_stage)]
@@ -185,6 +186,8 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
                 unit_params[units[i]].append(layer_params[i][short])
         else:
             other[p.name] = g.param(const(p.numel), dt, p.name, trainable or "root" in trains)
+            if t.method is Method.QLORA and quantized(p, t.qlora_head):  # the head, where the stack quantizes it
+                other[p.name].nf4 = 4 if t.precision is Precision.FP32 else 2
             unit_params["root"].append(other[p.name])
     g.unit_params = unit_params
     g.repeated_units, g.repeats = frozenset(units[plan.block[0]:plan.block[1]]), plan.reps

@@ -94,7 +94,7 @@ def _loading_events(m: ModelSpec, t: TrainingSpec, shard: float, expert_shard: f
     for p, pdt in weights:
         for _ in range(p.count):
             numel = max(1, int(p.numel * (expert_shard if routed_expert(p) else shard)))
-            if qlora and quantized(p):
+            if qlora and quantized(p, t.qlora_head):
                 w16 = malloc(numel * 2)  # the checkpoint's 16-bit weight, moved to the GPU
                 blocks = -(-numel // NF4_BLOCK)
                 malloc(-(-numel // 2), keep=True)  # packed 4-bit values

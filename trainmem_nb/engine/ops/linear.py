@@ -98,13 +98,13 @@ def linear_4bit(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T 
     xc = cast(g, x, cdt, f"{label} input to compute dtype")
     ins = [xc] + ([b] if b is not None else [])
     g.before_outputs(ins, [None])
-    deq = g.alloc(const(in_features * out_features), cdt, f"{label} dequantize_4bit")
+    deq = _dequantize_4bit(g, in_features * out_features, cdt, f"{label} dequantize_4bit")
     (out,) = g.sac_outputs(lambda: (g.alloc(xc.n * (out_features / in_features), cdt, label),), "mm")
     g.drop(deq)
     n_in = xc.n
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        deq_b = g.alloc(const(in_features * out_features), cdt, f"{label} dequantize_4bit (backward)")
+        deq_b = _dequantize_4bit(g, in_features * out_features, cdt, f"{label} dequantize_4bit (backward)")
         gx = g.alloc(n_in, cdt, f"{label} grad x")
         g.drop(deq_b)
         return [gx] + ([None] if b is not None else [])
@@ -116,6 +116,18 @@ def linear_4bit(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T 
     res = cast(g, out, x.dt, f"{label} output to input dtype")
     g.drop(out)
     return res
+
+
+def _dequantize_4bit(g: Graph, numel: int, cdt: int, label: str) -> T:
+    """``F.dequantize_4bit(B, quant_state).to(A.dtype)``: a weight in the quantization state's dtype, copied to the
+    compute dtype where they differ (`Graph.bnb_fp16_state`: Fabric quantized an fp16 copy, the compute dtype is
+    bf16), the first copy freed once the second exists (bitsandbytes 0.42.0 autograd/_functions.py:516, 546)."""
+    deq = g.alloc(const(numel), 2 if g.bnb_fp16_state else cdt, label)
+    if not g.bnb_fp16_state:
+        return deq
+    out = g.alloc(const(numel), cdt, f"{label} to compute dtype")
+    g.drop(deq)
+    return out
 
 
 def embedding(g: Graph, ids: T, w: T, tokens_n: Sz, label: str = "embedding") -> T:

@@ -19,12 +19,19 @@ Unlike torchao's eager ``Float8Linear`` (`trainmem_nb.engine.ops.fp8`), TE keeps
   (``out_dtype=activation_dtype``), and the weight gradient's GEMM adds into Megatron's ``main_grad``
   (``fuse_wgrad_accumulation=config.gradient_accumulation_fusion``) or makes a 16-bit gradient.
 
+With a recipe other than delayed scaling Megatron has the attention's output projection save its original
+16-bit input, which attention saves anyway (``set_save_original_input(self.linear_proj)``, megatron/core/
+transformer/attention.py:428-444, TE >= 2.6): its input is cast row-wise only for the GEMM, and again, with its
+transpose, in backward (linear.py:960-970).
+
 Megatron fuses q, k and v into one ``linear_qkv`` and the gate and up projections into one ``linear_fc1``, each a
-``LayerNormLinear`` whose norm writes the fp8 input directly (``with_quantized_norm``, layernorm_linear.py:244).
-The recipes run them as separate projections on one input, so the input's fp8 cast is made once and shared by
-every projection that reads it (`Ctx.fp8_inputs`); the norm's 16-bit output, which TE never makes, stays a
-transient until those projections have run. Not modelled: the scales (a 4-byte ``scale_inv`` per fp8 tensor and
-the amax history), Blackwell's single copy, and the row-wise copy sequence parallelism keeps for its all-gather.
+``LayerNormLinear`` whose norm writes the fp8 input directly (``with_quantized_norm``, layernorm_linear.py:244;
+under current scaling the kernel makes a 16-bit output first and frees it before the GEMM). The recipes run them
+as separate projections on one input, so the input's fp8 cast is made once and shared by every projection that
+reads it (`Ctx.fp8_inputs`), its row-wise data freed after the first of them (TE frees it after the one fused
+GEMM); the norm's 16-bit output stays a transient until those projections have run. Not modelled: the scales (a
+4-byte ``scale_inv`` per fp8 tensor and the amax history), Blackwell's single copy, and the all-gathered
+row-wise copy under sequence parallelism (forward) and its re-gather and transpose (backward).
 """
 
 from __future__ import annotations
@@ -35,16 +42,26 @@ from ..tape import Graph, T
 from .core import Ctx
 from .linear import weight_grad
 
-__all__ = ["te_fp8_linear"]
+__all__ = ["saves_original_input", "te_fp8_linear"]
 
 FP8 = 1
+
+
+def saves_original_input(module: str, recipe: str | None) -> bool:
+    """Does Megatron's fp8 linear `module` (its name in the layer) save its 16-bit input rather than an fp8 copy:
+    the attention's output projection under any recipe but delayed scaling."""
+    attention = "attn" in module or "attention" in module
+    return recipe not in (None, "delayed") and attention and module.endswith(("o_proj", "out_proj", "dense", "c_proj"))
 
 
 def te_fp8_linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, b: T | None,
                   label: str) -> T:
     """Transformer Engine's fp8 ``Linear(x)``: `x` (tokens, in) in the 16-bit activation dtype, `w` the (out, in)
     16-bit weight (its fp8 workspace is the engine's, outside the step); the output (tokens, out) in x's dtype,
-    the bias added in the GEMM. Saves the input's fp8 transpose, shared by the projections reading `x`."""
+    the bias added in the GEMM. Saves the input's fp8 transpose, shared by the projections reading `x`, or the
+    input itself where Megatron has the layer save its original input (`saves_original_input`)."""
+    if saves_original_input(label, ctx.fp8):
+        return _original_input_linear(g, x, w, in_features, out_features, b, label)
     dt = x.dt
     out_n = x.n * (out_features / in_features)
     xc, wc = g.hold(x), g.hold(w)
@@ -67,11 +84,44 @@ def te_fp8_linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features
         go8 = g.alloc(out_n, FP8, f"{label} grad output fp8")
         got = g.alloc(out_n, FP8, f"{label} grad output fp8 transpose") if wc.rg else None
         gb = g.alloc(bc.n, bc.dt, f"{label} grad b") if has_bias and bc is not None and bc.rg else None
-        gx = g.alloc(x.n, dt, f"{label} grad x") if xc.rg else None  # dgrad first (linear.py:1000-1070)
+        gx = g.alloc(x.n, dt, f"{label} grad x") if xc.rg else None  # dgrad first (linear.py:1086-1098)
         gw = weight_grad(g, wc, label) if wc.rg else None  # then wgrad, into main_grad under Megatron's fusion
         g.drop(go8, got)
         return [gx, gw] + ([gb] if has_bias else [])
 
     g.record(label, ins, [out], [xt if wc.rg else None], bwd)
     g.drop(xc, wc, bc, xt)
+    return out
+
+
+def _original_input_linear(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T | None,
+                           label: str) -> T:
+    """`te_fp8_linear` with ``save_original_input=True``: the input cast row-wise for the forward GEMM and freed,
+    the 16-bit input saved; backward casts it again, row-wise and transposed, for the weight gradient."""
+    dt = x.dt
+    out_n = x.n * (out_features / in_features)
+    xc, wc = g.hold(x), g.hold(w)
+    bc = g.hold(b) if b is not None else None
+    rowwise = g.alloc(x.n, FP8, f"{label} input fp8")
+    ins = [xc, wc] + ([bc] if bc is not None else [])
+    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, dt, label),), "other")
+    g.drop(rowwise)
+    has_bias = bc is not None
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        go8 = g.alloc(out_n, FP8, f"{label} grad output fp8")
+        got = g.alloc(out_n, FP8, f"{label} grad output fp8 transpose") if wc.rg else None
+        gb = g.alloc(bc.n, bc.dt, f"{label} grad b") if has_bias and bc is not None and bc.rg else None
+        gx = g.alloc(x.n, dt, f"{label} grad x") if xc.rg else None
+        gw = None
+        if wc.rg:  # the saved input cast again for the weight gradient's GEMM
+            x8 = g.alloc(x.n, FP8, f"{label} input fp8 (backward)")
+            xt = g.alloc(x.n, FP8, f"{label} input fp8 transpose (backward)")
+            gw = weight_grad(g, wc, label)
+            g.drop(x8, xt)
+        g.drop(go8, got)
+        return [gx, gw] + ([gb] if has_bias else [])
+
+    g.record(label, ins, [out], [xc if wc.rg else None], bwd)
+    g.drop(xc, wc, bc)
     return out
