@@ -145,6 +145,10 @@ def layouts(draw: st.DrawFn, m: ModelSpec) -> dict:
         offload = draw(st.sampled_from(["none", "optimizer+params"]))
     layout = dict(gpus=tp * pp * cp * dp, tp=tp, pp=pp, cp=cp, engine=engine, zero=zero, offload=offload,
                   sp=tp > 1 and draw(st.booleans()))
+    if engine == "megatron":
+        layout["grad_accum_fusion"] = draw(st.booleans())
+        if not m.is_moe and draw(st.booleans()):  # Transformer Engine's fp8 (`_fp8_training` makes it runnable)
+            layout["fp8"] = draw(st.sampled_from(["delayed", "tensorwise"]))
     if pp > 1:
         schedule = draw(st.sampled_from(["1f1b", "gpipe", "interleaved"]))
         if schedule == "interleaved" and m.n_layers % (2 * pp) == 0:
@@ -170,6 +174,15 @@ parallel_trainings = st.fixed_dictionaries({
 PARALLEL_SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+def _fp8_training(opts: dict, layout: dict) -> dict:
+    """`opts` where `layout` trains in fp8: a full fine-tune of a 16-bit model, checkpointing none or full, on the
+    CPU device (CUDA's fp8 matmuls need a multiple of 16 tokens, which the shapes drawn here seldom are)."""
+    if "fp8" not in layout:
+        return opts
+    ck = opts["checkpointing"] if opts["checkpointing"] in ("none", "full") else "none"
+    return {**opts, "precision": "bf16-mixed", "method": "full", "checkpointing": ck, "device": "cpu"}
+
+
 def _or_refused(m: ModelSpec, opts: dict) -> tm.MemoryEstimate | None:
     """The estimate, or None when the layout checks refuse the combination (with a SpecError: any
     other exception fails the test)."""
@@ -178,7 +191,7 @@ def _or_refused(m: ModelSpec, opts: dict) -> tm.MemoryEstimate | None:
     except SpecError as exc:
         event(f"refused: {str(exc)[:40]}")
         return None
-    event("estimated")
+    event("estimated" + (" with fp8" if opts.get("fp8") else ""))
     return e
 
 
@@ -201,8 +214,8 @@ def test_every_parallel_layout_gives_self_consistent_per_rank_numbers(data: st.D
     and never shows a negative category; the saved activations stay within the peak; reserved covers
     allocated and the device total covers reserved; each headline figure is the worst rank's; and the
     JSON contract is deterministic."""
-    opts = _runnable(m, opts)
     layout = data.draw(layouts(m))
+    opts = _fp8_training(_runnable(m, opts), layout)
     s = 2 * layout["cp"] * k  # context parallelism needs 2 * cp equal chunks of each sequence
     if layout["cp"] > 1 and data.draw(st.booleans()):  # one that does not divide is refused, clearly
         with pytest.raises(SpecError, match=r"cp=\d+ needs seq_len divisible by 2\*cp"):
@@ -236,8 +249,8 @@ def test_every_parallel_layouts_allocated_peak_is_monotone_in_batch_and_sequence
     """A larger micro-batch or a longer sequence never lowers the allocated peak or the saved activations
     of a parallel layout. Reserved bytes need not follow (the caching allocator's replay: a larger batch can
     fragment less), but never fall below the smaller step's allocated peak."""
-    opts = _runnable(m, opts)
     layout = data.draw(layouts(m))
+    opts = _fp8_training(_runnable(m, opts), layout)
     chunk = 2 * layout["cp"]
     base = _or_refused(m, dict(micro_batch=b, seq_len=chunk * k, **opts, **layout))
     if base is None:
