@@ -8,9 +8,10 @@ bytes, the peak over repetitions is at the first or the last one. `timeline` dra
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import accumulate, chain, pairwise
+from itertools import accumulate, pairwise
 from operator import itemgetter
 from typing import NamedTuple
 
@@ -118,6 +119,9 @@ class Program:
     #: coefficient), and those segments with several-term events (`_prefix_terms`, filled on demand)
     prefix: dict[int, tuple[tuple[tuple[int, int, float, int], ...], tuple[int, ...]]] = field(
         init=False, repr=False, compare=False)
+    #: per segment, each several-term event as (category, its block's place in the segment, its index in the
+    #: block): where `evaluate`'s per-block sizes hold it
+    general_at: tuple[tuple[tuple[int, int, int], ...], ...] = field(init=False, repr=False, compare=False)
     #: one table of signed, rounded event sizes for the whole program (`evaluate` fills it once per batch
     #: shape): the distinct one-term sizes (monomial index, coefficient), the distinct (size, sign) slots
     #: built from them, then the several-term events (size, sign); each distinct block picks its events'
@@ -142,11 +146,15 @@ class Program:
         unique: dict[tuple[object, ...], int] = {}
         block_segments: list[Segment] = []
         blocks: list[tuple[int, ...]] = []
+        general_at: list[tuple[tuple[int, int, int], ...]] = []
         for seg in self.segments:
             if seg.repeat <= 0 or not seg.events:
                 blocks.append(())
+                general_at.append(())
                 continue
             edges = [0, *sorted(c for c in set(seg.cuts) if 0 < c < len(seg.events)), len(seg.events)]
+            general_at.append(tuple((seg.events[e][0], p, e - edges[p])
+                                    for e in seg.general for p in [bisect_right(edges, e) - 1]))
             ids = []
             for a, z in pairwise(edges):
                 part = seg.events[a:z]
@@ -181,6 +189,7 @@ class Program:
         object.__setattr__(self, "init_fixed", tuple(fixed))
         object.__setattr__(self, "init_shaped", tuple(shaped))
         object.__setattr__(self, "prefix", {})
+        object.__setattr__(self, "general_at", tuple(general_at))
 
 
 def _picker(index: list[int]) -> Callable[[list[float]], tuple[float, ...]]:
@@ -381,19 +390,23 @@ def _breakdown_at(prog: Program, init: list[int], all_sizes: list[list[tuple[flo
         for cat, i, c, n in terms:  # the segments before the peak's, summed (`_prefix_terms`)
             cats[cat] += n * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
         for j in general:
-            seg, parts = prog.segments[j], all_sizes[j]
-            sizes = parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
-            for e in seg.general:
-                cats[seg.events[e][0]] += sizes[e] * seg.repeat
+            parts, n = all_sizes[j], prog.segments[j].repeat
+            for cat, p, off in prog.general_at[j]:
+                cats[cat] += parts[p][off] * n
         seg, parts = prog.segments[si], all_sizes[si]
-        sizes = () if not parts else parts[0] if len(parts) == 1 else tuple(chain.from_iterable(parts))
         if reps and parts:
             for cat, i, c, k in seg.net:
                 cats[cat] += k * -(-(c * mono[i]) // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES * reps
-            for e in seg.general:
-                cats[seg.events[e][0]] += sizes[e] * reps
-        for (cat, _, _, _), d in zip(seg.events[: ei + 1], sizes[: ei + 1], strict=True):
-            cats[cat] += d
+            for cat, p, off in prog.general_at[si]:
+                cats[cat] += parts[p][off] * reps
+        start = 0  # the events up to the peak, block by block
+        for part in parts:
+            if start > ei:
+                break
+            upto = part[: ei + 1 - start]
+            for (cat, _, _, _), d in zip(seg.events[start:start + len(upto)], upto, strict=True):
+                cats[cat] += d
+            start += len(part)
     return {DETAIL_KEYS[i]: int(v) for i, v in enumerate(cats) if v}
 
 
