@@ -42,12 +42,13 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
             "grows with the GPU count")
     if t.fp8.value != "none" and p is not None and p.engine is Engine.MEGATRON:
         recipe = "DelayedScaling" if t.fp8.value == "delayed" else "Float8CurrentScaling"
+        proj = ("the attention's output projection saves its 16-bit input (Megatron's set_save_original_input)"
+                if t.fp8.value != "delayed" else "the attention output stays saved by attention as well")
         notes.append(f"fp8={t.fp8.value!r} under Megatron is Transformer Engine's {recipe} on a Hopper GPU: each block "
                      "linear keeps an fp8 copy of its weight and its transpose across micro-batches (2 bytes a "
                      "parameter, weights/fp8_workspaces) and saves its input as a 1-byte fp8 transpose instead of "
-                     "the 16-bit input (the attention output stays saved by attention as well); Blackwell keeps one "
-                     "copy instead of two, and --fp8-param-gather (fp8 parameters, no 16-bit weights) is not "
-                     "modelled")
+                     f"the 16-bit input ({proj}); Blackwell keeps one copy instead of two, and --fp8-param-gather "
+                     "(fp8 parameters, no 16-bit weights) is not modelled")
     elif t.fp8.value != "none":
         if m.family is Family.GPT2:
             notes.append(f"fp8={t.fp8.value!r} on gpt2: its projections are Conv1D, not nn.Linear, which torchao's "

@@ -173,11 +173,13 @@ class MemoryEstimate:
     def _headline(self) -> str:
         t = self.training
         impl = t.resolved_optimizer_impl.value if t.optimizer.value != "none" else ""
+        if impl and self.parallel.engine.value == "megatron":  # its distributed optimizer's own (fused) kernels
+            impl = "Megatron's"
         opt = f"{t.optimizer.value} ({impl})" if impl else t.optimizer.value
         method = "" if t.method.value == "full" else f", {t.method.value} r={t.lora_rank} on {t.lora_targets}"
         return (
             f"{self.model.name}: {format_count(self.n_params)} parameters ({format_count(self.n_trainable_params)} "
-            f"trained{method}), {t.precision.value}{_fp8_words(t.fp8.value)}, {opt}, "
+            f"trained{method}), {t.precision.value}{_fp8_words(t.fp8.value, self.parallel.engine.value)}, {opt}, "
             f"micro-batch {t.micro_batch} x {t.seq_len} tokens, "
             f"checkpointing {t.checkpointing.value}, {t.attention.value} attention, device {t.device.value}"
             f"{_LOSS_NOTES[runs_loss(self.model, t).value].format(chunks=t.loss_chunks)}"
@@ -306,7 +308,11 @@ _LOSS_NOTES: dict[str, str] = {
 }
 
 
-def _fp8_words(recipe: str) -> str:
-    """The headline's words for fp8 training (`TrainingSpec.fp8`): nothing without it."""
-    return "" if recipe == "none" else f" with {recipe} fp8 matmuls (torchao Float8Linear, eager)"
+def _fp8_words(recipe: str, engine: str) -> str:
+    """The headline's words for fp8 training (`TrainingSpec.fp8`): nothing without it; whose linears run it (Megatron
+    runs Transformer Engine's, the other engines torchao's)."""
+    if recipe == "none":
+        return ""
+    kernels = "Transformer Engine" if engine == "megatron" else "torchao Float8Linear, eager"
+    return f" with {recipe} fp8 matmuls ({kernels})"
 
