@@ -329,6 +329,8 @@ def test_te_fp8_is_explained_in_the_notes_and_exported_with_megatrons_flags(tmp_
 
     est = _te(SMALL, fp8="delayed")
     assert "Transformer Engine's DelayedScaling" in est.summary()
+    assert "with delayed fp8 matmuls (Transformer Engine), adamw (Megatron's)" in est.summary()
+    assert "saves its 16-bit input" in _te(SMALL, fp8="tensorwise").summary()  # linear_proj's original input
     written = write_launch_files(est, tmp_path / "out")
     assert "--fp8-recipe delayed" in written[0].read_text()
 
