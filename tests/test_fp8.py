@@ -335,6 +335,12 @@ def test_te_fp8_is_explained_in_the_notes_and_exported_with_megatrons_flags(tmp_
     assert "--fp8-recipe delayed" in written[0].read_text()
 
 
+def test_a_blackwell_fit_notes_that_te_keeps_one_fp8_copy_of_each_weight() -> None:
+    est = tm.estimate("llama-3.2-1b", micro_batch=1, seq_len=1024, fp8="delayed", parallel=MEGATRON_TP2)
+    assert any("Transformer Engine keeps one fp8 copy" in n for n in tm.fit(est, "B200").notes)
+    assert not any("Transformer Engine keeps one fp8 copy" in n for n in tm.fit(est, "H100").notes)
+
+
 def test_the_cli_takes_te_fp8_under_megatron(capsys: pytest.CaptureFixture[str]) -> None:
     from trainmem_nb.cli.main import main
 

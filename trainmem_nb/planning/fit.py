@@ -109,6 +109,11 @@ def _fit_notes(est: MemoryEstimate, g: GPU, headroom: float = DEFAULT_HEADROOM) 
     if t.fp8.value != "none" and not g.supports_fp8:
         notes.append(f"{g.name} has no fp8 tensor cores: torch._scaled_mm needs compute capability 8.9 or later "
                      "(Ada, Hopper, Blackwell); train with fp8='none' on it")
+    workspaces = int(est.detail_bytes.get("weights/fp8_workspaces", 0))
+    if workspaces and g.architecture.lower().startswith("blackwell"):
+        # transformer_engine/pytorch/tensor/float8_tensor.py:423-427: no transpose where non-TN fp8 GEMMs exist
+        notes.append(f"{g.name} is a Blackwell GPU: Transformer Engine keeps one fp8 copy of each weight, not a copy and "
+                     f"its transpose as on Hopper, which the estimate counts ({format_bytes(workspaces // 2)} less)")
     if t.device.value != "cuda":
         notes.append(f"the estimate is for device='{t.device.value}': no CUDA context or allocator cache counted; "
                      "use device='cuda' to plan a GPU")
