@@ -9,6 +9,7 @@ from typing import Any
 
 from ..engine.program import Segment
 from ..engine.tape import Graph, Sz, T, const
+from ..model.params import quantized
 from ..model.spec import ModelSpec
 from ..recipes.base import fp8_weight
 from ..spec.choices import Device, Fp8Recipe
@@ -36,8 +37,7 @@ def dummy_wgrad_shapes(m: ModelSpec, weights: list[Any], last_stage: bool) -> se
     for kind in {p.kind for p, _dt, _train in weights if p.in_layer}:
         fused: dict[tuple[str, int], int] = {}
         for p, _dt, train in weights:
-            if not (train and p.in_layer and p.kind == kind and p.matmul and len(p.shape) == 2
-                    and p.name.endswith(".weight") and ".lora_" not in p.name):
+            if not (train and p.kind == kind and quantized(p) and not p.idle):  # a layer's nn.Linear weight
                 continue
             block = "attn" if ("attn" in p.name or "attention" in p.name) else "mlp"
             fused[(block, p.shape[1])] = fused.get((block, p.shape[1]), 0) + p.shape[0]
