@@ -145,8 +145,8 @@ _LITGPT_QLORA_GAP = (
     "is far below the bf16->NF4 weight saving (~9.3 GB). Cause not found: litgpt's max_memory_allocated is never "
     "reset, but loading (lightning's BitsandbytesPrecision quantizes layer by layer on creation and on load: about "
     "4.4 GB for llama-2-7b, 6.7 GB for llama-3-8b) and validation under no_grad peak below the step (litgpt "
-    "e5493986 finetune/lora.py, lightning 2024-04 plugins/precision/bitsandbytes.py); the modelled QLoRA "
-    "mechanisms (MatMul4Bit's kept inputs, the NF4 head and its fp16 dequantization) close under a point each"
+    "e5493986 finetune/lora.py, lightning 2024-04 plugins/precision/bitsandbytes.py); Fabric's NF4 head and its fp16 "
+    "dequantization, now modelled, moved the rows 0.7-2.5 points closer (MatMul4Bit's kept inputs were already)"
 )
 LITGPT = [
     Published(
