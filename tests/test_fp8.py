@@ -306,6 +306,11 @@ def test_te_fp8_shares_one_cast_of_an_input_among_the_projections_that_read_it()
     # q, k and v read one norm output (Megatron's fused linear_qkv), gate and up another (linear_fc1)
     assert casts == {f"{mod} input fp8 transpose" for mod in ("self_attn.q_proj", "self_attn.o_proj",
                                                                 "mlp.gate_proj", "mlp.down_proj")}
+    # the fused GEMM's row-wise input lives until the group's whole output is made: v_proj's, up_proj's
+    forward = [(k, label) for seg in compile_step(SMALL, program_key(t, SMALL), hooks).segments
+               if seg.phase == "forward" for _c, k, _sz, label in seg.events]
+    for first, last in (("self_attn.q_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+        assert forward.index((1, last)) < forward.index((-1, f"{first} input fp8"))
     assert not any(label.endswith((" amax", " scaled")) for label in labels)  # none of torchao's cast chains
 
 

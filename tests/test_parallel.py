@@ -1063,7 +1063,8 @@ def test_megatrons_fused_wgrads_leave_one_cached_dummy_gradient_per_fused_weight
     m = ModelSpec(family="llama", n_layers=3, hidden=256, n_heads=4, n_kv_heads=2, ffn=512, vocab=1024)
     tp, hd = 2, 64
     q, kv, f, v = 4 * hd // tp, 2 * hd // tp, 512 // tp, 1024 // tp  # a rank's slices
-    shapes = [(q + 2 * kv, 256), (256, q), (2 * f, 256), (256, f), (v, 256)]
+    # linear_qkv and linear_fc2 are both (256, 256), linear_fc1 and the output layer both (512, 256): one each
+    shapes = {(q + 2 * kv, 256), (256, q), (2 * f, 256), (256, f), (v, 256)}
     opts = dict(micro_batch=1, seq_len=128, gpus=2, engine="megatron", tp=tp)
     fused, unfused = tm.estimate(m, **opts), tm.estimate(m, grad_accum_fusion=False, **opts)
     dummies = sum(2 * r * c for r, c in shapes)
@@ -1073,6 +1074,17 @@ def test_megatrons_fused_wgrads_leave_one_cached_dummy_gradient_per_fused_weight
         tm.estimate(m, grad_accum_fusion=False, **lora).detail_bytes["gradients"]
     fsdp = tm.estimate(m, micro_batch=1, seq_len=128, gpus=2, engine="fsdp", zero=3)
     assert fused.detail_bytes["overhead/workspaces"] - fsdp.detail_bytes["overhead/workspaces"] == (32 << 20) + 1024
+
+
+def test_megatrons_dummy_gradients_follow_its_fused_linears_not_the_widths_of_their_inputs() -> None:
+    """Without tensor parallelism linear_proj reads the attention's output, as wide as the hidden states that
+    linear_qkv reads, yet is a linear of its own, and its (256, 256) weight has linear_fc1's shape, whose cached
+    dummy gradient both share."""
+    m = ModelSpec(family="llama", n_layers=2, hidden=256, n_heads=4, n_kv_heads=2, ffn=128, vocab=1024)
+    shapes = {(256 + 2 * 128, 256), (256, 256), (256, 128), (1024, 256)}  # qkv, proj and fc1, fc2, output layer
+    opts = dict(micro_batch=1, seq_len=128, gpus=2, engine="megatron")
+    fused, unfused = tm.estimate(m, **opts), tm.estimate(m, grad_accum_fusion=False, **opts)
+    assert fused.detail_bytes["gradients"] - unfused.detail_bytes["gradients"] == sum(2 * r * c for r, c in shapes)
 
 
 GEMMA3_VISION = dict(family="gemma3", n_layers=2, hidden=128, n_heads=4, n_kv_heads=2, head_dim=32, ffn=256, vocab=500,

@@ -8,6 +8,7 @@ import pytest
 
 from trainmem_nb.model.params import count_params
 from trainmem_nb.model.presets import get_model, get_preset, list_presets
+from trainmem_nb.model.spec import ModelSpec
 
 REQUIRED = ["gpt2", "llama-2-7b", "llama-2-13b", "llama-2-70b", "llama-3-8b", "mistral-7b", "mixtral-8x7b",
             "qwen2.5-7b", "gemma-2b", "phi-3-mini", "pythia-1.4b", "tinyllama-1.1b", "bert-large"]
@@ -86,3 +87,27 @@ def test_parameter_count_equals_transformers_built_on_meta(preset) -> None:  # t
             n *= d
         total += n
     assert count_params(get_model(preset.name)) == total
+
+
+def test_each_familys_named_projections_are_modules_of_its_presets() -> None:
+    """The family description names modules by their place in a layer (the attention's output projection, the
+    projections a Megatron-style layer fuses, ``lora_targets='qv'``): each must be a linear of the family's
+    presets, or a typo would silently leave a mechanism off."""
+    from trainmem_nb.model.families import DESCRIPTIONS
+    from trainmem_nb.model.params import param_inventory
+
+    modules: dict[str, set[str]] = {}
+    for preset in list_presets():
+        m = get_model(preset.name)
+        # a mixture-of-experts model's dense layers (mlp_only_layers, first_k_dense_replace) hold a dense MLP;
+        # multi-head latent attention without a low-rank q (q_lora_rank null) has a plain q_proj
+        variants = [{"dense_layers": (0,)}] * bool(m.n_experts) + [{"q_lora_rank": 0}] * bool(m.q_lora_rank)
+        for spec in (m, *(ModelSpec(**{**m.model_dump(), **v}) for v in variants)):
+            modules.setdefault(m.family.value, set()).update(
+                p.name[len("layers."):-len(".weight")] for p in param_inventory(spec)
+                if p.in_layer and p.name.endswith(".weight"))
+    for family, d in DESCRIPTIONS.items():
+        if family.value not in modules:
+            continue
+        named = {d.attention_output, *d.lora_qv, *(mod for group in d.fused_projections for mod in group)}
+        assert named <= modules[family.value], (family, named - modules[family.value])

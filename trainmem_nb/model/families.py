@@ -61,6 +61,10 @@ BIAS_FIELDS = ("qkv_bias", "out_bias", "mlp_bias")
 _ATTENTION_BIAS: tuple[tuple[str, tuple[str, ...]], ...] = (("attention_bias", ("qkv_bias", "out_bias")),)
 #: LlamaConfig's two switches: ``attention_bias`` (q/k/v/o) and ``mlp_bias`` (gate/up/down)
 _LLAMA_BIASES = (*_ATTENTION_BIAS, ("mlp_bias", ("mlp_bias",)))
+#: the separate projections of a Llama-style layer that read one input and that Megatron's layers run as one
+#: linear (megatron/core/models/gpt/gpt_layer_specs.py: ``linear_qkv``, the MLP's ``linear_fc1``)
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_FUSED_LLAMA = (_QKV, ("mlp.gate_proj", "mlp.up_proj"))
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,11 @@ class Description:
     heads: tuple[str, ...] = ("lm_head.weight",)
     #: the token-embedding matrix (a tied head reuses it; the last pipeline stage then keeps a copy)
     embedding: str = "embed_tokens.weight"
+    #: the attention's output projection (its module name in the layer), which reads the attention's result
+    attention_output: str = "self_attn.o_proj"
+    #: groups of a layer's projections that read one input, each in the order the forward runs them, that a
+    #: Megatron-style layer runs as one fused linear (query/key/value; gate/up); a module in none is alone
+    fused_projections: tuple[tuple[str, ...], ...] = _FUSED_LLAMA
     # -- the parts of a decoder composed by `trainmem_nb.recipes.decoder` ------------------------------
     #: the decoder layer's placement of norms and residuals (`trainmem_nb.recipes.layers.LAYERS`):
     #: ``"pre"`` (a norm before attention and before the MLP, each added to the residual stream), ``"post"``
@@ -208,7 +217,7 @@ DESCRIPTIONS: dict[Family, Description] = {
         Family.PHI3, ("phi3",), "Phi3ForCausalLM", "Phi3DecoderLayer", "decoder", {**_RMS_DECODER, "fused_qkv": True},
         tie_default=False, lora_qv=("self_attn.qkv_proj",),
         dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"),
-        sliding_mask=True, rotary="cat", fused_gate_up=True, residual_dropout=True),
+        sliding_mask=True, rotary="cat", fused_gate_up=True, residual_dropout=True, fused_projections=()),
     Family.MIXTRAL: Description(
         Family.MIXTRAL, ("mixtral",), "MixtralForCausalLM", "MixtralDecoderLayer", "decoder",
         {**_RMS_DECODER, "n_experts": 8, "experts_top_k": 2},
@@ -219,7 +228,8 @@ DESCRIPTIONS: dict[Family, Description] = {
         {"norm": "layernorm", "mlp": "dense", "activation": "gelu_new", "positions": "learned", "fused_qkv": True,
          "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True},
         tie_default=True, lora_qv=("attn.c_attn",), dropout_keys=("attn_pdrop", "resid_pdrop", "embd_pdrop"),
-        input_side=("wte.", "wpe."), embedding="wte.weight", v4_upcast=False),
+        input_side=("wte.", "wpe."), embedding="wte.weight", v4_upcast=False, attention_output="attn.c_proj",
+        fused_projections=()),
     Family.GPT_NEOX: Description(
         Family.GPT_NEOX, ("gpt_neox",), "GPTNeoXForCausalLM", "GPTNeoXLayer", "gpt_neox",
         {"norm": "layernorm", "mlp": "dense", "activation": "gelu", "positions": "rotary", "rotary_pct": 0.25,
@@ -227,6 +237,7 @@ DESCRIPTIONS: dict[Family, Description] = {
          "parallel_residual": True},
         tie_default=False, lora_qv=("attention.query_key_value",), dropout_keys=("attention_dropout", "hidden_dropout"),
         input_side=("embed_in.",), heads=("embed_out.weight",), embedding="embed_in.weight", v4_upcast=False,
+        attention_output="attention.dense", fused_projections=(),
         biases=_ATTENTION_BIAS),
     Family.OPT: Description(
         Family.OPT, ("opt",), "OPTForCausalLM", "OPTDecoderLayer", "opt",
@@ -234,6 +245,7 @@ DESCRIPTIONS: dict[Family, Description] = {
          "out_bias": True, "mlp_bias": True, "norm_bias": True, "tie_embeddings": True},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"), dropout_keys=("dropout", "attention_dropout"),
         input_side=("embed_tokens.", "embed_positions.", "project_in."), v4_upcast=False,
+        attention_output="self_attn.out_proj", fused_projections=(_QKV,),
         biases=(("enable_bias", BIAS_FIELDS),)),
     Family.BERT: Description(
         Family.BERT, ("bert",), "BertForMaskedLM", "BertLayer", "bert",
@@ -243,7 +255,8 @@ DESCRIPTIONS: dict[Family, Description] = {
         tie_default=True, lora_qv=("attention.self.query", "attention.self.value"),
         dropout_keys=("hidden_dropout_prob", "attention_probs_dropout_prob"),
         input_side=("embeddings.",), heads=("cls.predictions.decoder.weight",),
-        embedding="embeddings.word_embeddings.weight"),
+        embedding="embeddings.word_embeddings.weight", attention_output="attention.output.dense",
+        fused_projections=(("attention.self.query", "attention.self.key", "attention.self.value"),)),
     # modeling_qwen3.py (transformers 5.x): Qwen3Attention's q_norm/k_norm; Qwen3Config's head_dim=128,
     # tie_word_embeddings=False (configuration_qwen3.py lines 67, 73)
     Family.QWEN3: Description(
@@ -281,7 +294,8 @@ DESCRIPTIONS: dict[Family, Description] = {
          "qkv_bias": True, "out_bias": True, "mlp_bias": True, "norm_bias": True, "parallel_residual": True,
          "lm_head_bias": True},
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
-        dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"), rotary="cat"),
+        dropout_keys=("attention_dropout", "resid_pdrop", "embd_pdrop"), rotary="cat",
+        attention_output="self_attn.dense", fused_projections=(_QKV,)),
     # modeling_starcoder2.py: nn.LayerNorm (with bias) around a Starcoder2MLP (c_fc, act, c_proj, dropout),
     # q/k/v/o and c_fc/c_proj biases from use_bias (configuration_starcoder2.py line 79: True), hidden_act
     # "gelu_pytorch_tanh" (line 66), tie_word_embeddings True (line 80), the sliding-window mask whenever
@@ -292,7 +306,7 @@ DESCRIPTIONS: dict[Family, Description] = {
          "positions": "rotary", "qkv_bias": True, "out_bias": True, "mlp_bias": True, "tie_embeddings": True},
         tie_default=True, lora_qv=("self_attn.q_proj", "self_attn.v_proj"),
         dropout_keys=("attention_dropout", "residual_dropout", "embedding_dropout"),
-        mlp="starcoder2", sliding_mask=True, module_dropout=True, embed_dropout=True,
+        mlp="starcoder2", sliding_mask=True, module_dropout=True, embed_dropout=True, fused_projections=(_QKV,),
         biases=(("use_bias", BIAS_FIELDS),)),
     Family.OLMO2: Description(
         Family.OLMO2, ("olmo2",), "Olmo2ForCausalLM", "Olmo2DecoderLayer", "decoder", _RMS_DECODER,
@@ -339,6 +353,10 @@ DESCRIPTIONS: dict[Family, Description] = {
          "topk_groups": 4},
         tie_default=False, lora_qv=("self_attn.q_proj", "self_attn.q_b_proj", "self_attn.kv_b_proj"),
         dropout_keys=("attention_dropout",), attention="mla", moe="deepseek", norm="deepseek",
+        # Megatron's MLA keeps its q and kv down projections apart (transformer_config.py: mla_down_proj_fusion
+        # False); the dense layers' and the shared experts' gate/up are each one linear_fc1
+        fused_projections=(("mlp.gate_proj", "mlp.up_proj"),
+                           ("mlp.shared_experts.gate_proj", "mlp.shared_experts.up_proj")),
         biases=_ATTENTION_BIAS),
 }
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from ..engine.program import Segment
 from ..engine.tape import Graph, Sz, T, const
+from ..model.families import describe
 from ..model.params import quantized
 from ..model.spec import ModelSpec
 from ..recipes.base import fp8_weight
@@ -31,17 +32,19 @@ def dummy_wgrad_shapes(m: ModelSpec, weights: list[Any], last_stage: bool) -> se
     Megatron's DDP every parameter has ``grad_added_to_main_grad``, so a fused linear returns
     ``get_dummy_wgrad(shape, dtype)``, a tensor cached per shape and never freed (transformer_engine/pytorch/
     module/linear.py:1354-1375, base.py:134-148; the output layer's: megatron/core/tensor_parallel/layers.py:733-762).
-    Megatron's layers fuse the projections of one block that read the same input (``linear_qkv``, ``linear_fc1``):
-    within the attention or the MLP, the trained linear weights of one input width are one weight."""
+    Megatron's layers run each of the family's ``fused_projections`` groups (q/k/v, gate/up) as one linear, whose
+    weight stacks the group's rows."""
+    group_of = {module: group for group in describe(m.family).fused_projections for module in group}
     shapes: set[tuple[int, int]] = set()
     for kind in {p.kind for p, _dt, _train in weights if p.in_layer}:
-        fused: dict[tuple[str, int], int] = {}
+        fused: dict[tuple[str, ...], list[int]] = {}
         for p, _dt, train in weights:
             if not (train and p.kind == kind and quantized(p) and not p.idle):  # a layer's nn.Linear weight
                 continue
-            block = "attn" if ("attn" in p.name or "attention" in p.name) else "mlp"
-            fused[(block, p.shape[1])] = fused.get((block, p.shape[1]), 0) + p.shape[0]
-        shapes.update((rows, cols) for (_block, cols), rows in fused.items())
+            module = p.name[len("layers."):-len(".weight")]
+            rows_cols = fused.setdefault(group_of.get(module, (module,)), [0, p.shape[1]])
+            rows_cols[0] += p.shape[0]
+        shapes.update((rows, cols) for rows, cols in fused.values())
     head = (m.vocab, m.hidden)  # the output layer's weight: its own or the shared embedding's
     if last_stage and any(train and not p.in_layer and p.shape == head for p, _dt, train in weights):
         shapes.add(head)

@@ -33,12 +33,14 @@ class GPT2Recipe(LayerNormRecipe):
             return ops.lora_addmm(g, self.ctx, x, p[f"{module}.weight"], p[f"{module}.bias"], a_w,
                                   p[f"{module}.lora_B.weight"], in_features, out_features, self.t.lora_rank,
                                   self.t.lora_dropout, module)
-        if self.ctx.fp8_kernels == "te" and self.fp8_linear(module, in_features, out_features):
-            # Megatron's GPT runs Transformer Engine's linears where HF's has Conv1D (whose (in, out) weight is the
-            # transpose of a linear's: the same bytes)
-            return ops.te_fp8_linear(g, self.ctx, x, p[f"{module}.weight"], in_features, out_features,
-                                     p[f"{module}.bias"], module)
+        if self.fp8_linear(module, in_features, out_features):
+            return self.linear(g, x, p, module, in_features, out_features)
         return ops.addmm(g, self.ctx, x, p[f"{module}.weight"], p[f"{module}.bias"], in_features, out_features, module)
+
+    def fp8_linear(self, module: str, in_features: int, out_features: int) -> bool:
+        """torchao leaves ``Conv1D`` as it is; Megatron's GPT runs Transformer Engine's linears where HF's has
+        Conv1D (whose (in, out) weight is the transpose of a linear's: the same bytes)."""
+        return self.ctx.fp8_kernels == "te" and super().fp8_linear(module, in_features, out_features)
 
     def embed(self, g: Graph, ids: T, p: dict[str, T]) -> tuple[T, Shared]:
         """GPT2Model.forward up to the blocks: ``wte(input_ids)``, ``position_ids = arange(s) + past``,

@@ -15,6 +15,7 @@ from ..device import CUBLAS_HANDLES_PER_STEP, CUBLAS_WORKSPACE_BYTES
 from ..engine import ops
 from ..engine.program import CAT_INDEX, Program, Segment, _segment
 from ..engine.tape import Graph, Sz, T, const, per_token
+from ..model.families import describe
 from ..model.params import buffer_inventory, idle_tensors, idle_weights, on_stage, quantized, weight_tensors
 from ..model.spec import ModelSpec
 from ..recipes.head import (
@@ -144,6 +145,12 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1,
                   causal_lm_loss=t.causal_lm_loss.value, fp8=None if t.fp8 is Fp8Recipe.NONE else t.fp8.value,
                   buffer_dt=hooks.buffer_dtype(t), fp8_kernels=hooks.fp8_kernels)
+    if hooks.fp8_kernels == "te" and t.fp8 is not Fp8Recipe.NONE:
+        d = describe(m.family)
+        ctx.te_fused = {module: group[-1] for group in d.fused_projections for module in group}
+        # Megatron has the attention's output projection save its original input under any recipe but delayed
+        # scaling (megatron/core/transformer/attention.py:428-444, ``set_save_original_input(self.linear_proj)``)
+        ctx.te_original_input = d.attention_output if t.fp8 is not Fp8Recipe.DELAYED else ""
     g = Graph()
     g.sac_policy = "op" if t.checkpointing is Checkpointing.SELECTIVE_OP else "all"
     g.bnb_saves_input = t.bnb_saves_input

@@ -4,7 +4,7 @@ autocast's weight copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..tape import Graph, Sz, T, const
@@ -36,8 +36,13 @@ class Ctx:
     #: Engine's under Megatron, `trainmem_nb.engine.ops.te_fp8`)
     fp8_kernels: str = "torchao"
     wcache: dict[int, T] = field(default_factory=dict)
-    #: Transformer Engine: each input's fp8 cast (the input, its saved transpose), shared by the projections reading it
-    fp8_inputs: dict[int, tuple[T, T]] = field(default_factory=dict)
+    #: Transformer Engine (`fp8_kernels` "te"): each projection of a fused group (the family's
+    #: ``fused_projections``) mapped to the group's last, and the projection that saves its 16-bit input ("": none)
+    te_fused: Mapping[str, str] = field(default_factory=dict)
+    te_original_input: str = ""
+    #: Transformer Engine: each fused group's fp8 input cast, under its last projection's name (the input, the
+    #: saved transpose, the row-wise data), shared by the group's projections until the last has run
+    fp8_inputs: dict[str, tuple[T, T, T]] = field(default_factory=dict)
 
     @property
     def cuda(self) -> bool:

@@ -27,11 +27,13 @@ transpose, in backward (linear.py:960-970).
 Megatron fuses q, k and v into one ``linear_qkv`` and the gate and up projections into one ``linear_fc1``, each a
 ``LayerNormLinear`` whose norm writes the fp8 input directly (``with_quantized_norm``, layernorm_linear.py:244;
 under current scaling the kernel makes a 16-bit output first and frees it before the GEMM). The recipes run them
-as separate projections on one input, so the input's fp8 cast is made once and shared by every projection that
-reads it (`Ctx.fp8_inputs`), its row-wise data freed after the first of them (TE frees it after the one fused
-GEMM); the norm's 16-bit output stays a transient until those projections have run. Not modelled: the scales (a
-4-byte ``scale_inv`` per fp8 tensor and the amax history), Blackwell's single copy, and the all-gathered
-row-wise copy under sequence parallelism (forward) and its re-gather and transpose (backward).
+as separate projections on one input, so the first projection of a fused group (`Ctx.te_fused`, from the family's
+``fused_projections``) makes the input's fp8 cast, the others reuse it, and its row-wise data lives until the
+group's last projection has made its output (TE frees it after the one fused GEMM); the norm's 16-bit output stays
+a transient until those projections have run. Projections outside a group cast their input each on their own.
+Not modelled: the scales (a 4-byte ``scale_inv`` per fp8 tensor and the amax history), Blackwell's single copy,
+and the all-gathered row-wise copy under sequence parallelism (forward) and its re-gather and transpose
+(backward).
 """
 
 from __future__ import annotations
@@ -42,41 +44,42 @@ from ..tape import Graph, T
 from .core import Ctx
 from .linear import weight_grad
 
-__all__ = ["saves_original_input", "te_fp8_linear"]
+__all__ = ["te_fp8_linear"]
 
 FP8 = 1
-
-
-def saves_original_input(module: str, recipe: str | None) -> bool:
-    """Does Megatron's fp8 linear `module` (its name in the layer) save its 16-bit input rather than an fp8 copy:
-    the attention's output projection under any recipe but delayed scaling."""
-    attention = "attn" in module or "attention" in module
-    return recipe not in (None, "delayed") and attention and module.endswith(("o_proj", "out_proj", "dense", "c_proj"))
 
 
 def te_fp8_linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features: int, b: T | None,
                   label: str) -> T:
     """Transformer Engine's fp8 ``Linear(x)``: `x` (tokens, in) in the 16-bit activation dtype, `w` the (out, in)
     16-bit weight (its fp8 workspace is the engine's, outside the step); the output (tokens, out) in x's dtype,
-    the bias added in the GEMM. Saves the input's fp8 transpose, shared by the projections reading `x`, or the
-    input itself where Megatron has the layer save its original input (`saves_original_input`)."""
-    if saves_original_input(label, ctx.fp8):
-        return _original_input_linear(g, x, w, in_features, out_features, b, label)
+    the bias added in the GEMM. Saves the input's fp8 transpose, shared by the projections of a fused group, or,
+    for the projection Megatron has save its original input (`Ctx.te_original_input`), the 16-bit input: cast
+    row-wise only for the forward GEMM, and again, with its transpose, in backward for the weight gradient."""
     dt = x.dt
     out_n = x.n * (out_features / in_features)
+    original = label == ctx.te_original_input
     xc, wc = g.hold(x), g.hold(w)
     bc = g.hold(b) if b is not None else None
-    shared = ctx.fp8_inputs.get(id(x))
-    if shared is not None and shared[0] is x and shared[1].freed < 0:  # another projection of x: its cast, reused
-        rowwise = None
-        xt = g.hold(shared[1])
-    else:  # cast_transpose: the row-wise fp8 data and its transpose
+    last = ctx.te_fused.get(label)  # the last projection of label's fused group (None: label is alone)
+    shared = ctx.fp8_inputs.get(last) if last is not None else None
+    xt: T | None
+    if shared is not None and shared[0] is x:  # a later projection of the group: the group's cast
+        _x, xt, rowwise = shared
+        g.hold(xt)
+    else:
+        if shared is not None:  # a group whose last projection never ran (a recomputation's leftovers)
+            g.drop(*ctx.fp8_inputs.pop(last)[1:])
+        # cast_transpose: the row-wise fp8 data and its transpose; row-wise only where the 16-bit input is saved
         rowwise = g.alloc(x.n, FP8, f"{label} input fp8")
-        xt = g.alloc(x.n, FP8, f"{label} input fp8 transpose")
-        ctx.fp8_inputs[id(x)] = (x, xt)  # x kept referenced: its id is not reused while the entry stands
+        xt = None if original else g.alloc(x.n, FP8, f"{label} input fp8 transpose")
+        if last not in (None, label) and xt is not None:  # the group's cast, alive until its last projection
+            ctx.fp8_inputs[last] = (x, g.hold(xt), rowwise)  # x kept: the check above compares identities
     ins = [xc, wc] + ([bc] if bc is not None else [])
     (out,) = g.sac_outputs(lambda: (g.alloc(out_n, dt, label),), "other")
-    g.drop(rowwise)  # update_usage(rowwise_usage=False): the transpose alone is kept
+    if last in (None, label):  # update_usage(rowwise_usage=False) after the (fused) GEMM: the transpose is kept
+        entry = ctx.fp8_inputs.pop(label, None)
+        g.drop(rowwise, entry[1] if entry is not None else None)
     has_bias = bc is not None
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
@@ -85,43 +88,18 @@ def te_fp8_linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features
         got = g.alloc(out_n, FP8, f"{label} grad output fp8 transpose") if wc.rg else None
         gb = g.alloc(bc.n, bc.dt, f"{label} grad b") if has_bias and bc is not None and bc.rg else None
         gx = g.alloc(x.n, dt, f"{label} grad x") if xc.rg else None  # dgrad first (linear.py:1086-1098)
-        gw = weight_grad(g, wc, label) if wc.rg else None  # then wgrad, into main_grad under Megatron's fusion
-        g.drop(go8, got)
-        return [gx, gw] + ([gb] if has_bias else [])
-
-    g.record(label, ins, [out], [xt if wc.rg else None], bwd)
-    g.drop(xc, wc, bc, xt)
-    return out
-
-
-def _original_input_linear(g: Graph, x: T, w: T, in_features: int, out_features: int, b: T | None,
-                           label: str) -> T:
-    """`te_fp8_linear` with ``save_original_input=True``: the input cast row-wise for the forward GEMM and freed,
-    the 16-bit input saved; backward casts it again, row-wise and transposed, for the weight gradient."""
-    dt = x.dt
-    out_n = x.n * (out_features / in_features)
-    xc, wc = g.hold(x), g.hold(w)
-    bc = g.hold(b) if b is not None else None
-    rowwise = g.alloc(x.n, FP8, f"{label} input fp8")
-    ins = [xc, wc] + ([bc] if bc is not None else [])
-    (out,) = g.sac_outputs(lambda: (g.alloc(out_n, dt, label),), "other")
-    g.drop(rowwise)
-    has_bias = bc is not None
-
-    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
-        go8 = g.alloc(out_n, FP8, f"{label} grad output fp8")
-        got = g.alloc(out_n, FP8, f"{label} grad output fp8 transpose") if wc.rg else None
-        gb = g.alloc(bc.n, bc.dt, f"{label} grad b") if has_bias and bc is not None and bc.rg else None
-        gx = g.alloc(x.n, dt, f"{label} grad x") if xc.rg else None
         gw = None
-        if wc.rg:  # the saved input cast again for the weight gradient's GEMM
+        if wc.rg and original:  # the saved input cast again for the weight gradient's GEMM (linear.py:960-970)
             x8 = g.alloc(x.n, FP8, f"{label} input fp8 (backward)")
-            xt = g.alloc(x.n, FP8, f"{label} input fp8 transpose (backward)")
+            x8t = g.alloc(x.n, FP8, f"{label} input fp8 transpose (backward)")
             gw = weight_grad(g, wc, label)
-            g.drop(x8, xt)
+            g.drop(x8, x8t)
+        elif wc.rg:  # wgrad, into main_grad under Megatron's fusion
+            gw = weight_grad(g, wc, label)
         g.drop(go8, got)
         return [gx, gw] + ([gb] if has_bias else [])
 
-    g.record(label, ins, [out], [xc if wc.rg else None], bwd)
-    g.drop(xc, wc, bc)
+    saved = xc if original else xt
+    g.record(label, ins, [out], [saved if wc.rg else None], bwd)
+    g.drop(xc, wc, bc, xt)
     return out
