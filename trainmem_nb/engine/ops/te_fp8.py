@@ -68,12 +68,12 @@ def te_fp8_linear(g: Graph, ctx: Ctx, x: T, w: T, in_features: int, out_features
         _x, xt, rowwise = shared
         g.hold(xt)
     else:
-        if shared is not None:  # a group whose last projection never ran (a recomputation's leftovers)
+        if shared is not None and last is not None:  # a group whose last projection never ran
             g.drop(*ctx.fp8_inputs.pop(last)[1:])
         # cast_transpose: the row-wise fp8 data and its transpose; row-wise only where the 16-bit input is saved
         rowwise = g.alloc(x.n, FP8, f"{label} input fp8")
         xt = None if original else g.alloc(x.n, FP8, f"{label} input fp8 transpose")
-        if last not in (None, label) and xt is not None:  # the group's cast, alive until its last projection
+        if last is not None and last != label and xt is not None:  # the group's cast, alive until its last projection
             ctx.fp8_inputs[last] = (x, g.hold(xt), rowwise)  # x kept: the check above compares identities
     ins = [xc, wc] + ([bc] if bc is not None else [])
     (out,) = g.sac_outputs(lambda: (g.alloc(out_n, dt, label),), "other")
