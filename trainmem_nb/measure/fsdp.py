@@ -248,7 +248,9 @@ def measure_fsdp1_wrap(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, rank: int
               mock.patch.object(_init_utils, "_check_module_states_for_sync_module_states", lambda *_a, **_k: None),
               tracker, _follow_fsdp1_resizes(tracker)):
             # no collection but `synced`'s: one the interpreter starts on its own (its thresholds depend on what the
-            # process allocated before) would drop a cycle's wrappers wherever it runs, moving their frees
+            # process allocated before) would drop a cycle's wrappers wherever it runs, moving their frees; one
+            # collection first, so that what earlier work left in cycles goes before the wrap, not during it
+            gc.collect()
             gc.disable()
             try:
                 model = _shard_fsdp1(model, p, t)
