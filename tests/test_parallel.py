@@ -544,6 +544,22 @@ def test_tensor_parallel_splits_weights_and_sequence_parallel_saves_activations(
     assert sp.detail_bytes["activations/layers"] < tp.detail_bytes["activations/layers"]
 
 
+@pytest.mark.parametrize("engine,zero", [("megatron", 1), ("deepspeed", 1), ("deepspeed", 2), ("deepspeed", 3),
+                                         ("fsdp", 2), ("fsdp", 3)])
+def test_an_engine_named_on_one_gpu_is_modelled_not_a_plain_pytorch_loop(engine: str, zero: int) -> None:
+    """Megatron, DeepSpeed and FSDP on one GPU still build their own buffers (a 16-bit model beside fp32 master
+    weights, Megatron's main_grad, DeepSpeed's flat partitions, FSDP's gathered parameters): a rank's of a
+    layout that shards over one rank, its sharded states whole, twice a rank's on two GPUs."""
+    kw = dict(micro_batch=1, seq_len=512, engine=engine, zero=zero)
+    one, two = tm.estimate(SMALL_LLAMA, gpus=1, **kw), tm.estimate(SMALL_LLAMA, gpus=2, **kw)
+    assert one.detail_bytes["optimizer_states"] == 2 * two.detail_bytes["optimizer_states"]
+    held = ("weights/params", "weights/gathered", "gradients")
+    assert [k in one.detail_bytes for k in held] == [k in two.detail_bytes for k in held]
+    if engine == "megatron":  # the bf16 model itself, where a plain loop holds fp32 weights under autocast
+        plain = tm.estimate(SMALL_LLAMA, micro_batch=1, seq_len=512)
+        assert 2 * one.detail_bytes["weights/params"] == plain.detail_bytes["weights/params"]
+
+
 def test_context_parallel_splits_activations_and_shards_states_over_dp_times_cp() -> None:
     kw = dict(micro_batch=1, seq_len=8192, precision="bf16-mixed", checkpointing="full", engine="fsdp", zero=3,
               device="cuda")
@@ -1074,6 +1090,31 @@ def test_megatrons_fused_wgrads_leave_one_cached_dummy_gradient_per_fused_weight
         tm.estimate(m, grad_accum_fusion=False, **lora).detail_bytes["gradients"]
     fsdp = tm.estimate(m, micro_batch=1, seq_len=128, gpus=2, engine="fsdp", zero=3)
     assert fused.detail_bytes["overhead/workspaces"] - fsdp.detail_bytes["overhead/workspaces"] == (32 << 20) + 1024
+
+
+def test_megatron_computes_its_own_vocab_parallel_loss_holding_one_fp32_softmax() -> None:
+    """GPTModel's loss (vocab_parallel_cross_entropy) makes one fp32 copy of the rank's logits and turns it into
+    the softmax in place, which backward turns into the gradient in place: 4 bytes a logit beside the 16-bit
+    logits. transformers' loss (the hooks' ``causal_lm_loss`` switched off) adds a log_softmax and, in backward,
+    two fp32 gradients of the logits."""
+    import dataclasses
+
+    from trainmem_nb.engine.program import evaluate
+    from trainmem_nb.parallel.layout import _hooks, _tp_model
+    from trainmem_nb.step.compile import compile_step, program_key
+
+    m = ModelSpec(family="llama", n_layers=1, hidden=64, n_heads=4, n_kv_heads=2, ffn=128, vocab=32000)
+    t, p = TrainingSpec(micro_batch=2, seq_len=256), ParallelSpec(gpus=2, engine="megatron", tp=2)
+    rm = _tp_model(m, p)
+    hooks = _hooks(rm, t, p)
+    logits = 2 * 256 * m.vocab // 2  # the rank's vocabulary slice
+    progs = [compile_step(rm, program_key(t, rm), h) for h in (hooks, dataclasses.replace(hooks, causal_lm_loss=""))]
+    labels = [{label for seg in prog.segments for *_e, label in seg.events} for prog in progs]
+    assert "vocab_parallel_logits.float() (the softmax, in place)" in labels[0] and "log_softmax" not in labels[0]
+    assert "log_softmax" in labels[1]
+    megatron, transformers = (evaluate(prog, 2, 256) for prog in progs)
+    assert megatron.detail["activations/head"] >= 4 * logits  # the saved softmax
+    assert transformers.peak - megatron.peak >= 4 * logits
 
 
 def test_megatrons_dummy_gradients_follow_its_fused_linears_not_the_widths_of_their_inputs() -> None:

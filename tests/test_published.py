@@ -720,6 +720,35 @@ def _ran_with(cases: list[Published], stack: dict[str, Any], **by_method: dict[s
     return [dataclasses.replace(c, stack=by_method.get(str(c.config.get("method", "full")), stack)) for c in cases]
 
 
+# ---------------------------------------------------------------------------------------------------------
+# Megatron-Bridge over Megatron-Core (verdimrc/playground-nemo-2.0-gh 05-byoc-te-mb/with-ngc-pytorch-25.06-cleanup.md,
+# 7 Oct 2025: Megatron-Bridge b30bded5 (v0.2.0rc7), megatron-core >= 0.15.0rc3, Transformer Engine 2.9.0.dev0+7e45be73,
+# NGC PyTorch 25.06; 8x H100 80GB HBM3). Its training log dumps the whole config: Llama-3.2-1B (16 layers, hidden
+# 2048, ffn 8192, 32 heads, 8 query groups, tied embeddings, vocab 128256), tensor_model_parallel_size 1,
+# pipeline 1, data parallel 8 ("initialized tensor model parallel with size 1", torchrun --nproc_per_node=8),
+# micro_batch_size 1, global_batch_size 512 (64 micro-batches), dataset sequence_length 1024 (the script resets the
+# model's seq_length to it), bf16 params, use_distributed_optimizer true, grad_reduce_in_fp32 true,
+# gradient_accumulation_fusion true, recompute_granularity null, transformer_impl transformer_engine,
+# cross_entropy_loss_fusion true ('native': the vocab-parallel loss saving its fp32 softmax). Megatron's
+# report_memory line after 10 iterations on rank 0 (megatron/training/utils.py: torch.cuda.max_memory_allocated()
+# and max_memory_reserved() / 2**20, "MB" meaning MiB).
+_MB_BRIDGE = "verdimrc/playground-nemo-2.0-gh 05-byoc-te-mb/with-ngc-pytorch-25.06-cleanup.md (training log)"
+_MB_LINE = ("[Rank 0] (after 10 iterations) memory (MB) | allocated: 9554.87939453125 | max allocated: "
+            "12003.60400390625 | reserved: 12232.0 | max reserved: 12232.0")
+_MB_CONFIG = dict(model="llama-3.2-1b", micro_batch=1, seq_len=1024, grad_accum=64, precision="bf16-mixed",
+                  optimizer="adamw", attention="sdpa", gpus=8, engine="megatron", zero=1)
+MEGATRON = [
+    Published(
+        id="megatron-bridge-llama3.2-1b-dp8-allocated", source=_MB_BRIDGE, quote=_MB_LINE, kind=ALLOCATED,
+        value_bytes=12003.60400390625 * MiB, config=_MB_CONFIG, tolerance=TOL_ALLOCATED,
+        why_tolerance="allocated figure; the config is the run's own dump"),
+    Published(
+        id="megatron-bridge-llama3.2-1b-dp8-reserved", source=_MB_BRIDGE, quote=_MB_LINE, kind=RESERVED,
+        value_bytes=12232.0 * MiB, config=_MB_CONFIG, tolerance=TOL_RESERVED,
+        why_tolerance="reserved figure; the config is the run's own dump"),
+]
+
+
 # The stacks of the sources (see each block's comment): torchtitan's own loop; litgpt's scripts (bitsandbytes
 # 0.42.0 for its QLoRA rows); Answer.AI's train.py of March 2024 on the first releases with the 4-bit
 # quant_storage FSDP needs (bitsandbytes 0.43.0, transformers 4.39: the project's knowledge of those
@@ -738,12 +767,14 @@ TITAN_PARALLEL = _ran_with(TITAN_PARALLEL, dict(stack="torchtitan"))
 LITGPT = _ran_with(LITGPT, _LIT_STACK, qlora=_LIT_QLORA_STACK)
 ANSWERAI = _ran_with(ANSWERAI, dict(stack="fsdp_qlora", transformers="4.39", peft="0.10", bitsandbytes="0.43.0"))
 HF = _ran_with(HF, dict(stack="hf-trainer@4.16", torch="1.10", cuda="11.2"))
+MEGATRON = _ran_with(MEGATRON, dict(stack="megatron"))
 
 CASES: list[Published] = [
     *_on(TITAN, "H100 (torchtitan's 96 GB HBM2e; torchao's H100)"), *_on(LITGPT, "A10G 24 GB"),
     *_on(LITGPT_RT, "A100-SXM4-40GB"),
     *_on(TORCHTUNE, "A100", torchtune_llama2_7b_lora_="not stated (torchtune's April 2024 tutorials)"),
     *_on(ANSWERAI, "RTX 3090 24 GB"), *_on(HF, "Tesla V100 16 GB"), *_on(TITAN_PARALLEL, "H100 96 GB HBM2e"),
+    *_on(MEGATRON, "H100 80GB HBM3"),
 ]
 BY_ID = {c.id: c for c in CASES}
 

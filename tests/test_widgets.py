@@ -63,6 +63,16 @@ def test_moving_the_micro_batch_slider_redraws_with_the_new_numbers(app: Explore
     assert app.fit.needed_bytes == fit.needed_bytes
 
 
+def test_the_explorer_starts_as_plain_pytorch_and_a_zero_stage_beyond_one_picks_deepspeed(app: Explorer) -> None:
+    """Without an engine the explorer follows the API's rule: plain PyTorch (DDP), and ZeRO-2/3 mean DeepSpeed
+    (on one GPU an engine is modelled as it runs, so the first view is a plain training loop's)."""
+    assert app.estimate.parallel.engine.value == "ddp" and app.estimate.parallel.single_device
+    assert app.estimate.peak_allocated_bytes == tm.estimate(app.estimate.model, app.estimate.training).peak_allocated_bytes
+    app.controls["zero"].value = 2
+    assert app.message == "" and app.estimate.parallel.engine.value == "deepspeed"
+    assert tm.explore("gpt2", seq_len=512, zero=3).estimate.parallel.engine.value == "deepspeed"
+
+
 def test_an_invalid_combination_shows_its_message_and_keeps_the_last_good_chart(app: Explorer) -> None:
     app.set(zero=2, engine="deepspeed")
     good_chart, good_est, good_verdict = bytes(app.chart.value), app.estimate, app.verdict
@@ -185,7 +195,7 @@ def _values(widget: Any) -> list[Any]:
 
 
 INVALID_COMBINATIONS: list[dict[str, Any]] = [
-    {"engine": "ddp", "zero": 3, "gpus": 8},  # ddp shards optimizer states only
+    {"zero": 3, "engine": "ddp", "gpus": 8},  # ddp shards optimizer states only (engine last: ZeRO-3 picks DeepSpeed)
     {"engine": "fsdp", "zero": 1, "gpus": 8},  # FSDP has no ZeRO-1
     {"tp": 8, "gpus": 4},  # tp does not divide gpus
     {"pp": 32, "gpus": 1},  # pp does not divide gpus

@@ -90,7 +90,7 @@ def estimate_notes(m: ModelSpec, t: TrainingSpec, p: ParallelSpec | None = None)
             "attention='sdpa' is counted as the eager attention Hugging Face runs by default, whose (b, heads, s, s) "
             f"scores dominate at long sequences{flash}")
     if m.vision is not None:
-        where = ("" if p is None or p.gpus == 1 else
+        where = ("" if p is None or p.single_device else
                  "; FSDP2 shards it in the root module's group and gathers it with the embeddings; DeepSpeed casts "
                  "it to the model's 16-bit dtype, partitions it under ZeRO-3 and keeps an fp32 master and optimizer "
                  "state for what of it requires a gradient; elsewhere whole on every rank, and DDP's buckets hold a "

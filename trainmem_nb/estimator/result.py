@@ -217,7 +217,7 @@ class MemoryEstimate:
                          f"the allocator; paged to host RAM when the GPU runs short)")
         if not self.parallel.single_device:
             p = self.parallel
-            lines.append(f"layout: {p.gpus} GPUs ({p.nodes} node{'s' if p.nodes > 1 else ''}), engine {p.engine.value}, "
+            lines.append(f"layout: {p.gpus} GPU{'s' if p.gpus > 1 else ''} ({p.nodes} node{'s' if p.nodes > 1 else ''}), engine {p.engine.value}, "
                          f"zero {p.zero}, dp {p.dp} x tp {p.tp} x pp {p.pp} x cp {p.cp}, offload {p.offload.value}")
             for r in self.per_rank:
                 lines.append(f"  {r.ranks:<28} peak {format_bytes(r.peak_allocated_bytes):>12}  device total "
@@ -235,7 +235,10 @@ class MemoryEstimate:
 
     def __repr__(self) -> str:
         """One line (notebooks compare outputs: the repr must not grow with every new field)."""
-        where = "" if self.parallel.single_device else f", worst of {len(self.per_rank)} rank group(s) on {self.parallel.gpus} GPUs"
+        n = self.parallel.gpus
+        where = "" if self.parallel.single_device else (
+            f", worst of {len(self.per_rank)} rank group(s) on {n} GPUs" if n > 1
+            else f", {self.parallel.engine.value} on 1 GPU")
         return (f"<MemoryEstimate {self.model.name}: peak {format_bytes(self.peak_allocated_bytes)} allocated during "
                 f"{self.peak_phase}, {format_bytes(self.device_total_bytes)} device total{where}>")
 

@@ -70,6 +70,7 @@ class MegatronHooks(EngineHooks):
     #: ``store_false``: on by default): each linear's weight-gradient GEMM accumulates into ``main_grad``
     wgrad_fused: bool = True
     fp8_kernels = "te"  # fp8 runs Transformer Engine's linears (megatron/core/extensions/transformer_engine.py)
+    causal_lm_loss: str = "megatron"  # GPTModel's own loss: vocab_parallel_cross_entropy (`recipes.head`)
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
         return self.model_dt

@@ -225,7 +225,7 @@ def _json_row(row: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _label(p: ParallelSpec) -> str:
-    if p.gpus == 1 and p.offload.value == "none":
+    if p.single_device:
         return "single GPU"
     parts = [p.engine.value]
     if p.zero:

@@ -35,8 +35,11 @@ def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int, v4_upcast: boo
       casts it to fp32 (an autocast fp32 op), without it the loss runs in the head's dtype.
 
     A family whose 4.x head never upcast (`Description.v4_upcast`: GPT-2, OPT, GPT-NeoX) runs ``no-upcast``
-    for every version before 4.49."""
+    for every version before 4.49. Under Megatron-LM the model computes its own loss (``megatron``,
+    `megatron_cross_entropy`)."""
     variant = ctx.causal_lm_loss
+    if variant == "megatron":
+        return megatron_cross_entropy(g, logits), logits
     if not v4_upcast and variant in ("logits-shifted", "model-upcast"):
         variant = "no-upcast"
     if variant == "labels-shifted":
@@ -67,6 +70,45 @@ def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int, v4_upcast: boo
     # the function's locals go when it returns: the (upcast) logits, the shifted ones and the labels
     g.drop(ls, target, total_weight, shifted, *((x,) if x is not shifted else ()), src)
     return loss, out
+
+
+def megatron_cross_entropy(g: Graph, logits: T) -> T:
+    """Megatron-LM's loss (``GPTModel.compute_language_model_loss`` without ``cross_entropy_loss_fusion``:
+    ``tensor_parallel.vocab_parallel_cross_entropy``, megatron/core/tensor_parallel/cross_entropy.py), one autograd
+    Function on the rank's vocabulary slice of the 16-bit `logits`: ``vocab_parallel_logits.float()`` is made
+    once and turned into the softmax in place (``-= logits_max``, ``torch.exp(..., out=)``, ``div_``), which
+    it saves with the target mask and the masked target; backward writes the gradient into that saved softmax
+    in place and returns it in fp32, which autograd casts to the logits' dtype (``validate_outputs``) before
+    the softmax goes. The fused variant (``cross_entropy_loss_fusion``, fused_cross_entropy.py) saves the same
+    and casts its gradient to bf16 itself. The labels and the loss are transposed to (s, b) and back."""
+    per_token = Sz(bs=1)
+    labels = g.alloc(per_token, I64, "labels.transpose(0, 1).contiguous()")
+    softmax = g.alloc(logits.n, F32, "vocab_parallel_logits.float() (the softmax, in place)")
+    logits_max = g.alloc(per_token, F32, "logits_max")
+    target_mask = g.alloc(per_token, ops.BOOL, "target_mask")
+    masked_target = g.alloc(per_token, I64, "masked_target")
+    arange = g.alloc(per_token, I64, "arange_1d")
+    picked = g.alloc(per_token, F32, "logits_2d[arange_1d, masked_target_1d]")
+    predicted = g.alloc(per_token, F32, "predicted_logits .clone()")
+    g.drop(picked)
+    sum_exp = g.alloc(per_token, F32, "sum_exp_logits")
+    log_sum = g.alloc(per_token, F32, "torch.log(sum_exp_logits)")
+    loss_sb = g.alloc(per_token, F32, "loss (s, b)")
+    g.drop(log_sum, logits_max, arange, predicted, sum_exp)
+    n = logits.n
+
+    def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:
+        update = g.alloc(per_token, F32, "softmax_update")
+        rows = g.alloc(per_token, I64, "arange_1d (backward)")
+        g.drop(update, rows)
+        # the gradient is the saved softmax itself, returned in fp32: autograd's cast to the logits' dtype
+        return [g.alloc(n, logits.dt, "vocab_parallel_cross_entropy backward (cast to the logits' dtype)")]
+
+    g.record("vocab_parallel_cross_entropy", [logits], [loss_sb], [softmax, target_mask, masked_target], bwd)
+    g.drop(softmax, target_mask, masked_target)
+    loss = ops.clone(g, loss_sb, "loss.transpose(0, 1).contiguous()")
+    g.drop(loss_sb, labels)
+    return loss
 
 
 # -- the losses of the other heads: masked LM, sequence classification ---------------------------

@@ -177,8 +177,9 @@ class ParallelSpec(SpecModel):
 
     @property
     def single_device(self) -> bool:
-        """True for one GPU with nothing offloaded (data parallelism adds gradient buckets)."""
-        return self.gpus == 1 and self.offload is Offload.NONE
+        """True for one GPU in a plain PyTorch loop (engine ddp) with nothing offloaded. Data parallelism adds
+        gradient buckets; Megatron, DeepSpeed and FSDP keep their own buffers on one GPU too."""
+        return self.gpus == 1 and self.offload is Offload.NONE and self.engine is Engine.DDP
 
 
 _PARALLEL_FIELDS = frozenset(ParallelSpec.model_fields)

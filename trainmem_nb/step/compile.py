@@ -82,6 +82,9 @@ class EngineHooks:
     flat_unit_grads: bool = False
     #: whose fp8 linears the engine runs (`trainmem_nb.engine.ops.Ctx.fp8_kernels`): torchao's, or Transformer Engine's
     fp8_kernels: str = "torchao"
+    #: the causal-LM loss the engine computes itself (`trainmem_nb.recipes.head.causal_lm_loss`'s variants):
+    #: "" for the training's (transformers' by its version)
+    causal_lm_loss: str = ""
     #: Megatron's gradient_accumulation_fusion: linears add their weight gradients into the engine's fp32 buffer
     #: (`trainmem_nb.engine.tape.Graph.wgrad_fused`)
     wgrad_fused: bool = False
@@ -143,7 +146,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
                   unrolled: bool = False) -> Program:
     mixed = t.mixed and hooks.autocast
     ctx = ops.Ctx(autocast=2 if mixed else None, device=t.device.value, batch1=t.micro_batch == 1,
-                  causal_lm_loss=t.causal_lm_loss.value, fp8=None if t.fp8 is Fp8Recipe.NONE else t.fp8.value,
+                  causal_lm_loss=hooks.causal_lm_loss or t.causal_lm_loss.value, fp8=None if t.fp8 is Fp8Recipe.NONE else t.fp8.value,
                   buffer_dt=hooks.buffer_dtype(t), fp8_kernels=hooks.fp8_kernels)
     if hooks.fp8_kernels == "te" and t.fp8 is not Fp8Recipe.NONE:
         d = describe(m.family)

@@ -416,6 +416,8 @@ class Explorer:
                 c["engine"].value = "fsdp"
                 if c["zero"].value < 2:
                     c["zero"].value = 3
+            elif owner is c["zero"] and change["new"] > 1 and c["engine"].value == "ddp":
+                c["engine"].value = "deepspeed"  # ZeRO-2/3 are DeepSpeed's (or FSDP's), as without an engine
             elif owner is c["stack"]:  # the loss control follows the stack (it passes loss_impl explicitly)
                 c["loss_impl"].value = _stack_loss(str(change["new"]))
             elif owner is c["upload"]:
@@ -584,7 +586,8 @@ def _defaults(options: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise SpecError(f"explore() has no control for {unknown[0]!r}; controls: {', '.join(sorted(known))}")
     t = build_training(**{k: v for k, v in options.items() if k in TRAINING_CONTROLS})
-    p = build_parallel(**{"engine": "deepspeed", **{k: v for k, v in options.items() if k in PARALLEL_CONTROLS}})
+    # without an engine, build_parallel's rule: plain PyTorch (DDP beyond one GPU), DeepSpeed for ZeRO stages
+    p = build_parallel(**{k: v for k, v in options.items() if k in PARALLEL_CONTROLS})
     return {
         "micro_batch": t.micro_batch, "seq_len": t.seq_len, "grad_accum": t.grad_accum,
         "precision": t.precision.value, "fp8": t.fp8.value, "fp8_all_gather": t.fp8_all_gather,
