@@ -1092,6 +1092,25 @@ def test_megatrons_fused_wgrads_leave_one_cached_dummy_gradient_per_fused_weight
     assert fused.detail_bytes["overhead/workspaces"] - fsdp.detail_bytes["overhead/workspaces"] == (32 << 20) + 1024
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_megatron_loads_its_16_bit_model_then_makes_its_ddp_buffers_beside_it(zero: int) -> None:
+    """Megatron builds the model in bf16 on the device, then its DDP zero-fills the fp32 gradient buffer and,
+    with the distributed optimizer (zero=1), a bf16 parameter buffer first, before the parameters move into it:
+    the loading peak holds every parameter, each storage in 512-byte blocks, beside those buffers."""
+    from trainmem_nb.model.params import weight_tensors
+
+    m = ModelSpec(**SMALL_LLAMA)
+    est = tm.estimate(m, micro_batch=1, seq_len=128, gpus=2, engine="megatron", zero=zero)
+    t = est.training
+
+    def blocks(nbytes: int) -> int:
+        return -(-nbytes // 512) * 512
+
+    params = [p.numel for p, _dt, _train in weight_tensors(m, t) for _ in range(p.count)]
+    buffers = blocks(4 * sum(params)) + (blocks(2 * sum(params)) if zero else 0)
+    assert est.load_peak_bytes == sum(blocks(2 * n) for n in params) + buffers
+
+
 def test_megatron_computes_its_own_vocab_parallel_loss_holding_one_fp32_softmax() -> None:
     """GPTModel's loss (vocab_parallel_cross_entropy) makes one fp32 copy of the rank's logits and turns it into
     the softmax in place, which backward turns into the gradient in place: 4 bytes a logit beside the 16-bit

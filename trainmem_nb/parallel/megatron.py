@@ -5,19 +5,20 @@ it (gradient_accumulation_fusion), and Transformer Engine's fp8 weight workspace
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from ..engine.program import Segment
 from ..engine.tape import Graph, Sz, T, const
 from ..model.families import describe
-from ..model.params import quantized
+from ..model.params import quantized, weight_tensors
 from ..model.spec import ModelSpec
 from ..recipes.base import fp8_weight
-from ..spec.choices import Device, Fp8Recipe
+from ..spec.choices import Device, Fp8Recipe, Method
 from ..spec.training import TrainingSpec
 from ..step.compile import EngineHooks
 from ..step.optimizers import flat_state_bytes
-from .ranks import _partition, _trainable
+from .ranks import _held, _partition, _trainable
 
 #: bytes per parameter of a Transformer Engine fp8 weight workspace on Hopper: the row-wise fp8 data and its
 #: transpose (transformer_engine/pytorch/tensor/float8_tensor.py:423-427, ``_data`` and ``_transpose``)
@@ -69,6 +70,8 @@ class MegatronHooks(EngineHooks):
     #: gradient_accumulation_fusion (megatron/training/arguments.py ``--no-gradient-accumulation-fusion``,
     #: ``store_false``: on by default): each linear's weight-gradient GEMM accumulates into ``main_grad``
     wgrad_fused: bool = True
+    #: ``--use-distributed-optimizer`` (``zero=1``): its DDP keeps the 16-bit parameters in one contiguous buffer too
+    distributed_optimizer: bool = False
     fp8_kernels = "te"  # fp8 runs Transformer Engine's linears (megatron/core/extensions/transformer_engine.py)
     causal_lm_loss: str = "megatron"  # GPTModel's own loss: vocab_parallel_cross_entropy (`recipes.head`)
 
@@ -103,3 +106,36 @@ class MegatronHooks(EngineHooks):
 
     def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
         return []  # fused Adam on the shard; the grad buffer is zeroed in place, not freed
+
+    def loading(self, m: ModelSpec, t: TrainingSpec) -> tuple[tuple[int, ...], int] | None:
+        """Megatron builds the model in its 16-bit dtype on the device, then its DDP makes the contiguous buffers
+        (`_megatron_load`); QLoRA quantizes on load as a rank loading its share does."""
+        if t.method is Method.QLORA:
+            return None
+        return _megatron_load(m, t, self)
+
+
+@lru_cache(maxsize=256)
+def _megatron_load(m: ModelSpec, t: TrainingSpec, hooks: MegatronHooks) -> tuple[tuple[int, ...], int]:
+    """A rank's loading trace and its peak: each parameter of its stage and tensor-parallel slice made in the
+    model's 16-bit dtype (``params_dtype``), then DDP's buffers for the parameters that train
+    (megatron/core/distributed/param_and_grad_buffer.py:1181-1195): with the distributed optimizer a zeroed
+    16-bit ``param_data`` first, then the fp32 ``grad_data``, while every parameter is still whole; the
+    parameters are then copied into ``param_data`` one by one and their own storage freed (:1305-1310), so the
+    peak holds them twice beside the gradient buffer (8 bytes a bf16 parameter; 6 without the distributed
+    optimizer, which leaves them where they are). Every storage is freed at the end, as in `loading_events`."""
+    from ..step.load import LoadTrace, trace_peak
+
+    held = [(p, train) for p, _dt, train in weight_tensors(m, t) if _held(hooks, p, m)]
+    trace = LoadTrace()
+    moved = hooks.distributed_optimizer
+    made = [(trace.malloc(p.numel * hooks.model_dt, keep=not (train and moved)), train)
+            for p, train in held for _ in range(p.count)]
+    n_train = sum(p.numel * p.count for p, train in held if train)
+    if moved:
+        trace.malloc(n_train * hooks.model_dt, keep=True)  # param_data
+    trace.malloc(4 * n_train, keep=True)  # grad_data (grad_reduce_in_fp32: Megatron's default under bf16)
+    if moved:
+        trace.free(*(a for a, train in made if train))
+    done = trace.done()
+    return done, trace_peak(done)
