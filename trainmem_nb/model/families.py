@@ -189,6 +189,11 @@ class Description:
     v4_upcast: bool = True
 
     @property
+    def fused_group(self) -> dict[str, tuple[str, ...]]:
+        """Each projection of a `fused_projections` group mapped to its group."""
+        return {module: group for group in self.fused_projections for module in group}
+
+    @property
     def composed(self) -> bool:
         """Is the forward composed from parts (`trainmem_nb.recipes.decoder`)?"""
         return self.recipe in ("decoder", "biased_decoder")

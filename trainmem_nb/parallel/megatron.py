@@ -35,7 +35,7 @@ def dummy_wgrad_shapes(m: ModelSpec, weights: list[Any], last_stage: bool) -> se
     module/linear.py:1354-1375, base.py:134-148; the output layer's: megatron/core/tensor_parallel/layers.py:733-762).
     Megatron's layers run each of the family's ``fused_projections`` groups (q/k/v, gate/up) as one linear, whose
     weight stacks the group's rows."""
-    group_of = {module: group for group in describe(m.family).fused_projections for module in group}
+    group_of = describe(m.family).fused_group
     shapes: set[tuple[int, int]] = set()
     for kind in {p.kind for p, _dt, _train in weights if p.in_layer}:
         fused: dict[tuple[str, ...], list[int]] = {}
@@ -72,7 +72,7 @@ class MegatronHooks(EngineHooks):
     wgrad_fused: bool = True
     #: ``--use-distributed-optimizer`` (``zero=1``): its DDP keeps the 16-bit parameters in one contiguous buffer too
     distributed_optimizer: bool = False
-    fp8_kernels = "te"  # fp8 runs Transformer Engine's linears (megatron/core/extensions/transformer_engine.py)
+    fp8_kernels: str = "te"  # fp8 runs Transformer Engine's linears (megatron/core/extensions/transformer_engine.py)
     causal_lm_loss: str = "megatron"  # GPTModel's own loss: vocab_parallel_cross_entropy (`recipes.head`)
 
     def weight_dtype(self, t: TrainingSpec, dt: int) -> int:
@@ -131,7 +131,7 @@ def _megatron_load(m: ModelSpec, t: TrainingSpec, hooks: MegatronHooks) -> tuple
     moved = hooks.distributed_optimizer
     made = [(trace.malloc(p.numel * hooks.model_dt, keep=not (train and moved)), train)
             for p, train in held for _ in range(p.count)]
-    n_train = sum(p.numel * p.count for p, train in held if train)
+    n_train = sum(p.numel * p.count for p, _dt in _trainable(hooks, m, t))  # the buffers `init` counts
     if moved:
         trace.malloc(n_train * hooks.model_dt, keep=True)  # param_data
     trace.malloc(4 * n_train, keep=True)  # grad_data (grad_reduce_in_fp32: Megatron's default under bf16)

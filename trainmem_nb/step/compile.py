@@ -150,7 +150,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
                   buffer_dt=hooks.buffer_dtype(t), fp8_kernels=hooks.fp8_kernels)
     if hooks.fp8_kernels == "te" and t.fp8 is not Fp8Recipe.NONE:
         d = describe(m.family)
-        ctx.te_fused = {module: group[-1] for group in d.fused_projections for module in group}
+        ctx.te_fused = {module: group[-1] for module, group in d.fused_group.items()}
         # Megatron has the attention's output projection save its original input under any recipe but delayed
         # scaling (megatron/core/transformer/attention.py:428-444, ``set_save_original_input(self.linear_proj)``)
         ctx.te_original_input = d.attention_output if t.fp8 is not Fp8Recipe.DELAYED else ""
