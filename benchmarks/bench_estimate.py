@@ -3,9 +3,9 @@ estimates in a sweep (goal <= 1 s), warm (the step program compiled once per mod
 cold (compiling included), and what replaying the caching allocator costs for a batch shape not seen
 before (goal <= 0.5 ms: not met, ~1.1 ms for an 8B model on an idle 2-core machine with the C replay, of
 which the replay ~0.8 ms; ~30 ms without it; ~1.2 ms for a 7B model at the explorer's slider shapes) and in a sweep (its shapes replayed side by side on every core:
-~1.4 ms per row on 2 cores). The replay alone (printed) varies with the shape: 0.6-2.3 ms over llama-2-7b's
-slider shapes, about half of it, under perf, keeping each size's free blocks sorted by address (the buckets'
-shifts and searches). fp8's eager casts give its step about three times the events of a bf16 step (the
+~1.4 ms per row on 2 cores). The replay alone (printed) varies with the shape: 0.44-1.34 ms, median 0.85 ms,
+over 51 of llama-2-7b's slider shapes (2026-12-08), about half of it, under perf, keeping each size's free blocks
+sorted by address (the buckets' shifts and searches; a min-heap per size instead gave the same median). fp8's eager casts give its step about three times the events of a bf16 step (the
 folded program merges its scalar temporaries; the replayed one keeps every malloc): a warm estimate ~0.19 ms
 and a new batch shape ~5 ms for an 8B model.
 
@@ -55,7 +55,8 @@ def main() -> None:
     ms7 = median_ms(lambda i: tm.estimate(m7, micro_batch=(bs := next(slider))[0], seq_len=bs[1]), 40)
     print(f"estimate() new batch shape, llama-2-7b, micro-batch 1-8 x 1,024-4,096 tokens: median {ms7:.2f} ms   "
           f"(goal <= 0.5 ms: {'ok' if ms7 <= 0.5 else 'not met'})")
-    # the replay alone: llama-2-7b's two steps (no loading) through the C allocator model, its trace built once
+    # the replay alone: llama-2-7b's two steps (no loading) through the C allocator model, each trace built
+    # once, at the slider shapes above (the same events, other sizes: the cache's buckets differ)
     from array import array
 
     from trainmem_nb.engine.allocator import parse_alloc_conf
@@ -64,11 +65,13 @@ def main() -> None:
     from trainmem_nb.spec.training import TrainingSpec
     from trainmem_nb.step.compile import _SINGLE, program_key
 
-    t7 = TrainingSpec(micro_batch=1, seq_len=2048)
-    ops, sizes = trace_arrays(compile_step(m7, program_key(t7, m7), _SINGLE, unrolled=True), 1, 2048)
+    prog7 = compile_step(m7, program_key(TrainingSpec(micro_batch=1, seq_len=2048), m7), _SINGLE, unrolled=True)
     conf, none = parse_alloc_conf(None), array("q")
-    alone = median_ms(lambda i: replay_trace(none, ops, sizes, conf), 200)
-    print(f"  of which the replay alone (llama-2-7b, 1 x 2,048, two steps, {len(ops):,} events): median {alone:.2f} ms")
+    traces = [trace_arrays(prog7, b, s) for b, s in list(itertools.product(range(1, 9), range(1024, 4097, 8)))[::61]]
+    alone = sorted(median_ms(lambda i, tr=tr: replay_trace(none, *tr, conf), 20) for tr in traces)
+    events = len(trace_arrays(prog7, 1, 2048)[0])
+    print(f"  of which the replay alone (llama-2-7b, two steps, {events:,} events), over {len(alone)} slider shapes: "
+          f"median {alone[len(alone) // 2]:.2f} ms, fastest {alone[0]:.2f} ms, slowest {alone[-1]:.2f} ms")
     # the explorer's expandable-segments toggle: the same replay with segments that grow in place
     es = dict(alloc_conf="expandable_segments:True")
     for name in ("llama-3-8b", "deepseek-v3"):
