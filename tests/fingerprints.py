@@ -154,6 +154,8 @@ VARIATIONS: dict[str, dict[str, Any]] = {
     "hf-4.30-loss-b1": dict(causal_lm_loss="no-upcast", micro_batch=1),
     "loop-keeps-outputs": dict(loop_keeps_outputs=True),
     "stack-litgpt-lora": dict(stack="litgpt", method="lora", lora_rank=8),
+    "stack-litgpt-qlora-bnb-0.42": dict(stack="litgpt", bitsandbytes="0.42.0", method="qlora", lora_rank=8,
+                                        grad_accum=2),
 }
 
 #: Random combinations per shape (seeded, stored with the data: the grid never changes silently).

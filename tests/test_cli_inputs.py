@@ -44,6 +44,22 @@ def test_cli_zero3_without_engine_means_deepspeed_like_the_api(capsys: pytest.Ca
     assert json.loads(out)["peak_allocated_bytes"] == api.peak_allocated_bytes
 
 
+def test_fsdp_without_a_zero_stage_shards_fully_as_fsdp_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """FSDP1's sharding_strategy defaults to FULL_SHARD and FSDP2 always shards: engine='fsdp' alone is zero 3,
+    on the CLI and in the API; zero=0 (NO_SHARD) and zero=2 are still there when asked for."""
+    import trainmem_nb as tm
+
+    code, out, err = run(capsys, "estimate", "--model", "gpt2", "--gpus", "4", "--engine", "fsdp", "--seq-len", "128",
+                         "--json")
+    assert code == 0, err
+    assert json.loads(out)["parallel"]["zero"] == 3
+    full = tm.estimate("gpt2", gpus=4, engine="fsdp", seq_len=128)
+    assert full.parallel.zero == 3 and json.loads(out)["peak_allocated_bytes"] == full.peak_allocated_bytes
+    assert tm.estimate("gpt2", gpus=4, engine="fsdp", zero=0, seq_len=128).parallel.zero == 0
+    assert tm.estimate("gpt2", gpus=4, engine="fsdp", zero=0, seq_len=128).peak_allocated_bytes > \
+        full.peak_allocated_bytes
+
+
 def test_cli_without_zero_or_offload_still_means_ddp(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "estimate", "--model", "gpt2", "--gpus", "2", "--seq-len", "128", "--json")
     assert code == 0 and json.loads(out)["parallel"]["engine"] == "ddp"

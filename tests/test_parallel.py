@@ -1111,6 +1111,29 @@ def test_megatron_loads_its_16_bit_model_then_makes_its_ddp_buffers_beside_it(ze
     assert est.load_peak_bytes == sum(blocks(2 * n) for n in params) + buffers
 
 
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_megatrons_distributed_optimizer_keeps_the_trained_parameters_in_one_buffer(method: str) -> None:
+    """With the distributed optimizer (zero=1) the parameters that train live in DDP's one contiguous 16-bit
+    param_data (param_and_grad_buffer.py), one allocation, and the frozen ones stay as they were made; without
+    it every parameter keeps its own storage. The bytes are the same but for each storage's 512-byte block."""
+    from trainmem_nb.engine.breakdown import DETAIL_KEYS
+    from trainmem_nb.model.params import weight_tensors
+    from trainmem_nb.parallel.layout import _hooks, _tp_model
+    from trainmem_nb.step.compile import compile_step, program_key
+
+    m, t = ModelSpec(**SMALL_LLAMA), TrainingSpec(micro_batch=1, seq_len=128, method=method)
+    weights = [(p.numel, train) for p, _dt, train in weight_tensors(m, t) for _ in range(p.count)]
+    n_train = sum(n for n, train in weights if train)
+    for zero in (0, 1):
+        p = ParallelSpec(gpus=2, engine="megatron", zero=zero)
+        rm = _tp_model(m, p)
+        prog = compile_step(rm, program_key(t, rm), _hooks(rm, t, p))
+        params = [int(sz.c0) for cat, sz, count in prog.init if DETAIL_KEYS[cat] == "weights/params"
+                  for _ in range(count)]
+        expected = [2 * n for n, train in weights if not (zero and train)] + ([2 * n_train] if zero else [])
+        assert sorted(params) == sorted(expected)
+
+
 def test_megatron_computes_its_own_vocab_parallel_loss_holding_one_fp32_softmax() -> None:
     """GPTModel's loss (vocab_parallel_cross_entropy) makes one fp32 copy of the rank's logits and turns it into
     the softmax in place, which backward turns into the gradient in place: 4 bytes a logit beside the 16-bit

@@ -666,3 +666,16 @@ def test_single_gpu_options_are_replayed_and_agree_with_fit_of_a_fresh_estimate(
         f = tm.fit(fresh, r["gpu"])
         assert (f.fits, f.needed_bytes) == (r["fits"], r["needed_bytes"])
     assert any("replayed through the caching allocator" in n for n in p.notes)
+
+
+def test_a_named_engine_alone_is_searched_with_its_own_layouts() -> None:
+    """Naming only the engine keeps the planner's choice of degrees and sharding within that engine (Megatron's
+    tensor and sequence parallelism), where every option used to be the engine at tp 1."""
+    from trainmem_nb.planning.search import _families
+
+    m, g = get_model("llama-2-7b"), get_gpu("H100")
+    megatron = _families(m, g, 8, {"engine": "megatron"})
+    assert megatron and all(opts["engine"] == "megatron" for _name, opts in megatron)
+    assert any(opts.get("tp", 1) > 1 and opts.get("sp") for _name, opts in megatron)
+    assert _families(m, g, 8, {"engine": "megatron", "tp": 1}) == [("given", {"engine": "megatron", "tp": 1})]
+    assert _families(m, g, 1, {"engine": "deepspeed"}) == [("given", {"engine": "deepspeed"})]

@@ -519,3 +519,52 @@ def test_torch_before_1_11_keeps_each_softmaxs_input_for_backward() -> None:
     logits = round_block(2 * 2 * 4)
     assert most(kept) - most(today) == scores + logits
     assert kept.peak_allocated_bytes >= today.peak_allocated_bytes
+
+
+def test_a_loop_keeping_its_output_keeps_old_bitsandbytes_inputs_into_the_next_forward() -> None:
+    """bitsandbytes < 0.43.2 keeps MatMul4Bit's input as an attribute of the graph's node, which lives as long as
+    the graph: a loop that keeps its output (litgpt's ``logits``, rebound after the next forward returns) keeps
+    each 4-bit linear's input, one per distinct input, into the next step's forward, beside the last logits;
+    the HF Trainer's loop drops the graph with its loss, before the optimizer step."""
+    from trainmem_nb.spec.training import TrainingSpec
+    from trainmem_nb.step.compile import _SINGLE, compile_step, program_key
+
+    m = tm.ModelSpec.model_validate(dict(HEAVY_HEAD, vocab=256))
+    b, s = 2, 128
+
+    def before_step(**kw: object) -> int:  # bytes alive when the step starts: the last step's leftovers
+        t = TrainingSpec(micro_batch=b, seq_len=s, method="qlora", lora_targets="qv", precision="bf16-true",
+                         grad_accum=2, **kw)
+        return sum(sz.at(b, s) * n for _cat, sz, n in compile_step(m, program_key(t, m), _SINGLE).init)
+
+    def kept_by_old_bnb(keeps: bool) -> int:
+        return before_step(loop_keeps_outputs=keeps, bnb_saves_input=True) - \
+            before_step(loop_keeps_outputs=keeps, bnb_saves_input=False)
+
+    # per layer: the attention's input (q, k and v share it), o_proj's, the MLP's (gate and up) and down_proj's
+    per_layer = 3 * round_block(2 * b * s * m.hidden) + round_block(2 * b * s * m.ffn)
+    assert kept_by_old_bnb(True) == m.n_layers * per_layer
+    assert kept_by_old_bnb(False) == 0
+
+
+def test_litgpt_gives_a_tied_checkpoints_head_a_weight_of_its_own() -> None:
+    """litgpt's GPT builds lm_head as an nn.Linear of its own and the checkpoint's converter copies the embedding
+    into it (`untied_head`): a tied model gains vocab x hidden parameters, which QLoRA under Fabric quantizes
+    (`qlora_head`), where a tied head stays the 16-bit embedding; an untied model is unchanged."""
+    tied = tm.ModelSpec.model_validate(dict(HEAVY_HEAD, tie_embeddings=True))
+    opts = dict(micro_batch=1, seq_len=64, precision="bf16-true")
+    plain, own = tm.estimate(tied, **opts), tm.estimate(tied, untied_head=True, **opts)
+    assert own.n_params - plain.n_params == tied.vocab * tied.hidden
+    assert own.detail_bytes["weights/params"] - plain.detail_bytes["weights/params"] == \
+        round_block(2 * tied.vocab * tied.hidden)
+    qlora = dict(opts, method="qlora", lora_targets="qv", qlora_head=True)
+    numel = tied.vocab * tied.hidden
+    quantized_head = tm.estimate(tied, untied_head=True, **qlora).detail_bytes["weights/params"] - \
+        tm.estimate(tied, **qlora).detail_bytes["weights/params"]
+    # 4-bit: half a byte an element, with its scales (at most an fp32 one per 64-element block, and blocks)
+    assert numel // 2 <= quantized_head <= numel // 2 + numel // 64 * 4 + 4 * 512
+    untied = tm.ModelSpec.model_validate(HEAVY_HEAD)
+    same, base = tm.estimate(untied, untied_head=True, **opts), tm.estimate(untied, **opts)
+    assert (same.n_params, same.detail_bytes, same.peak_reserved_bytes) == \
+        (base.n_params, base.detail_bytes, base.peak_reserved_bytes)
+    assert resolve_stack("litgpt").options["untied_head"].value is True

@@ -95,7 +95,8 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
     p.add_argument("--nodes", type=int, default=1, help="nodes they are spread over (default 1)")
     p.add_argument("--engine", default=None, metavar="ddp|fsdp|deepspeed|megatron",
                    help="default: deepspeed with --zero 2/3 or --offload (as the API), else ddp")
-    p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], help="ZeRO stage (fsdp: 2 shard-grad-op, 3 full-shard)")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="ZeRO stage (default 0; fsdp: 2 shard-grad-op, 3 full-shard, its default, 0 no-shard)")
     p.add_argument("--hybrid-shard", action="store_true", help="FSDP HYBRID_SHARD: shard within a node only")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--sp", action="store_true", help="sequence parallel (with --tp)")

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..errors import SpecError
 from ..model.families import DESCRIPTIONS, describe
+from ..model.params import as_built
 from ..model.presets import resolve_model
 from ..model.spec import ModelSpec
 from ..parallel.checks import check_layout, keeps_grads_modelled
@@ -51,6 +52,7 @@ def estimate(
     m = _resolve(model, hf_config, params)
     par_opts = {k: options.pop(k) for k in list(options) if k in ParallelSpec.model_fields}
     t = build_training(training, **options)
+    m = as_built(m, t)
     p = build_parallel(parallel, **par_opts)
     check_model_options(m, t)
     check_layout(m, p, t)

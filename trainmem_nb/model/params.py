@@ -20,7 +20,7 @@ if TYPE_CHECKING:  # annotations only: ModelSpec reads its parameter count from 
     from .spec import ModelSpec
 
 __all__ = [
-    "NF4_BLOCK", "ParamTensor", "buffer_inventory", "count_params", "idle_tensors", "idle_trainable", "idle_weights",
+    "NF4_BLOCK", "ParamTensor", "as_built", "buffer_inventory", "count_params", "idle_tensors", "idle_trainable", "idle_weights",
     "lora_inventory", "lora_modules",
     "lora_moe_params", "nf4_bytes", "on_stage", "param_inventory", "quantized", "routed_expert", "trainable_tensors",
     "weight_tensors",
@@ -663,6 +663,14 @@ def quantized(p: ParamTensor, head: bool = False) -> bool:
         return True
     return ((p.in_layer or p.idle) and p.matmul and len(p.shape) == 2 and not p.name.endswith((".bias", *_ROUTERS))
             and ".lora_" not in p.name)
+
+
+def as_built(m: ModelSpec, t: TrainingSpec) -> ModelSpec:
+    """The model as the training code builds it: with `TrainingSpec.untied_head` a tied checkpoint's head is a
+    weight of its own (litgpt), so the estimate counts, trains and quantizes it apart from the embedding."""
+    if t.untied_head and m.tie_embeddings:
+        return m.model_copy(update={"tie_embeddings": False})  # validated once; only the tie changes
+    return m
 
 
 def weight_tensors(m: ModelSpec, t: TrainingSpec) -> list[tuple[ParamTensor, int, bool]]:

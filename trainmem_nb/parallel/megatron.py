@@ -84,14 +84,19 @@ class MegatronHooks(EngineHooks):
         g.drop(*grads)
 
     def init(self, m: ModelSpec, t: TrainingSpec, weights: list[Any]) -> list[tuple[str, Sz, int]]:
+        # with the distributed optimizer the trained parameters live in DDP's one contiguous 16-bit param_data
+        # (`_megatron_load`), their own storage freed, and the frozen ones where they were made
+        moved = self.distributed_optimizer
+        n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
         out: list[tuple[str, Sz, int]] = [("weights/params", const(p.numel * self.model_dt), p.count)
-                                          for p, _dt, _train in weights]
+                                          for p, _dt, train in weights if not (moved and train)]
+        if moved:
+            out.append(("weights/params", const(n_train * self.model_dt), 1))  # param_data
         if t.fp8 is not Fp8Recipe.NONE:
             # Transformer Engine's cached fp8 weight and its transpose (Hopper), made on the first micro-batch and
             # kept on the module (`trainmem_nb.engine.ops.te_fp8`)
             out += [("weights/fp8_workspaces", const(TE_FP8_WEIGHT_BYTES * p.numel), p.count)
                     for p, _dt, _train in weights if fp8_weight(p, m, te=True)]
-        n_train = sum(p.numel * p.count for p, _dt in _trainable(self, m, t))
         out.append(("gradients", const(4 * n_train), 1))  # the contiguous fp32 grad buffer
         if self.wgrad_fused:  # the cached dummy weight gradients, one per shape, from the first backward
             out += [("gradients", const(rows * cols * self.model_dt), 1)

@@ -74,8 +74,14 @@ _FAMILY_ORDER = ("single", "ddp", "fsdp", "fsdp-ep", "hsdp", "megatron")
 
 
 def _families(m: ModelSpec, g: GPU, n: int, fixed: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """Layouts to try on `n` GPUs of `g` (only the user's when they fixed any parallel option)."""
+    """Layouts to try on `n` GPUs of `g`: only the user's when they fixed a parallel option, those of its engine
+    (with the degrees and sharding chosen here) when the engine is all they fixed."""
     layout_keys = set(fixed) - {"gpus", "nodes"}
+    if layout_keys == {"engine"} and n > 1:
+        engine = ParallelSpec(engine=fixed["engine"]).engine.value
+        mine = [(name, opts) for name, opts in _families(m, g, n, {}) if opts.get("engine") == engine]
+        if mine:
+            return mine
     if layout_keys:
         return [("given", dict(fixed))]
     if n == 1:

@@ -21,6 +21,7 @@ from ..engine.breakdown import DETAIL_KEYS, TOP_KEYS
 from ..engine.program import Program
 from ..errors import SpecError
 from ..estimator.api import check_model_options
+from ..model.params import as_built
 from ..model.presets import resolve_model
 from ..model.spec import ModelSpec
 from ..spec.choices import Device
@@ -200,6 +201,7 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
         for other in itertools.product(*(axes[k] for k in other_keys)):
             fixed = dict(zip(other_keys, other, strict=True))
             t_base = build_training(base, **fixed)
+            built = as_built(m, t_base)  # as `estimate` takes it (a stack may untie the head)
             plain = {k: _plain(v) for k, v in fixed.items()}
             keyed: dict[tuple[bool, bool], TrainingSpec] = {}  # the program key only sees b == 1 and s >= window
             for shape in itertools.product(*(axes[k] for k in shape_keys)):
@@ -211,8 +213,8 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
                 cls = (b == 1, bool(m.sliding_window) and s >= m.sliding_window)
                 if cls not in keyed:
                     # model_copy skips validation: every value was validated above
-                    keyed[cls] = program_key(t_base.model_copy(update=update) if update else t_base, m)
-                _, members = groups.setdefault((m, keyed[cls]), (t_base, []))
+                    keyed[cls] = program_key(t_base.model_copy(update=update) if update else t_base, built)
+                _, members = groups.setdefault((built, keyed[cls]), (t_base, []))
                 members.append((len(rows) - 1, b, s, t_base))  # its own spec: alloc_conf, CUDA context
     for (m, key), (t, members) in groups.items():
         check_model_options(m, t.model_copy(update={"seq_len": min(s for _, _, s, _ in members)}))

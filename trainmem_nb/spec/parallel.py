@@ -61,7 +61,8 @@ class ParallelSpec(SpecModel):
     gpus: int = Field(default=1, ge=1, le=1 << 20)
     nodes: int = Field(default=1, ge=1, le=1 << 16)
     engine: Engine = Engine.DDP
-    zero: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer states, 2 +grads, 3 +params")
+    zero: int = Field(default=0, ge=0, le=3, description="ZeRO stage: 0 none, 1 optimizer states, 2 +grads, 3 +params "
+                                                          "(engine='fsdp' without one: 3, FSDP's FULL_SHARD)")
     hybrid_shard: bool = Field(default=False, description="FSDP HYBRID_SHARD: shard within a node, replicate across")
     tp: int = Field(default=1, ge=1, le=1024, description="tensor parallel degree")
     sp: bool = Field(default=False, description="sequence parallel with tensor parallel (Korthikanti et al. 2022)")
@@ -94,6 +95,12 @@ class ParallelSpec(SpecModel):
         for key, enum in (("engine", Engine), ("offload", Offload), ("pp_schedule", PipelineSchedule)):
             if key in data and data[key] is not None:
                 data[key] = enum.parse(data[key], key)
+        if data.get("zero") is None:
+            data.pop("zero", None)
+            if data.get("engine") is Engine.FSDP:
+                # FSDP shards fully unless told otherwise: FSDP1's sharding_strategy defaults to FULL_SHARD
+                # (torch/distributed/fsdp/fully_sharded_data_parallel.py) and FSDP2's fully_shard always shards
+                data["zero"] = 3
         return data
 
     @model_validator(mode="after")

@@ -114,6 +114,9 @@ class TrainingSpec(SpecModel):
     qlora_head: bool = Field(
         default=False, description="QLoRA quantizes the output head too (Lightning Fabric's BitsandbytesPrecision "
         "replaces every nn.Linear, as litgpt runs it; transformers keeps lm_head in 16 bits); a tied head stays 16-bit")
+    untied_head: bool = Field(
+        default=False, description="the training code builds its own output head where the checkpoint ties it to the "
+        "embedding (litgpt's GPT: lm_head an nn.Linear of its own, given a copy of the embedding): two weights")
     bnb_fp16_state: bool = Field(
         default=False, description="QLoRA: the NF4 weights were quantized from an fp16 copy (Fabric's BitsandbytesPrecision), "
         "so each dequantize_4bit makes an fp16 weight that MatMul4Bit then copies to the compute dtype")
@@ -146,7 +149,7 @@ class TrainingSpec(SpecModel):
     #: The options a stack may set (`trainmem_nb.spec.stack`); the others are the user's alone.
     STACK_OPTIONS: ClassVar[frozenset[str]] = frozenset({
         "loss_impl", "loss_chunks", "dropout", "lora_dropout", "zero_grad_set_to_none", "bnb_saves_input", "qlora_head",
-        "bnb_fp16_state",
+        "bnb_fp16_state", "untied_head",
         "causal_lm_loss", "loop_keeps_outputs", "cuda_lazy_loading", "lora_dtype", "fsdp_version", "use_orig_params",
         "sync_module_states", "adafactor", "softmax_saves_input", "qlora_quant_storage", "optimizer_impl"})
 

@@ -346,9 +346,14 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
             on_node(-1)
     hooks.unit_backward_end(g, "root", [p.final_grad for p in unit_params["root"] if p.final_grad])
     # bitsandbytes < 0.43.2's kept inputs go with the graph: the HF Trainer's `loss` (which holds the graph) is a
-    # local of training_step, gone before the optimizer step; a loop that keeps `loss` longer (litgpt) keeps
-    # them into its optimizer step, which this does not model (QLoRA's step updates only the adapters)
-    g.drop(*g.bnb_kept)
+    # local of training_step, gone before the optimizer step. A loop that keeps the output (litgpt's `logits`,
+    # `loop_keeps_outputs`) keeps the graph, and with it these inputs, until its next forward returns (litgpt
+    # finetune/lora.py: `loss` becomes a float when it is logged, `logits` is rebound after the next forward)
+    bnb_stale: list[T] = []
+    if kept_logits:
+        bnb_stale = list({id(b): b for b in (x.base if x.base is not None else x for x in g.bnb_kept)}.values())
+    else:
+        g.drop(*g.bnb_kept)
     g.mark("bwd_end")
     # the training loop keeps `loss` until after the optimizer step: it is not freed here
 
@@ -396,10 +401,15 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
     # the last (micro-)step's output, alive until this forward returns (a first step with accumulation is
     # modelled at a later micro-step, which has one before it)
     previous = bool(kept_logits) and (not t.first_step or t.grad_accum > 1)
+    # the last step's kept inputs of MatMul4Bit: one per repetition where the repeated layers made them
+    stale = [(CAT_INDEX[_category(x, fwd_end)], reps if any(a <= x.born < b for a, b in repeated) else 1, x.bytes)
+             for x in bnb_stale]
     if previous:
         segs.append(_segment("forward", "the loop rebinds `outputs`: the last step's logits go", 1,
                              tuple((CAT_INDEX["activations/head"], -1, x.bytes, "the last step's logits")
-                                   for x in kept_logits)))
+                                   for x in kept_logits)
+                             + tuple((cat, -n, sz, "the last step's MatMul4Bit kept input (its graph)")
+                                     for cat, n, sz in stale)))
     segs.append(_segment("backward", "loss and head", 1, *evs(mk["bwd_start"], mk["head_bwd_end"])))
     prev = "head_bwd_end"
     for i in reversed(range(n_sim)):
@@ -442,6 +452,7 @@ def _compile_step(m: ModelSpec, t: TrainingSpec, hooks: EngineHooks, workspace: 
         init.append((CAT_INDEX["activations/inputs"], Sz(b_=8 if m.num_labels > 1 else 4), 1))
     if previous:
         init += [(CAT_INDEX["activations/head"], x.bytes, 1) for x in kept_logits]
+        init += [(cat, sz, n) for cat, n, sz in stale]
     if scaler:
         init.append((CAT_INDEX["optimizer_states"], const(4), 2))  # GradScaler's _scale and _growth_tracker
     if t.device is Device.CUDA:

@@ -416,6 +416,8 @@ class Explorer:
                 c["engine"].value = "fsdp"
                 if c["zero"].value < 2:
                     c["zero"].value = 3
+            elif owner is c["engine"] and change["new"] == "fsdp" and c["zero"].value < 2:
+                c["zero"].value = 3  # FSDP shards fully unless told otherwise, as in the API
             elif owner is c["zero"] and change["new"] > 1 and c["engine"].value == "ddp":
                 c["engine"].value = "deepspeed"  # ZeRO-2/3 are DeepSpeed's (or FSDP's), as without an engine
             elif owner is c["stack"]:  # the loss control follows the stack (it passes loss_impl explicitly)
