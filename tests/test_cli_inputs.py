@@ -253,3 +253,20 @@ def test_python_dash_m_runs_the_same_command_line() -> None:
 
     out = subprocess.run([sys.executable, "-m", "trainmem_nb", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "usage: trainmem" in out.stdout
+
+
+@pytest.mark.parametrize(("argv", "text"), [
+    (["--lora-rank", "8"], "--lora-rank sets the LoRA adapters, which --method full has none of"),
+    (["--lora-targets", "all-linear"], "--lora-targets sets the LoRA adapters"),
+    (["--method", "lora", "--qlora-single-quant"], "--qlora-single-quant sets QLoRA's 4-bit base"),
+    (["--headroom", "0.2"], "--headroom is the memory kept free on --gpu NAME"),
+])
+def test_a_flag_that_needs_another_is_refused_not_ignored(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                           text: str) -> None:
+    """A LoRA flag without a LoRA method, a QLoRA flag without QLoRA, a headroom without a card: each changed
+    nothing before, without a word."""
+    line = one_error_line(*run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128", *argv)[::2])
+    assert text in line, line
+    code, _out, err = run(capsys, "estimate", "--model", "gpt2", "--seq-len", "128", "--method", "qlora", "--lora-rank",
+                          "8", "--qlora-single-quant", "--gpu", "H100", "--headroom", "0.2")
+    assert code == 0, err

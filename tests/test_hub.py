@@ -124,6 +124,13 @@ def test_a_repo_without_a_config_json_says_so(hub: str, tmp_path: Path) -> None:
 def test_an_unreachable_hub_is_one_line_not_a_traceback(tmp_path: Path) -> None:
     out = _estimate("acme/tiny-llama", "http://127.0.0.1:9", tmp_path)
     assert out.stdout.startswith("SpecError:") and "cannot be" in out.stdout and out.returncode == 0, out.stderr
+    assert "Retrying" not in out.stderr, out.stderr  # huggingface_hub's five backoffs (about 24 s) are not waited
+
+
+def test_an_unreachable_hub_reads_a_cached_config_at_once_without_offline_mode(hub: str, tmp_path: Path) -> None:
+    first = _estimate("acme/tiny-llama", hub, tmp_path)
+    again = _estimate("acme/tiny-llama", "http://127.0.0.1:9", tmp_path)
+    assert again.stdout == first.stdout and "Retrying" not in again.stderr, again.stderr
 
 
 def test_importing_and_estimating_a_preset_touch_no_hub() -> None:

@@ -568,3 +568,14 @@ def test_litgpt_gives_a_tied_checkpoints_head_a_weight_of_its_own() -> None:
     assert (same.n_params, same.detail_bytes, same.peak_reserved_bytes) == \
         (base.n_params, base.detail_bytes, base.peak_reserved_bytes)
     assert resolve_stack("litgpt").options["untied_head"].value is True
+
+
+def test_a_version_outside_what_is_modelled_is_said_not_taken_silently() -> None:
+    """A component newer than today's release is modelled as today's, one older than any published check ran is
+    modelled with the oldest mechanisms known: both are estimated, and the result says so."""
+    newer = resolve_stack("", {"torch": "99.0"}).not_modelled
+    assert any(line.startswith("torch 99.0: newer than the newest release modelled") for line in newer)
+    older = resolve_stack("hf-trainer@3.0").not_modelled
+    assert any(line.startswith("transformers 3.0: older than any release a published check ran") for line in older)
+    assert not [line for line in resolve_stack("hf-trainer@4.38", {"torch": "1.13"}).not_modelled
+                if "release" in line]

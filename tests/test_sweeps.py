@@ -96,3 +96,8 @@ def test_a_sweeps_shapes_replayed_side_by_side_give_each_ones_own_bytes() -> Non
     together = replay_steps(unrolled, shapes)
     _REPLAYS.clear()
     assert together == [replay_step(unrolled, b, s, conf) for b, s, conf in shapes]
+
+
+def test_a_parallel_option_is_refused_by_name_not_called_a_training_option() -> None:
+    with pytest.raises(tm.SpecError, match=r"'gpus' is a parallel layout option: loop over tm\.estimate"):
+        tm.sweep("gpt2", seq_len=[512], gpus=[1, 2, 3], zero=[0, 3])

@@ -31,11 +31,15 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     from ..estimator.api import estimate
 
     verdict = None
+    if args.gpu is None and args.headroom is not None:
+        raise SpecError("--headroom is the memory kept free on --gpu NAME: add --gpu (see `trainmem gpus`), "
+                        "or drop --headroom")
     if args.gpu is not None:  # check the card before the estimate: a typo fails at once
-        from ..planning.assumptions import check_headroom
+        from ..planning.assumptions import PlanAssumptions, check_headroom
         from ..planning.gpus import get_gpu
 
-        card, headroom = get_gpu(args.gpu), check_headroom(args.headroom)
+        card = get_gpu(args.gpu)
+        headroom = check_headroom(PlanAssumptions().headroom if args.headroom is None else args.headroom)
     from ..spec.calibration import load_calibration
 
     calibration = load_calibration(args.calibration, what="--calibration")
@@ -245,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a calibration JSON from `trainmem measure --device cuda`")
     est.add_argument("--gpu", type=nonempty, metavar="NAME",
                      help="also say whether the step fits this GPU (see `trainmem gpus`)")
-    est.add_argument("--headroom", type=float, default=0.10, metavar="F",
+    est.add_argument("--headroom", type=float, default=None, metavar="F",
                      help="with --gpu: fraction of its memory kept free (0.10)")
     est.add_argument("--json", action="store_true", help="print the JSON contract instead of a table")
     est.set_defaults(func=_cmd_estimate)

@@ -121,9 +121,10 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                    help="--fsdp-version 1: FullyShardedDataParallel(sync_module_states=True), as the HF Trainer sets it")
     f = parser.add_argument_group("fine-tuning")
     f.add_argument("--method", default="full", metavar="|".join(_choices(Method)))
-    f.add_argument("--lora-rank", type=int, default=16)
-    f.add_argument("--lora-alpha", type=float, default=32.0)
-    f.add_argument("--lora-targets", default="qv", help="'qv', 'all-linear' or comma-separated module names")
+    f.add_argument("--lora-rank", type=int, default=None, help="--method lora|qlora: the adapters' rank (16)")
+    f.add_argument("--lora-alpha", type=float, default=None, help="--method lora|qlora: (32)")
+    f.add_argument("--lora-targets", default=None,
+                   help="--method lora|qlora: 'qv' (the default), 'all-linear' or comma-separated module names")
     f.add_argument("--lora-dropout", type=float, default=None, help="default: the stack's, else 0")
     f.add_argument("--lora-dtype", default=None, metavar="fp32|base|weight",
                    help="adapter dtype: fp32 (peft's default since 0.12), base (the model's dtype: litgpt, torchtune) or "
@@ -163,15 +164,37 @@ def model_from_args(args: argparse.Namespace) -> Any:
     return ModelSpec.from_params(finite_number(args.params, "--params"))
 
 
+def _adapter_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The LoRA and QLoRA flags given, refused where the method has no adapters or no 4-bit base (they would
+    be ignored without a word)."""
+    from ..errors import SpecError
+
+    method = Method.parse(args.method, "--method")
+    given = {flag: value for flag, value in (
+        ("--lora-rank", args.lora_rank), ("--lora-alpha", args.lora_alpha), ("--lora-targets", args.lora_targets),
+        ("--lora-dropout", args.lora_dropout), ("--lora-dtype", args.lora_dtype)) if value is not None}
+    if given and method is Method.FULL:
+        flag = next(iter(given))
+        raise SpecError(f"{flag} sets the LoRA adapters, which --method {method.value} has none of: "
+                        f"add --method lora (or qlora), or drop {flag}")
+    quant = [flag for flag, on in (("--qlora-single-quant", args.qlora_single_quant),
+                                   ("--qlora-quant-storage", args.qlora_quant_storage is not None)) if on]
+    if quant and method is not Method.QLORA:
+        raise SpecError(f"{quant[0]} sets QLoRA's 4-bit base, which --method {method.value} does not have: "
+                        f"add --method qlora, or drop {quant[0]}")
+    names = {"--lora-rank": "lora_rank", "--lora-alpha": "lora_alpha", "--lora-targets": "lora_targets"}
+    return {**{names[flag]: value for flag, value in given.items() if flag in names},
+            "qlora_double_quant": not args.qlora_single_quant}
+
+
 def training_options_from_args(args: argparse.Namespace, device: str | None = None) -> dict[str, Any]:
     """Keyword options for `TrainingSpec` from parsed arguments."""
     return {
         "micro_batch": args.micro_batch, "seq_len": args.seq_len, "grad_accum": args.grad_accum,
         "precision": args.precision, "optimizer": args.optimizer, "optimizer_impl": args.optimizer_impl,
         "checkpointing": args.checkpointing, "attention": args.attention,
-        "device": device or args.device, "method": args.method, "lora_rank": args.lora_rank,
-        "lora_alpha": args.lora_alpha, "lora_targets": args.lora_targets,
-        "qlora_double_quant": not args.qlora_single_quant, "first_step": args.first_step,
+        "device": device or args.device, "method": args.method, **_adapter_options(args),
+        "first_step": args.first_step,
         "alloc_conf": args.alloc_conf, "stack": args.stack,
         **({"lora_dtype": args.lora_dtype} if args.lora_dtype is not None else {}),
         **({"qlora_quant_storage": args.qlora_quant_storage} if args.qlora_quant_storage is not None else {}),

@@ -28,6 +28,29 @@ def is_repo_id(name: str) -> bool:
     return bool(_REPO_ID.match(name.strip()))
 
 
+#: How long `model_from_hub` waits to open a connection to the Hub before it reads huggingface_hub's cache
+#: alone (this project's choice: a reachable Hub answers in well under a second)
+HUB_CONNECT_TIMEOUT_S = 3.0
+
+
+def _reachable(url: str) -> bool:
+    """Does a TCP connection to `url`'s host open within `HUB_CONNECT_TIMEOUT_S`? Behind a proxy (the
+    ``HTTPS_PROXY`` / ``HTTP_PROXY`` the client would use) the answer is left to the client: yes."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    parts = urllib.parse.urlsplit(url)
+    if not parts.hostname or urllib.request.getproxies().get(parts.scheme):
+        return True
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        with socket.create_connection((parts.hostname, port), timeout=HUB_CONNECT_TIMEOUT_S):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def model_from_hub(repo_id: str, revision: str | None = None) -> ModelSpec:
     """The `ModelSpec` of `repo_id`'s ``config.json`` on the Hub (or in huggingface_hub's cache); every
     failure is one line saying what happened and how to estimate anyway."""
@@ -40,8 +63,11 @@ def model_from_hub(repo_id: str, revision: str | None = None) -> ModelSpec:
         raise SpecError(f"model={repo_id!r} is not a preset; reading its config.json from the Hugging Face Hub needs "
                         f"the hub extra (pip install \"trainmem_nb[hub]\"), or {_LOCAL}") from None
     where = constants.ENDPOINT
+    # huggingface_hub retries a Hub it cannot reach for about 24 s (five backoffs) before it reads its cache:
+    # one quick connection first, and the cache alone when it fails
+    cache_only = not constants.HF_HUB_OFFLINE and not _reachable(where)
     try:
-        path = hf_hub_download(repo_id, "config.json", revision=revision)
+        path = hf_hub_download(repo_id, "config.json", revision=revision, local_files_only=cache_only)
     except (hub_errors.OfflineModeIsEnabled, hub_errors.LocalEntryNotFoundError):
         offline = constants.HF_HUB_OFFLINE
         reason = "HF_HUB_OFFLINE is set and it is not in the cache" if offline else f"{where} cannot be reached"

@@ -95,12 +95,18 @@ class Plan:
         lines.append(header)
         for r in self.rows[:max_rows]:
             seen = _price_sources(r)
+            spare = f"{r['headroom_fraction']:.0%}" + ("" if r["fits"] else "*")  # * short of the headroom
             lines.append(
                 f"{r['gpu'][:24]:<24} {r['n_gpus']:>4} {r['layout'][:22]:<22} {r['checkpointing'][:5]:<5} "
-                f"{r['micro_batch']:>4} x {r['grad_accum']:<3} {r['headroom_fraction']:>6.0%} {r['max_micro_batch']:>6} "
+                f"{r['micro_batch']:>4} x {r['grad_accum']:<3} {spare:>6} {r['max_micro_batch']:>6} "
                 f"{_fmt(r['time_hours'], '.1f'):>8} {_fmt(r['cost_usd_on_demand'], ',.0f'):>12} "
                 f"{_fmt(r['cost_usd_spot'], ',.0f'):>9}  {seen}"
             )
+        if not all(r["fits"] for r in self.rows[:max_rows]):
+            headroom = self.assumptions.get("headroom")
+            lines.append("* keeps less than the headroom asked for"
+                         + (f" ({headroom:.0%})" if isinstance(headroom, float) else "")
+                         + ": it fits the card, not the margin (the closest options when none keeps it)")
         lines.extend(_checkpoint_lines(self.rows[:max_rows], max(1, int(self.assumptions.get("keep_checkpoints", 1)))))
         lines.extend(f"note: {w}" for w in _condense([w for r in self.rows[:max_rows] for w in r.get("warnings", [])]))
         if len(self.rows) > max_rows:

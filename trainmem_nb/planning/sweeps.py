@@ -25,6 +25,7 @@ from ..model.params import as_built
 from ..model.presets import resolve_model
 from ..model.spec import ModelSpec
 from ..spec.choices import Device
+from ..spec.parallel import ParallelSpec
 from ..spec.training import TrainingSpec, build_training
 from ..step.compile import compile_step, program_key
 from ..step.optimizers import paged_state_bytes
@@ -185,6 +186,10 @@ def sweep(model: Any, training: TrainingSpec | Mapping[str, Any] | None = None, 
     from ..step.reserved import replay_steps, replayed_reserved_and_total
 
     models = [resolve_model(m) for m in _as_list(model, "model")]
+    layout = sorted(set(options) & set(ParallelSpec.model_fields))
+    if layout:  # a sweep runs one device's step; a layout's ranks are estimate's and plan's
+        raise SpecError(f"tm.sweep sweeps one device's training options; {layout[0]!r} is a parallel layout option: "
+                        f"loop over tm.estimate(..., {layout[0]}=...) or use tm.plan to search layouts")
     axes = {k: _as_list(v, k) for k, v in options.items()}
     swept = [k for k, v in axes.items() if len(v) > 1]
     keys = list(axes)

@@ -170,10 +170,28 @@ def _data(name: str) -> str:
 
 
 @lru_cache(maxsize=1)
-def _components() -> tuple[dict[str, _Setting], tuple[_Rule, ...]]:
+def _components() -> tuple[dict[str, _Setting], tuple[_Rule, ...], dict[str, _Setting]]:
+    """Today's component versions, the rules of older ones, and the oldest version of each a published check ran."""
     raw = json.loads(_data("components.json"))
     defaults = {k: _Setting.model_validate(v) for k, v in raw["defaults"].items()}
-    return defaults, tuple(_Rule.model_validate(r) for r in raw["rules"])
+    oldest = {k: _Setting.model_validate(v) for k, v in raw["checked_from"].items()}
+    return defaults, tuple(_Rule.model_validate(r) for r in raw["rules"]), oldest
+
+
+def _out_of_range(comps: Mapping[str, str], defaults: Mapping[str, _Setting],
+                  oldest: Mapping[str, _Setting]) -> tuple[str, ...]:
+    """A line for each component version outside what is modelled: newer than today's (taken as today's) or older
+    than any release a published check ran (its own mechanisms not known)."""
+    out = []
+    for k in COMPONENTS:
+        v = version_tuple(comps[k])
+        if v > version_tuple(defaults[k].value):
+            out.append(f"{k} {comps[k]}: newer than the newest release modelled ({k} {defaults[k].value}); "
+                       f"its mechanisms are taken as {defaults[k].value}'s")
+        elif v < version_tuple(oldest[k].value):
+            out.append(f"{k} {comps[k]}: older than any release a published check ran ({k} {oldest[k].value}); "
+                       f"what it does differently before that is not modelled")
+    return tuple(out)
 
 
 @lru_cache(maxsize=1)
@@ -269,7 +287,7 @@ def _is_path(stack: str) -> bool:
 
 @lru_cache(maxsize=256)
 def _resolve(stack: str, versions: tuple[tuple[str, str], ...], stamp: tuple[str, float] | None) -> Stack:
-    defaults, rules = _components()
+    defaults, rules, oldest = _components()
     comps = {k: s.value for k, s in defaults.items()}
     name, at, version = stack.partition("@") if not _is_path(stack) else (stack, "", "")
     if at and not version:
@@ -311,4 +329,5 @@ def _resolve(stack: str, versions: tuple[tuple[str, str], ...], stamp: tuple[str
             options[r.option] = Applied(r.value, r.source)
     missing = tuple(u.mechanism for u in (sf.not_modelled if sf else ())
                     if not u.below or (version and version_tuple(version) < version_tuple(u.below)))
+    missing += _out_of_range(comps, defaults, oldest)
     return Stack(sf.name if sf else "default", title, library, version or "", comps, options, missing)
