@@ -87,7 +87,7 @@ def check_measurable(m: ModelSpec, t: TrainingSpec, device: str) -> None:
         )
     defaults = TrainingSpec()
     older = [k for k in ("zero_grad_set_to_none", "bnb_saves_input", "causal_lm_loss", "loop_keeps_outputs",
-                         "softmax_saves_input")
+                         "softmax_saves_input", "untied_head")
              if getattr(t, k) != getattr(defaults, k)]
     if older:  # a stack's mechanisms of other versions: this process runs the installed ones
         named = ", ".join(f"{k}={getattr(getattr(t, k), 'value', getattr(t, k))}" for k in older)
