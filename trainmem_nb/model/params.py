@@ -83,8 +83,9 @@ def _gpt2_params(m: ModelSpec) -> list[ParamTensor]:
     items += [ParamTensor("wte.weight", (V, h), 1, False, False), ParamTensor("wpe.weight", (m.max_positions, h), 1, False, False)]
     items += _norm("layers.ln_1", h, True, L)
     # Conv1D stores (in, out); its bias is (out,)
-    items += [ParamTensor("layers.attn.c_attn.weight", (h, 3 * h), L, True, True), ParamTensor("layers.attn.c_attn.bias", (3 * h,), L, False, True)]
-    items += [ParamTensor("layers.attn.c_proj.weight", (h, h), L, True, True), ParamTensor("layers.attn.c_proj.bias", (h,), L, False, True)]
+    a = m.q_dim  # the heads' width: hidden, or a tensor-parallel rank's share of it
+    items += [ParamTensor("layers.attn.c_attn.weight", (h, 3 * a), L, True, True), ParamTensor("layers.attn.c_attn.bias", (3 * a,), L, False, True)]
+    items += [ParamTensor("layers.attn.c_proj.weight", (a, h), L, True, True), ParamTensor("layers.attn.c_proj.bias", (h,), L, False, True)]
     items += _norm("layers.ln_2", h, True, L)
     items += [ParamTensor("layers.mlp.c_fc.weight", (h, f), L, True, True), ParamTensor("layers.mlp.c_fc.bias", (f,), L, False, True)]
     items += [ParamTensor("layers.mlp.c_proj.weight", (f, h), L, True, True), ParamTensor("layers.mlp.c_proj.bias", (h,), L, False, True)]
@@ -101,8 +102,8 @@ def _gpt_neox_params(m: ModelSpec) -> list[ParamTensor]:
     items.append(ParamTensor("embed_in.weight", (V, h), 1, False, False))
     items += _norm("layers.input_layernorm", h, True, L)
     items += _norm("layers.post_attention_layernorm", h, True, L)
-    items += _linear("layers.attention.query_key_value", 3 * h, h, m.qkv_bias, L)
-    items += _linear("layers.attention.dense", h, h, m.out_bias, L)
+    items += _linear("layers.attention.query_key_value", 3 * m.q_dim, h, m.qkv_bias, L)  # q_dim: a rank's heads
+    items += _linear("layers.attention.dense", h, m.q_dim, m.out_bias, L)
     items += _linear("layers.mlp.dense_h_to_4h", f, h, True, L)
     items += _linear("layers.mlp.dense_4h_to_h", h, f, True, L)
     items += _norm("final_layer_norm", h, True, 1, False)
@@ -121,8 +122,9 @@ def _opt_params(m: ModelSpec) -> list[ParamTensor]:
     if proj != h:
         items += _linear("project_out", proj, h, False, 1, False)
         items += _linear("project_in", h, proj, False, 1, False)
-    for name in ("k_proj", "v_proj", "q_proj", "out_proj"):
-        items += _linear(f"layers.self_attn.{name}", h, h, m.qkv_bias, L)
+    for name in ("k_proj", "v_proj", "q_proj"):  # q_dim: the heads' width (a tensor-parallel rank's share)
+        items += _linear(f"layers.self_attn.{name}", m.q_dim, h, m.qkv_bias, L)
+    items += _linear("layers.self_attn.out_proj", h, m.q_dim, m.qkv_bias, L)
     items += _norm("layers.self_attn_layer_norm", h, True, L)
     items += _linear("layers.fc1", f, h, m.mlp_bias, L)
     items += _linear("layers.fc2", h, f, m.mlp_bias, L)
@@ -144,9 +146,9 @@ def _bert_params(m: ModelSpec) -> list[ParamTensor]:
     if m.type_vocab:
         items.append(ParamTensor("embeddings.token_type_embeddings.weight", (m.type_vocab, h), 1, False, False))
     items += _norm("embeddings.LayerNorm", h, True, 1, False)
-    for name in ("query", "key", "value"):
-        items += _linear(f"layers.attention.self.{name}", h, h, True, L)
-    items += _linear("layers.attention.output.dense", h, h, True, L)
+    for name in ("query", "key", "value"):  # q_dim: the heads' width (a tensor-parallel rank's share)
+        items += _linear(f"layers.attention.self.{name}", m.q_dim, h, True, L)
+    items += _linear("layers.attention.output.dense", h, m.q_dim, True, L)
     items += _norm("layers.attention.output.LayerNorm", h, True, L)
     items += _linear("layers.intermediate.dense", f, h, True, L)
     items += _linear("layers.output.dense", h, f, True, L)

@@ -68,7 +68,7 @@ class BertRecipe(LayerNormRecipe):
         m, ctx = self.m, self.ctx
         attn_weights: list[T] = []
         a = self.self_attention(g, x, p, attn_weights)
-        attention_output = self.add_norm(g, a, x, p, "attention.output", m.hidden)
+        attention_output = self.add_norm(g, a, x, p, "attention.output", m.q_dim)
         g.drop(a)  # BertAttention rebinds `attention_output`
         i = self.linear(g, attention_output, p, "intermediate.dense", m.hidden, m.ffn)
         act = ops.activation(g, ctx, i, m.activation, "intermediate_act_fn")
@@ -104,11 +104,11 @@ class BertRecipe(LayerNormRecipe):
         views = []
         for name in ("query", "key", "value"):
             if name == "key":
-                y = self.linear_strided_grad(g, h, p, f"attention.self.{name}", m.hidden, m.hidden,
+                y = self.linear_strided_grad(g, h, p, f"attention.self.{name}", m.hidden, m.q_dim,
                                              (eager or math) and fold)
                 views.append(ops.heads_view(g, y, f"{name} view", clone_grad=False))
             else:
-                y = self.linear(g, h, p, f"attention.self.{name}", m.hidden, m.hidden)
+                y = self.linear(g, h, p, f"attention.self.{name}", m.hidden, m.q_dim)  # q_dim: a rank's heads
                 views.append(ops.heads_view(g, y, f"{name} view", clone_grad=eager or math))
             g.drop(y)
         q, k, v = views

@@ -91,7 +91,7 @@ class GPT2Recipe(LayerNormRecipe):
         (a copy after eager attention; the SDPA output already has that layout), ``c_proj``,
         ``resid_dropout``."""
         m, ctx = self.m, self.ctx
-        qkv = self.conv1d(g, h, p, "attn.c_attn", m.hidden, 3 * m.hidden)
+        qkv = self.conv1d(g, h, p, "attn.c_attn", m.hidden, 3 * m.q_dim)  # q_dim: a tensor-parallel rank's heads
         q0, k0, v0 = ops.split(g, qkv, (1 / 3, 1 / 3, 1 / 3), "c_attn split")
         g.drop(qkv)
         eager = self.t.attention is Attention.EAGER
@@ -115,7 +115,7 @@ class GPT2Recipe(LayerNormRecipe):
             g.drop(o4)
         else:
             o = ops.sdpa_flash(g, ctx, q, k, v, tok(m.n_heads), "sdpa")
-        out = self.conv1d(g, o, p, "attn.c_proj", m.hidden, m.hidden)
+        out = self.conv1d(g, o, p, "attn.c_proj", m.q_dim, m.hidden)
         g.drop(o)
         od = ops.dropout(g, ctx, out, self.dropout_hidden, "resid_dropout")
         g.drop(out)

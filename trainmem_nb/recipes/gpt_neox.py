@@ -94,7 +94,7 @@ class GPTNeoXRecipe(LayerNormRecipe):
         eager = self.t.attention is Attention.EAGER
         math = not eager and self.sdpa_falls_back_to_math
         fold = not ctx.batch1  # (b, heads) fold into one batch dim without a copy only when b == 1
-        y = self.linear(g, h, p, "attention.query_key_value", m.hidden, 3 * m.hidden)
+        y = self.linear(g, h, p, "attention.query_key_value", m.hidden, 3 * m.q_dim)  # q_dim: a rank's heads
         qkv = ops.heads_view(g, y, "qkv view", clone_grad=True)
         g.drop(y)
         q, k, v = ops.split(g, qkv, (1 / 3, 1 / 3, 1 / 3), "qkv chunk")
@@ -123,7 +123,7 @@ class GPTNeoXRecipe(LayerNormRecipe):
                 o4 = o
                 o = ops.clone(g, o4, "attn_output transpose contiguous")
                 g.drop(o4)
-        out = self.linear(g, o, p, "attention.dense", m.hidden, m.hidden)
+        out = self.linear(g, o, p, "attention.dense", m.q_dim, m.hidden)
         g.drop(o)
         g.drop(qkv, q, k, v, qe, ke)  # locals qkv, query_states, key_states, value_states
         return out

@@ -114,8 +114,8 @@ class OPTRecipe(LayerNormRecipe):
         eager = self.t.attention is Attention.EAGER
         math = not eager and self.sdpa_falls_back_to_math
         fold = not ctx.batch1  # (b, heads) fold into one batch dim without a copy only when b == 1
-        hh = m.hidden
-        q0 = self.linear(g, h, p, "self_attn.q_proj", hh, hh)
+        hh, a = m.hidden, m.q_dim  # a: the heads' width (a tensor-parallel rank's share)
+        q0 = self.linear(g, h, p, "self_attn.q_proj", hh, a)
         q1 = ops.scalar_op(g, q0, "q * scaling")
         g.drop(q0)
         # eager's and the math kernel's gradients come back in (b, heads, s, d) layouts that the views
@@ -124,8 +124,8 @@ class OPTRecipe(LayerNormRecipe):
         q = ops.heads_view(g, q1, "query view", clone_grad=eager or math)
         g.drop(q1)
         # the key's gradient is copied by k_proj's own output reshape, before v_proj's backward runs
-        k1 = self.linear_strided_grad(g, h, p, "self_attn.k_proj", hh, hh, (eager or math) and fold)
-        v0 = self.linear(g, h, p, "self_attn.v_proj", hh, hh)
+        k1 = self.linear_strided_grad(g, h, p, "self_attn.k_proj", hh, a, (eager or math) and fold)
+        v0 = self.linear(g, h, p, "self_attn.v_proj", hh, a)
         k = ops.heads_view(g, k1, "key view", clone_grad=False)
         v = ops.heads_view(g, v0, "value view", clone_grad=eager or math)
         g.drop(k1, v0)
@@ -141,7 +141,7 @@ class OPTRecipe(LayerNormRecipe):
             g.drop(o4)
         else:
             o = ops.sdpa_flash(g, ctx, q, k, v, tok(m.n_heads), "sdpa")
-        out = self.linear(g, o, p, "self_attn.out_proj", hh, hh)
+        out = self.linear(g, o, p, "self_attn.out_proj", a, hh)
         g.drop(o)
         g.drop(q, k, v)  # query_states, key_states, value_states die when forward returns
         return out
