@@ -51,6 +51,17 @@ def test_custom_dimensions_start_from_the_model_shown_until_edited(app: Explorer
     assert app.controls["hidden"].value == tm.get_model("gpt2").hidden
 
 
+def test_custom_after_an_empty_upload_source_starts_from_the_model_last_drawn(app: Explorer) -> None:
+    """The config.json source with nothing uploaded holds no model: a switch on to custom starts from the model
+    last drawn (ties, biases and positions kept), not from its bare dimensions (which lost the tied head)."""
+    before = app.estimate
+    app.set(source="upload")
+    assert app.message  # nothing uploaded: said in the UI
+    app.set(source="custom")
+    assert app.message == "" and app.estimate.n_params == before.n_params
+    assert app.estimate.peak_allocated_bytes == before.peak_allocated_bytes
+
+
 def test_explorer_keeps_the_last_good_upload_when_a_bad_one_arrives(app: Explorer) -> None:
     app.controls["upload"].value = _upload(GOOD, "good.json")
     assert app.controls["source"].value == "upload" and app.estimate.model.name == "good-tiny"
@@ -137,3 +148,16 @@ def test_choosing_transformer_engines_delayed_fp8_runs_it_under_megatron(app: Ex
     assert app.estimate.training.fp8.value == "delayed" and app.estimate.detail_bytes["weights/fp8_workspaces"] > 0
     app.controls["engine"].value = "fsdp"  # torchao has no delayed scaling: said in the UI, the chart kept
     assert "modelled under engine='megatron'" in app.message
+
+
+def test_an_engine_picked_by_hand_or_by_fp8_takes_the_nearest_zero_stage_it_has() -> None:
+    """Transformer Engine's recipe moves the engine to Megatron, whose distributed optimizer is ZeRO 1: a ZeRO 3
+    left there was an error the user had not made; ddp takes 0 and FSDP 3 likewise."""
+    app = tm.explore("llama-3-8b", gpus=8, zero=3)
+    app.set(fp8="delayed")
+    assert (app.controls["engine"].value, app.controls["zero"].value, app.message) == ("megatron", 1, "")
+    app.set(fp8="none", engine="deepspeed", zero=3)
+    app.set(engine="ddp")
+    assert (app.controls["zero"].value, app.message) == (0, "")
+    app.set(engine="fsdp")
+    assert (app.controls["zero"].value, app.message) == (3, "")

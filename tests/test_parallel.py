@@ -1391,3 +1391,13 @@ def test_a_tensor_parallel_rank_holds_its_share_of_every_familys_layer_weights()
             if m.n_kv_heads < 2 and p.name.endswith(("k_proj.weight", "v_proj.weight")):
                 continue
             assert 2 * math.prod(rank[p.name].shape) == math.prod(p.shape), (name, p.name, p.shape, rank[p.name].shape)
+
+
+@pytest.mark.parametrize("layout", [dict(gpus=8, zero=3), dict(gpus=8, engine="megatron", tp=2, pp=2),
+                                    dict(gpus=4, engine="fsdp", zero=3, ep=2)])
+def test_a_layouts_phase_peaks_are_its_worst_ranks_and_the_highest_is_the_headline(layout: dict) -> None:
+    """`phase_peaks_bytes` was empty for every parallel layout (the JSON contract's key with nothing in it)."""
+    model = "mixtral-8x7b" if "ep" in layout else "llama-2-13b"
+    est = tm.estimate(model, micro_batch=1, seq_len=1024, **layout)
+    assert est.phase_peaks_bytes and max(est.phase_peaks_bytes.values()) == est.peak_allocated_bytes
+    assert est.phase_peaks_bytes[est.peak_phase] == est.peak_allocated_bytes

@@ -74,16 +74,16 @@ def test_the_explorer_starts_as_plain_pytorch_and_a_zero_stage_beyond_one_picks_
 
 
 def test_an_invalid_combination_shows_its_message_and_keeps_the_last_good_chart(app: Explorer) -> None:
-    app.set(zero=2, engine="deepspeed")
+    app.set(gpus=2, engine="megatron", zero=1)
     good_chart, good_est, good_verdict = bytes(app.chart.value), app.estimate, app.verdict
-    app.controls["engine"].value = "ddp"  # ddp shards only the optimizer states (zero <= 1)
-    assert "engine='ddp' supports zero=0 or 1" in app.message
-    assert "engine=&#x27;ddp&#x27;" in app.message_html.value
+    app.controls["zero"].value = 3  # Megatron shards only the optimizer states (zero <= 1)
+    assert "engine='megatron' shards optimizer states only" in app.message
+    assert "engine=&#x27;megatron&#x27;" in app.message_html.value
     assert bytes(app.chart.value) == good_chart and app.estimate is good_est and app.last_verdict == good_verdict
     assert app.verdict == "" and "no verdict" in app.verdict_html.value  # never a stale "fits" above the error
     app.controls["zero"].value = 1  # valid again: the message goes, the chart follows
     assert app.message == "" and app.message_html.value == ""
-    assert app.estimate.parallel.engine.value == "ddp" and app.estimate.parallel.zero == 1
+    assert app.estimate.parallel.engine.value == "megatron" and app.estimate.parallel.zero == 1
 
 
 def test_set_moves_several_controls_with_a_single_redraw(app: Explorer) -> None:
@@ -195,7 +195,8 @@ def _values(widget: Any) -> list[Any]:
 
 
 INVALID_COMBINATIONS: list[dict[str, Any]] = [
-    {"zero": 3, "engine": "ddp", "gpus": 8},  # ddp shards optimizer states only (engine last: ZeRO-3 picks DeepSpeed)
+    {"engine": "megatron", "zero": 3, "gpus": 8},  # Megatron shards optimizer states only (zero last: an engine
+    # picked takes the nearest stage it has)
     {"engine": "fsdp", "zero": 1, "gpus": 8},  # FSDP has no ZeRO-1
     {"tp": 8, "gpus": 4},  # tp does not divide gpus
     {"pp": 32, "gpus": 1},  # pp does not divide gpus

@@ -153,9 +153,14 @@ def measure(
         if env_alloc_conf():  # the step runs with the environment's settings: record them, so a replay uses them too
             t = build_training(t, alloc_conf=env_alloc_conf())
     prime = not t.first_step
+    from ..estimator.api import check_model_options
+    from ..parallel.checks import check_layout
+    from ..spec.parallel import ParallelSpec
     from .step import check_measurable, run_step
 
     check_measurable(m, t, dev)
+    check_model_options(m, t)  # what the estimate refuses (an fp8 recipe without its engine...), refused here too
+    check_layout(m, ParallelSpec(), t)
     if dev == "cpu" and check_ram:
         check_fits_in_ram(m, t)
     started = datetime.datetime.now(datetime.timezone.utc)

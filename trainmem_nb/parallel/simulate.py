@@ -57,6 +57,8 @@ class LayoutMemory(NamedTuple):
     load_trace: tuple[int, ...] = ()
     #: per row, the program whose forward end holds the most activations (`MemoryEstimate.saved_programs`)
     saved_programs: tuple[Program, ...] = ()
+    #: the highest allocated bytes in each phase of the row with the largest allocated peak (`worst`'s breakdown)
+    phase_peaks: tuple[tuple[str, int], ...] = ()
 
 
 def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibration: Calibration | None,
@@ -68,6 +70,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     rows: list[RankMemory] = []
     programs: list[Program] = []
     saved_programs: list[Program] = []
+    phase_peaks: list[dict[str, int]] = []
     replays: list[AllocatorReplay | None] = []
     loads: list[int] = []
     load_traces: list[tuple[int, ...]] = []
@@ -93,6 +96,7 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
             prog = fullest = _with_micro_batches_in_flight(prog, _in_flight(p, stage, t.grad_accum) - 1)
         saved_programs.append(fullest)
         ev = evaluate(prog, *shape)
+        phase_peaks.append(ev.phase_peaks)
         detail = dict(ev.detail)
         host = _host_bytes(hooks, stage_model, t, p)
         peak = sum(detail.values())
@@ -168,4 +172,5 @@ def simulate_parallel(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, calibratio
     n_train = sum(q.numel * q.count for q, _ in trainable_tensors(m, t))
     most = max(range(len(rows)), key=lambda i: rows[i].peak_reserved_bytes)
     return LayoutMemory(tuple(rows), headline, programs[lead], overhead, n_params, n_train, tuple(programs),
-                        shape, replays[most], max(loads), load_traces[loads.index(max(loads))], tuple(saved_programs))
+                        shape, replays[most], max(loads), load_traces[loads.index(max(loads))], tuple(saved_programs),
+                        tuple(phase_peaks[lead].items()))

@@ -12,10 +12,12 @@ from ..units import format_bytes, format_count
 from .chart_parts import CATEGORY_COLORS
 
 
-def verdict_text(fit: Any, mmb: int, n_gpus: int) -> str:
-    """One line: the planner's verdict (fits / tight / OOM, with the margin) and the largest micro-batch."""
+def verdict_text(fit: Any, mmb: int, n_gpus: int, limit: int | None = None) -> str:
+    """One line: the planner's verdict (fits / tight / OOM, with the margin) and the largest micro-batch (searched up
+    to `limit`: reaching it reads "or more")."""
     per = " per GPU" if n_gpus > 1 else ""
-    largest = f"largest micro-batch {mmb}" if mmb > 0 else "not even micro-batch 1 fits"
+    more = " or more" if limit is not None and mmb >= limit else ""
+    largest = f"largest micro-batch {mmb}{more}" if mmb > 0 else "not even micro-batch 1 fits"
     return f"{fit.message}{per}; {largest}"
 
 
