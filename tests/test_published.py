@@ -734,6 +734,45 @@ MEGATRON = [
         value_bytes=12232.0 * MiB, config=_MB_CONFIG, tolerance=TOL_RESERVED,
         why_tolerance="reserved figure; the config is the run's own dump"),
 ]
+# Megatron-LM's own CI (NVIDIA/Megatron-LM tests/functional_tests/test_cases/gpt/CASE/: model_config.yaml, the whole
+# command line, and golden_values_dev_dgx_h100.json, goldens of 2026-08-19 at 93ebf8d72f; one DGX H100 node of 8
+# GPUs, tests/test_utils/recipes/h100/gpt.yaml `nodes: 1`, `gpus: 8`). "mem-max-allocated-bytes" is
+# torch.cuda.memory_stats()["allocated_bytes.all.peak"], never reset, logged to TensorBoard by the last rank
+# (megatron/training/training.py:3445, global_vars.py:241 `args.rank == (args.world_size - 1)`): the last
+# pipeline stage, whose peak is also the estimate's headline in these layouts. Step 2 onwards (step 1 has no
+# optimizer state yet). The model: GPT, 12 layers x 512, 8 heads, 4 x 1024 tokens, global batch 32,
+# learned positions, tied embeddings, LayerNorm, biases, dropout 0.1 (Megatron's defaults), the GPT-2 BPE
+# vocabulary padded to a multiple of 128 x tp (50304; 50432 at tp=2), `--transformer-impl transformer_engine`
+# (TE's fused attention: `flash`), `--bf16`, `--no-gradient-accumulation-fusion`. Modelled as transformers'
+# GPT-2 modules with an exact GELU (`activation='gelu'`, one op saving its input, as TE's fused bias-GELU):
+# Megatron's own layers are not modelled (README), so this checks how close that stand-in is.
+_MCI = "NVIDIA/Megatron-LM tests/functional_tests/test_cases/gpt/{}/ (model_config.yaml, golden_values_dev_dgx_h100.json)"
+_MCI_MODEL = dict(name="megatron-ci-gpt", family="gpt2", activation="gelu", n_layers=12, hidden=512, n_heads=8,
+                  n_kv_heads=8, ffn=2048, vocab=50304, max_positions=1024, tie_embeddings=True)
+_MCI_RUN = dict(micro_batch=4, seq_len=1024, precision="bf16-mixed", optimizer="adamw", attention="flash", gpus=8,
+                engine="megatron", grad_accum_fusion=False)
+_MCI_WHY = "allocated figure; the config is the test's whole command line"
+MEGATRON += [
+    Published(
+        id="megatron-ci-gpt-tp1-dist-opt", source=_MCI.format("gpt3_mcore_te_tp1_pp1_resume_torch_dist_dist_optimizer"),
+        quote='"mem-max-allocated-bytes": {"values": {"1": 2594127360.0, "2": 2690743808.0, ...}}; '
+              "--tensor-model-parallel-size: 1, --pipeline-model-parallel-size: 1, --use-distributed-optimizer: true",
+        kind=ALLOCATED, value_bytes=2690743808, tolerance=TOL_ALLOCATED, why_tolerance=_MCI_WHY,
+        config=dict(model=_MCI_MODEL, grad_accum=1, zero=1, **_MCI_RUN)),
+    Published(
+        id="megatron-ci-gpt-tp1-full-recompute",
+        source=_MCI.format("gpt3_mcore_te_tp1_pp1_resume_torch_dist_uniform_full_recompute"),
+        quote='"mem-max-allocated-bytes": {"values": {"1": 2013853696.0, "2": 2561334272.0, ...}}; '
+              "--recompute-granularity: full, --recompute-method: uniform, --recompute-num-layers: 1",
+        kind=ALLOCATED, value_bytes=2561334272, tolerance=TOL_ALLOCATED, why_tolerance=_MCI_WHY,
+        config=dict(model=_MCI_MODEL, grad_accum=1, checkpointing="full", **_MCI_RUN)),
+    Published(
+        id="megatron-ci-gpt-tp2-pp2", source=_MCI.format("gpt3_mcore_te_tp2_pp2_resume_torch_dist"),
+        quote='"mem-max-allocated-bytes": {"values": {"1": 1245477376.0, "2": 1427384832.0, ...}}; '
+              "--tensor-model-parallel-size: 2, --pipeline-model-parallel-size: 2",
+        kind=ALLOCATED, value_bytes=1427384832, tolerance=TOL_ALLOCATED, why_tolerance=_MCI_WHY,
+        config=dict(model=dict(_MCI_MODEL, vocab=50432), grad_accum=4, tp=2, pp=2, **_MCI_RUN)),
+]
 
 
 # The stacks of the sources (see each block's comment): torchtitan's own loop; litgpt's scripts (bitsandbytes
