@@ -1401,3 +1401,27 @@ def test_a_layouts_phase_peaks_are_its_worst_ranks_and_the_highest_is_the_headli
     est = tm.estimate(model, micro_batch=1, seq_len=1024, **layout)
     assert est.phase_peaks_bytes and max(est.phase_peaks_bytes.values()) == est.peak_allocated_bytes
     assert est.phase_peaks_bytes[est.peak_phase] == est.peak_allocated_bytes
+
+
+def test_megatrons_first_step_has_its_fp32_main_parameters_before_and_adams_state_from_its_step() -> None:
+    """Megatron's optimizer makes the fp32 main parameters (the distributed optimizer's shard of them) when it is
+    built, before the first step; Adam's two moments come with the first step(). A first step had neither."""
+    from trainmem_nb.engine.breakdown import DETAIL_KEYS
+    from trainmem_nb.parallel.layout import _hooks
+    from trainmem_nb.parallel.ranks import _partition
+    from trainmem_nb.step.compile import compile_step, program_key
+
+    m, p = ModelSpec(**SMALL_LLAMA), ParallelSpec(gpus=2, engine="megatron", zero=1)
+
+    def states(first_step: bool) -> tuple[float, float]:  # bytes before the step, bytes its optimizer makes
+        t = TrainingSpec(micro_batch=1, seq_len=128, first_step=first_step)
+        hooks = _hooks(m, t, p)
+        prog = compile_step(m, program_key(t, m), hooks)
+        cat = DETAIL_KEYS.index("optimizer_states")
+        made = sum(k * sz.c0 for seg in prog.segments if seg.phase == "optimizer"
+                   for c, k, sz, _label in seg.events if c == cat)
+        return sum(sz.c0 * n for c, sz, n in prog.init if c == cat), made
+
+    part = round(_partition(_hooks(m, TrainingSpec(), p), m, TrainingSpec(), 2))
+    assert states(False) == (12 * part, 0)  # fp32 main parameters, exp_avg, exp_avg_sq
+    assert states(True) == (4 * part, 8 * part)

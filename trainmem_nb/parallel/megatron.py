@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ..engine.program import Segment
+from ..engine.program import CAT_INDEX, Segment, _segment
 from ..engine.tape import Graph, Sz, T, const
 from ..model.families import describe
 from ..model.params import quantized, weight_tensors
@@ -103,14 +103,21 @@ class MegatronHooks(EngineHooks):
                     for rows, cols in sorted(dummy_wgrad_shapes(m, weights, self.last_stage))]
         if t.device is Device.CUDA:  # the layers' GEMMs are Transformer Engine's (--transformer-impl's default)
             out.append(("overhead/workspaces", const(TE_CUBLAS_WORKSPACE_BYTES), 1))
-        if not t.first_step:  # fp32 main parameters and the optimizer's state, on the rank's partition
-            per = (4 if t.optimizer.value != "none" else 0) + flat_state_bytes(t)
-            if per:
-                out.append(("optimizer_states", const(round(per * _partition(self, m, t, self.world))), 1))
+        # the fp32 main parameters on the rank's partition: made with the optimizer, before the first step
+        # (distrib_optimizer.py `shard_fp32_from_float16_groups`, optimizer.py Float16OptimizerWithFloat16Params);
+        # the optimizer's own state comes with its first step()
+        per = (4 if t.optimizer.value != "none" else 0) + (0 if t.first_step else flat_state_bytes(t))
+        if per:
+            out.append(("optimizer_states", const(round(per * _partition(self, m, t, self.world))), 1))
         return out
 
     def optimizer(self, m: ModelSpec, t: TrainingSpec) -> list[Segment]:
-        return []  # fused Adam on the shard; the grad buffer is zeroed in place, not freed
+        # fused Adam on the shard; the grad buffer is zeroed in place, not freed
+        if not (t.first_step and flat_state_bytes(t)):
+            return []
+        state = const(round(flat_state_bytes(t) * _partition(self, m, t, self.world)))
+        return [_segment("optimizer", "the first step() makes the optimizer's state", 1,
+                         ((CAT_INDEX["optimizer_states"], 1, state, "exp_avg, exp_avg_sq (first step)"),))]
 
     def loading(self, m: ModelSpec, t: TrainingSpec) -> tuple[tuple[int, ...], int] | None:
         """Megatron builds the model in its 16-bit dtype on the device, then its DDP makes the contiguous buffers
