@@ -772,6 +772,12 @@ MEGATRON += [
               "--tensor-model-parallel-size: 2, --pipeline-model-parallel-size: 2",
         kind=ALLOCATED, value_bytes=1427384832, tolerance=TOL_ALLOCATED, why_tolerance=_MCI_WHY,
         config=dict(model=dict(_MCI_MODEL, vocab=50432), grad_accum=4, tp=2, pp=2, **_MCI_RUN)),
+    Published(
+        id="megatron-ci-gpt-tp2-pp2-loss-fusion", source=_MCI.format("gpt3_mcore_te_tp2_pp2_cross_entropy_loss_fusion"),
+        quote='"mem-max-allocated-bytes": {"values": {"1": 1670148096.0, "2": 1837640192.0, ...}}; '
+              "--tensor-model-parallel-size: 2, --pipeline-model-parallel-size: 2, --cross-entropy-loss-fusion: true",
+        kind=ALLOCATED, value_bytes=1837640192, tolerance=TOL_ALLOCATED, why_tolerance=_MCI_WHY,
+        config=dict(model=dict(_MCI_MODEL, vocab=50432), grad_accum=4, tp=2, pp=2, loss_fusion=True, **_MCI_RUN)),
 ]
 
 

@@ -104,7 +104,7 @@ def _add_planner_subcommands(sub: Any) -> None:
     pl.set_defaults(micro_batch=None, grad_accum=None, checkpointing=None, gpus=None, nodes=None, engine=None,
                     zero=None, hybrid_shard=None, tp=None, sp=None, pp=None, pp_schedule=None, virtual_stages=None,
                     cp=None, ep=None, offload=None, ddp_bucket_view=None,
-                    no_pp_return_outputs=None, no_grad_accum_fusion=None)
+                    no_pp_return_outputs=None, no_grad_accum_fusion=None, cross_entropy_loss_fusion=None)
     g = pl.add_argument_group("planning")
     g.add_argument("--gpu", action="append", type=nonempty, metavar="NAME",
                    help="GPU type to try (repeat; default: the whole catalog)")

@@ -110,6 +110,9 @@ def add_training_options(parser: argparse.ArgumentParser, device_choices: Sequen
                    help="DDP gradient_as_bucket_view: gradients are views into the all-reduce buckets")
     p.add_argument("--no-pp-return-outputs", action="store_true",
                    help="the pipeline loop passes return_outputs=False: the last stage keeps no micro-batch's logits")
+    p.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="--engine megatron: its jit-fused vocab-parallel cross-entropy (one more fp32 copy of the "
+                        "logits while the loss runs)")
     p.add_argument("--no-grad-accum-fusion", action="store_true",
                    help="--engine megatron: --no-gradient-accumulation-fusion (each linear makes a 16-bit weight "
                         "gradient before adding it into main_grad)")
@@ -221,4 +224,5 @@ def parallel_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "offload": args.offload, "ddp_bucket_view": args.ddp_bucket_view,
         "pp_return_outputs": None if args.no_pp_return_outputs is None else not args.no_pp_return_outputs,
         "grad_accum_fusion": None if args.no_grad_accum_fusion is None else not args.no_grad_accum_fusion,
+        "loss_fusion": args.cross_entropy_loss_fusion,
     }

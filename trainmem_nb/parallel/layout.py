@@ -169,7 +169,8 @@ def _hooks(m: ModelSpec, t: TrainingSpec, p: ParallelSpec, backend: str | None =
         return dataclasses.replace(ds, partition_numel=partition, flat_numel=flat, accumulating=t.grad_accum > 1)
     if p.engine is Engine.MEGATRON:
         return MegatronHooks(world=p.shard_degree if p.zero else 1, model_dt=2 if t.mixed else t.param_bytes, ep=p.ep,
-                             wgrad_fused=p.grad_accum_fusion, distributed_optimizer=p.zero >= 1, **stage)
+                             wgrad_fused=p.grad_accum_fusion, distributed_optimizer=p.zero >= 1,
+                             causal_lm_loss="megatron-fused" if p.loss_fusion else "megatron", **stage)
     zero = p.zero if p.engine is Engine.DDP else 0
     return DDPHooks(world=p.shard_degree if zero else p.dp, zero=zero, bucket_view=p.ddp_bucket_view, ep=p.ep, **stage)
 

@@ -38,8 +38,8 @@ def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int, v4_upcast: boo
     for every version before 4.49. Under Megatron-LM the model computes its own loss (``megatron``,
     `megatron_cross_entropy`)."""
     variant = ctx.causal_lm_loss
-    if variant == "megatron":
-        return megatron_cross_entropy(g, logits), logits
+    if variant in ("megatron", "megatron-fused"):
+        return megatron_cross_entropy(g, logits, fused=variant == "megatron-fused"), logits
     if not v4_upcast and variant in ("logits-shifted", "model-upcast"):
         variant = "no-upcast"
     if variant == "labels-shifted":
@@ -72,18 +72,24 @@ def causal_lm_loss(g: Graph, ctx: ops.Ctx, logits: T, vocab: int, v4_upcast: boo
     return loss, out
 
 
-def megatron_cross_entropy(g: Graph, logits: T) -> T:
+def megatron_cross_entropy(g: Graph, logits: T, fused: bool = False) -> T:
     """Megatron-LM's loss (``GPTModel.compute_language_model_loss`` without ``cross_entropy_loss_fusion``:
     ``tensor_parallel.vocab_parallel_cross_entropy``, megatron/core/tensor_parallel/cross_entropy.py), one autograd
     Function on the rank's vocabulary slice of the 16-bit `logits`: ``vocab_parallel_logits.float()`` is made
     once and turned into the softmax in place (``-= logits_max``, ``torch.exp(..., out=)``, ``div_``), which
     it saves with the target mask and the masked target; backward writes the gradient into that saved softmax
     in place and returns it in fp32, which autograd casts to the logits' dtype (``validate_outputs``) before
-    the softmax goes. The fused variant (``cross_entropy_loss_fusion``, fused_cross_entropy.py) saves the same
-    and casts its gradient to bf16 itself. The labels and the loss are transposed to (s, b) and back."""
+    the softmax goes. The fused variant (`fused`: ``cross_entropy_loss_fusion``, fused_cross_entropy.py) saves the
+    same and casts its gradient to bf16 itself, but its ``@jit_fuser`` functions hand back new tensors where the
+    plain code works in place: the fp32 copy stays in the forward's local ``vocab_parallel_logits`` beside the
+    softmax until forward returns (Megatron-LM's CI: the fused tp2 x pp2 case peaks 391 MiB above the same case
+    unfused, one fp32 copy of the rank's logits being 394 MiB). The labels and the loss are transposed to (s, b)
+    and back."""
     per_token = Sz(bs=1)
     labels = g.alloc(per_token, I64, "labels.transpose(0, 1).contiguous()")
-    softmax = g.alloc(logits.n, F32, "vocab_parallel_logits.float() (the softmax, in place)")
+    upcast = g.alloc(logits.n, F32, "vocab_parallel_logits.float() (jit-fused: kept beside its exp)") if fused else None
+    softmax = g.alloc(logits.n, F32, "exp_logits (the softmax)" if fused else
+                      "vocab_parallel_logits.float() (the softmax, in place)")
     logits_max = g.alloc(per_token, F32, "logits_max")
     target_mask = g.alloc(per_token, ops.BOOL, "target_mask")
     masked_target = g.alloc(per_token, I64, "masked_target")
@@ -94,7 +100,7 @@ def megatron_cross_entropy(g: Graph, logits: T) -> T:
     sum_exp = g.alloc(per_token, F32, "sum_exp_logits")
     log_sum = g.alloc(per_token, F32, "torch.log(sum_exp_logits)")
     loss_sb = g.alloc(per_token, F32, "loss (s, b)")
-    g.drop(log_sum, logits_max, arange, predicted, sum_exp)
+    g.drop(log_sum, logits_max, arange, predicted, sum_exp, upcast)
     n = logits.n
 
     def bwd(g: Graph, go: Sequence[T | None]) -> list[T | None]:

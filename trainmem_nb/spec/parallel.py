@@ -77,6 +77,10 @@ class ParallelSpec(SpecModel):
     pp_return_outputs: bool = Field(
         default=True, description="pipeline schedule.step(return_outputs=...): torch's default True keeps the last "
         "stage's outputs (logits) of every micro-batch until the step ends; torchtitan keeps the default")
+    loss_fusion: bool = Field(
+        default=False, description="engine='megatron': --cross-entropy-loss-fusion, its jit-fused vocab-parallel "
+        "cross-entropy (megatron/core/fusions/fused_cross_entropy.py), which holds one more fp32 copy of the rank's "
+        "logits while the loss runs (measured in Megatron-LM's CI)")
     grad_accum_fusion: bool = Field(
         default=True, description="engine='megatron': gradient_accumulation_fusion, Megatron-LM's default "
         "(--no-gradient-accumulation-fusion turns it off): the linears' weight-gradient matmuls add into the fp32 "
@@ -152,6 +156,9 @@ class ParallelSpec(SpecModel):
             raise SpecError(f"virtual_stages={self.virtual_stages} splits each stage into model chunks, which only "
                             f"the interleaved schedule runs (pp_schedule={self.pp_schedule.value!r}): use "
                             "pp_schedule='interleaved', or virtual_stages=1")
+        if self.loss_fusion and self.engine is not Engine.MEGATRON:
+            raise SpecError(f"loss_fusion=True is Megatron's --cross-entropy-loss-fusion: use engine='megatron' "
+                            f"(engine={self.engine.value!r} computes transformers' loss)")
         if not self.grad_accum_fusion and self.engine is not Engine.MEGATRON:
             raise SpecError(f"grad_accum_fusion=False is Megatron's --no-gradient-accumulation-fusion: use "
                             f"engine='megatron' (engine={self.engine.value!r} has no such option)")
