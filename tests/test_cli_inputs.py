@@ -58,6 +58,10 @@ def test_fsdp_without_a_zero_stage_shards_fully_as_fsdp_does(capsys: pytest.Capt
     assert tm.estimate("gpt2", gpus=4, engine="fsdp", zero=0, seq_len=128).parallel.zero == 0
     assert tm.estimate("gpt2", gpus=4, engine="fsdp", zero=0, seq_len=128).peak_allocated_bytes > \
         full.peak_allocated_bytes
+    from trainmem_nb.spec.parallel import ParallelSpec, build_parallel
+
+    # a spec's NO_SHARD survives keywords beside it (its zero 0 is a default ParallelSpec leaves out of a dump)
+    assert build_parallel(ParallelSpec(engine="fsdp", zero=0, gpus=2), gpus=4).zero == 0
 
 
 def test_cli_without_zero_or_offload_still_means_ddp(capsys: pytest.CaptureFixture[str]) -> None:

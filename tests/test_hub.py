@@ -151,3 +151,14 @@ def test_the_cli_reads_a_repo_id_from_the_hub_and_refuses_an_unknown_one_in_one_
     bad = subprocess.run([*run, "acme/nothing-here"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.count("\n") == 1 and "is neither a preset nor a repository" in bad.stderr, bad.stderr
+
+
+def test_behind_a_proxy_the_hub_is_left_to_the_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HTTPS_PROXY or ALL_PROXY: a direct connection says nothing about what the client (through the proxy) reaches."""
+    from trainmem_nb.model.hub import _reachable
+
+    for key in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HTTP_PROXY", "http_proxy"):
+        monkeypatch.delenv(key, raising=False)
+    assert not _reachable("http://127.0.0.1:9")  # nothing listens on the discard port
+    monkeypatch.setenv("ALL_PROXY", "socks5://127.0.0.1:1080")
+    assert _reachable("http://127.0.0.1:9")

@@ -678,4 +678,6 @@ def test_a_named_engine_alone_is_searched_with_its_own_layouts() -> None:
     assert megatron and all(opts["engine"] == "megatron" for _name, opts in megatron)
     assert any(opts.get("tp", 1) > 1 and opts.get("sp") for _name, opts in megatron)
     assert _families(m, g, 8, {"engine": "megatron", "tp": 1}) == [("given", {"engine": "megatron", "tp": 1})]
+    switched = _families(m, g, 8, {"engine": "megatron", "loss_fusion": True})  # an engine's switch is no layout
+    assert switched and all(opts["loss_fusion"] and opts.get("tp", 1) > 1 for _name, opts in switched)
     assert _families(m, g, 1, {"engine": "deepspeed"}) == [("given", {"engine": "deepspeed"})]

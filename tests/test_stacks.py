@@ -568,6 +568,8 @@ def test_litgpt_gives_a_tied_checkpoints_head_a_weight_of_its_own() -> None:
     assert (same.n_params, same.detail_bytes, same.peak_reserved_bytes) == \
         (base.n_params, base.detail_bytes, base.peak_reserved_bytes)
     assert resolve_stack("litgpt").options["untied_head"].value is True
+    planned = tm.plan(tied, gpu="H100", stack="litgpt", seq_len=64, precision="bf16-true", prices=False, max_gpus=1)
+    assert planned.model.n_params == own.n_params  # the plan's header and checkpoints count the model built
 
 
 def test_a_version_outside_what_is_modelled_is_said_not_taken_silently() -> None:
@@ -579,3 +581,5 @@ def test_a_version_outside_what_is_modelled_is_said_not_taken_silently() -> None
     assert any(line.startswith("transformers 3.0: older than any release a published check ran") for line in older)
     assert not [line for line in resolve_stack("hf-trainer@4.38", {"torch": "1.13"}).not_modelled
                 if "release" in line]
+    assert not [line for line in resolve_stack("hf-trainer@5.24.1", {"torch": "2.13.1"}).not_modelled
+                if "release" in line]  # a patch release of today's is today's

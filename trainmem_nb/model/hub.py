@@ -34,14 +34,16 @@ HUB_CONNECT_TIMEOUT_S = 3.0
 
 
 def _reachable(url: str) -> bool:
-    """Does a TCP connection to `url`'s host open within `HUB_CONNECT_TIMEOUT_S`? Behind a proxy (the
-    ``HTTPS_PROXY`` / ``HTTP_PROXY`` the client would use) the answer is left to the client: yes."""
+    """Does a TCP connection to `url`'s host open within `HUB_CONNECT_TIMEOUT_S` (for each address its name
+    resolves to)? Behind a proxy (``HTTPS_PROXY``, ``HTTP_PROXY``, ``ALL_PROXY``: the client would use it) the
+    answer is left to the client: yes."""
     import socket
     import urllib.parse
     import urllib.request
 
     parts = urllib.parse.urlsplit(url)
-    if not parts.hostname or urllib.request.getproxies().get(parts.scheme):
+    proxies = urllib.request.getproxies()
+    if not parts.hostname or proxies.get(parts.scheme) or proxies.get("all"):  # HTTPS_PROXY, ALL_PROXY
         return True
     try:
         port = parts.port or (443 if parts.scheme == "https" else 80)

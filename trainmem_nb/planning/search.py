@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from ..errors import SpecError
 from ..estimator.api import check_model_options, estimate
 from ..estimator.result import MemoryEstimate
+from ..model.params import as_built
 from ..model.presets import resolve_model
 from ..model.spec import ModelSpec
 from ..spec.choices import Method
@@ -73,13 +74,20 @@ MAX_PIPELINE_BUBBLE = 0.25
 _FAMILY_ORDER = ("single", "ddp", "fsdp", "fsdp-ep", "hsdp", "megatron")
 
 
+#: The layout options that fix a layout's shape (degrees, sharding, offload); the rest are an engine's switches.
+_LAYOUT_DEGREES = frozenset({"zero", "tp", "sp", "pp", "pp_schedule", "virtual_stages", "cp", "ep", "hybrid_shard",
+                             "offload"})
+
+
 def _families(m: ModelSpec, g: GPU, n: int, fixed: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Layouts to try on `n` GPUs of `g`: only the user's when they fixed a parallel option, those of its engine
     (with the degrees and sharding chosen here) when the engine is all they fixed."""
     layout_keys = set(fixed) - {"gpus", "nodes"}
-    if layout_keys == {"engine"} and n > 1:
+    if "engine" in layout_keys and not layout_keys & _LAYOUT_DEGREES and n > 1:
+        # the engine and its own switches (loss_fusion, grad_accum_fusion, ...) fixed, not its degrees or sharding
         engine = ParallelSpec(engine=fixed["engine"]).engine.value
-        mine = [(name, opts) for name, opts in _families(m, g, n, {}) if opts.get("engine") == engine]
+        switches = {k: fixed[k] for k in layout_keys - {"engine"}}
+        mine = [(name, {**opts, **switches}) for name, opts in _families(m, g, n, {}) if opts.get("engine") == engine]
         if mine:
             return mine
     if layout_keys:
@@ -223,6 +231,7 @@ def plan(
     if fixed:  # bad values and impossible layouts fail here, once, with the usual message
         check_fixed_layout(m, fixed)
     base_training = build_training(None, **given)
+    m = as_built(m, base_training)  # the model the stack builds: its header, checkpoints and costs count it
     check_model_options(m, base_training)  # e.g. a sequence beyond the model's positions fails every option alike
     as_given, as_given_error = None, ""
     try:

@@ -208,6 +208,8 @@ def build_parallel(parallel: ParallelSpec | Mapping[str, Any] | None = None, **o
     data: dict[str, Any] = {}
     if isinstance(parallel, ParallelSpec):
         data.update(parallel.model_dump(exclude_defaults=True))
+        if parallel.engine is Engine.FSDP:  # its zero 0 (NO_SHARD) is not FSDP's default stage (3): keep it
+            data["zero"] = parallel.zero
     elif isinstance(parallel, Mapping):
         data.update(parallel)
     elif parallel is not None:

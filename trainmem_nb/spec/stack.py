@@ -184,8 +184,8 @@ def _out_of_range(comps: Mapping[str, str], defaults: Mapping[str, _Setting],
     than any release a published check ran (its own mechanisms not known)."""
     out = []
     for k in COMPONENTS:
-        v = version_tuple(comps[k])
-        if v > version_tuple(defaults[k].value):
+        v, today = version_tuple(comps[k]), version_tuple(defaults[k].value)
+        if v[:len(today)] > today:  # a patch release of today's (2.13.1 of 2.13) is today's
             out.append(f"{k} {comps[k]}: newer than the newest release modelled ({k} {defaults[k].value}); "
                        f"its mechanisms are taken as {defaults[k].value}'s")
         elif v < version_tuple(oldest[k].value):
